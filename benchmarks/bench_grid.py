@@ -1,0 +1,108 @@
+"""Forward / backward TFLOP/s on the paper's grid (benchmarks/bench_grid.json, a
+copy of the project's shared grid), for dash_fa3 and torch SDPA's flash and
+cuDNN backends in the same process.
+
+    python benchmarks/bench_grid.py --direction fwd [--hdims 64 128] [--seqlens ...] [--json out.json]
+
+Method: bf16 random normal inputs, CUDA-event medians after warm-up. Each grid
+point holds 16384 tokens x hidden 2048, so q, k, v are 64 MiB each, larger than
+L2: no input rotation is needed. FLOPs: fwd = 4*b*h*s^2*d (halved when causal),
+bwd = 2.5x fwd. The backward timing covers preprocess + main + postprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dash_fa3 import _ext, ops  # noqa: E402
+from dash_fa3._timing import attention_flops, median_ms  # noqa: E402
+
+GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_grid.json")
+PEERS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def dash_fn(q, k, v, causal, direction):
+    num_sms = _ext.num_sms(torch.cuda.current_device())
+    scale = q.shape[-1] ** -0.5
+    if direction == "fwd":
+        return lambda: ops.fwd(q, k, v, scale, causal, num_sms, False, "auto")
+    out, lse = ops.fwd(q, k, v, scale, causal, num_sms, False, "auto")
+    dout = torch.randn_like(out)
+    return lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, False, "auto", num_sms)
+
+
+def peer_fn(backend, q, k, v, causal, direction):
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(direction == "bwd") for t in (q, k, v))
+
+    def fwd():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    if direction == "fwd":
+        return fwd
+    out = fwd()
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True)
+
+
+def main(argv=None) -> int:
+    grid = json.load(open(GRID))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--direction", choices=["fwd", "bwd"], default="fwd")
+    ap.add_argument("--hdims", type=int, nargs="+", default=grid["headdims"])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=grid["seqlens"])
+    ap.add_argument("--masks", nargs="+", default=grid["masks"])
+    ap.add_argument("--peers", default="sdpa-flash,cudnn", help="comma list of " + ",".join(PEERS) + " or ''")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+
+    peers = [p for p in args.peers.split(",") if p]
+    device = torch.cuda.get_device_name()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    date = datetime.date.today().isoformat()
+    print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16")
+    cols = ["dash_fa3"] + peers
+    print("| hdim | mask | seqlen | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    rows = []
+    for d in args.hdims:
+        for mask in args.masks:
+            causal = mask == "causal"
+            for s in args.seqlens:
+                b, h = grid["total_tokens"] // s, grid["hidden"] // d
+                g = torch.Generator(device="cuda").manual_seed(s + d)
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+                flops = attention_flops(b, h, s, s, d, causal, args.direction)
+                row = {"hdim": d, "mask": mask, "seqlen": s, "batch": b, "heads": h}
+                fns = {"dash_fa3": lambda: dash_fn(q, k, v, causal, args.direction)}
+                fns.update({p: (lambda p=p: peer_fn(PEERS[p], q, k, v, causal, args.direction)) for p in peers})
+                for name, make in fns.items():
+                    try:
+                        ms = median_ms(make(), warmup=5, iters=args.iters)
+                        row[name] = flops / ms / 1e9
+                    except Exception as exc:  # a peer backend may not support a shape
+                        row[name] = None
+                        row[name + "_error"] = str(exc).splitlines()[0][:200]
+                rows.append(row)
+                cells = [f"{row[c]:.0f}" if row[c] is not None else "n/a" for c in cols]
+                print(f"| {d} | {mask} | {s} | " + " | ".join(cells) + " |", flush=True)
+                del q, k, v
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "date": date, "commit": commit, "direction": args.direction, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+// Op registration. TORCH_LIBRARY (not pybind11) keeps the .so free of the
+// Python ABI, so one build loads under every CPython via torch.ops.load_library.
+// The Python package wraps these in the public dash_fa3:: custom ops.
+#include <torch/library.h>
+
+#include "api.h"
+
+TORCH_LIBRARY(dash_fa3_C, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int num_sms) -> (Tensor, Tensor)");
+  m.def(
+      "bwd_preprocess(Tensor out, Tensor dout, Tensor lse, int block_m)"
+      " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("bwd_postprocess(Tensor dq_accum, int seqlen_q, float softmax_scale, ScalarType dtype) -> Tensor");
+  m.def("built_fwd_variants() -> str[]", &dash_fa3::built_fwd_variants);
+}
+
+TORCH_LIBRARY_IMPL(dash_fa3_C, CUDA, m) {
+  m.impl("fwd", &dash_fa3::fwd);
+  m.impl("bwd_preprocess", &dash_fa3::bwd_preprocess);
+  m.impl("bwd_postprocess", &dash_fa3::bwd_postprocess);
+}

@@ -1,0 +1,30 @@
+// Kernel entry points, one per direction and variant. The instantiation files
+// (csrc/instantiations/, generated from dash_fa3/variants.py) define them; the
+// dispatch in csrc/api/ picks one from the runtime arguments.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace dash_fa3 {
+
+template <int kHeadDim, DType kDType, bool kCausal>
+void run_fwd(const FwdParams& params, cudaStream_t stream);
+
+void run_bwd_preprocess(const BwdPreprocessParams& params, DType dtype, cudaStream_t stream);
+void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaStream_t stream);
+
+}  // namespace dash_fa3
+
+namespace dash_fa3 {
+
+// Backward main kernel (csrc/kernels/bwd/bwd_launch.cuh). block_m (the
+// preprocess's rounding of seqlen_q) is bwd_block_m(headdim).
+template <int kHeadDim, DType kDType, bool kCausal>
+void run_bwd(const BwdParams& params, cudaStream_t stream);
+
+constexpr int bwd_block_m(int headdim) { return headdim <= 64 ? 128 : 64; }
+constexpr int bwd_block_n(int /*headdim*/) { return 128; }
+
+}  // namespace dash_fa3

@@ -1,0 +1,130 @@
+// Kernel parameter structs: the contract between the torch binding (csrc/api)
+// and the kernels. Plain data, host and device visible, no torch types.
+#pragma once
+
+#include <cstdint>
+
+namespace dash_fa3 {
+
+// Element type of Q, K, V, O, dO, dQ, dK, dV. The kernels map it to a CUTLASS
+// type (common/variant.h); the binding maps it from a torch dtype.
+enum class DType : int { kBF16 = 0, kFP16 = 1 };
+
+// Strides are in elements. Tensors use FA3's (batch, seqlen, heads, headdim)
+// layout with a contiguous last dim; the other strides are arbitrary.
+struct TensorStrides {
+  int64_t batch;
+  int64_t row;   // seqlen
+  int64_t head;
+};
+
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  // (batch, heads, seqlen_q), contiguous, natural log
+
+  TensorStrides q_stride, k_stride, v_stride, o_stride;
+
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int heads;     // query heads
+  int heads_kv;  // heads % heads_kv == 0 (GQA/MQA)
+  int headdim;
+
+  float softmax_scale;       // applied to QK^T
+  float softmax_scale_log2;  // softmax_scale * log2(e): scores go through exp2
+
+  int num_sms;  // persistent grid size, read off the device by the caller
+  // Zero-initialised int, used by the persistent tile scheduler to hand out
+  // tiles dynamically; nullptr when the scheduler is static.
+  int* tile_counter;
+};
+
+// Backward preprocess: dPsum = rowsum(dO * O) in fp32, LSE in the log2 domain,
+// and the dQ accumulator and semaphores zeroed for the main kernel.
+struct BwdPreprocessParams {
+  const void* o;
+  const void* dout;
+  const float* lse;  // (batch, heads, seqlen_q), natural log
+  TensorStrides o_stride, dout_stride;
+
+  float* dpsum;     // (batch, heads, seqlen_q_rounded)
+  float* lse_log2;  // (batch, heads, seqlen_q_rounded); padding rows hold +inf-free zeros
+  float* dq_accum;  // (batch, heads, seqlen_q_rounded, headdim), zeroed
+  int* dq_semaphore;  // zeroed
+  int64_t dq_semaphore_numel;
+
+  int batch;
+  int seqlen_q;
+  int seqlen_q_rounded;
+  int heads;
+  int headdim;
+};
+
+// Backward postprocess: dQ = softmax_scale * dQaccum, cast to the input dtype.
+struct BwdPostprocessParams {
+  const float* dq_accum;  // (batch, heads, seqlen_q_rounded, headdim)
+  void* dq;               // (batch, seqlen_q, heads, headdim), FA3 layout
+  TensorStrides dq_stride;
+  float softmax_scale;
+
+  int batch;
+  int seqlen_q;
+  int seqlen_q_rounded;
+  int heads;
+  int headdim;
+};
+
+}  // namespace dash_fa3
+
+namespace dash_fa3 {
+
+// Backward main kernel (csrc/kernels/bwd/). Runs between the preprocess and
+// the postprocess; the schedule (dash_fa3.schedule) is a runtime input.
+struct BwdParams {
+  const void* q;     // (batch, seqlen_q, heads, headdim)
+  const void* k;     // (batch, seqlen_k, heads_kv, headdim)
+  const void* v;     // (batch, seqlen_k, heads_kv, headdim)
+  const void* dout;  // (batch, seqlen_q, heads, headdim)
+  TensorStrides q_stride, k_stride, v_stride, do_stride;
+
+  // From the preprocess, all (batch, heads, seqlen_q_rounded[, headdim]):
+  const float* lse_log2;
+  const float* dpsum;
+  float* dq_accum;    // fp32, zeroed; the kernel reduce-adds into it
+  int* dq_semaphore;  // (batch, heads, seqlen_q_rounded / block_m), zeroed
+
+  // Outputs, (batch, seqlen_k, heads_kv, headdim) in the input dtype.
+  void* dk;
+  void* dv;
+  TensorStrides dk_stride, dv_stride;
+  // GQA/MQA only (heads != heads_kv), else nullptr: fp32 (batch, heads_kv,
+  // seqlen_k, headdim) accumulators and int32 (batch, heads_kv, n_kv)
+  // semaphores, all zeroed by the caller; run_bwd casts into dk/dv at the end.
+  float* dk_accum;
+  float* dv_accum;
+  int* dkv_semaphore;
+
+  // The schedule: the flat int32 buffer of dash_fa3.schedule.metadata
+  // (header | cta_offsets | tasks) on the device, and its header on the host
+  // (the launcher checks it against this call and takes the grid size from it).
+  const int32_t* schedule;
+  const int32_t* schedule_header_host;
+
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int seqlen_q_rounded;  // multiple of block_m
+  int heads;
+  int heads_kv;
+  int headdim;
+
+  float softmax_scale;
+  float softmax_scale_log2;
+  bool deterministic;
+};
+
+}  // namespace dash_fa3

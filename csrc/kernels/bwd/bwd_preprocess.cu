@@ -1,0 +1,96 @@
+// Backward preprocess, one launch before the main backward kernel:
+//   dPsum[b,h,s]   = sum_d dO[b,s,h,d] * O[b,s,h,d]   (fp32)
+//   lse_log2[b,h,s] = lse[b,h,s] * log2(e)             (the main kernel uses exp2)
+//   dq_accum, dq_semaphore = 0
+// Rows s in [seqlen_q, seqlen_q_rounded) are padding for the main kernel's
+// last Q tile and get 0 in both outputs.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "common/cuda_check.h"
+#include "common/dtype.h"
+#include "common/launch.h"
+
+namespace dash_fa3 {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kThreads = 256;
+// Each thread loads 16 bytes (8 elements) at a time; kLanesPerRow lanes share a
+// row, so a warp covers 8 rows and every head dim that is a multiple of 8 works.
+constexpr int kVec = 8;
+constexpr int kLanesPerRow = 4;
+constexpr int kRowsPerBlock = kThreads / kLanesPerRow;
+
+template <class Elem>
+__device__ float dot_chunk(const uint4& a, const uint4& b) {
+  const Elem* x = reinterpret_cast<const Elem*>(&a);
+  const Elem* y = reinterpret_cast<const Elem*>(&b);
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) acc += static_cast<float>(x[i]) * static_cast<float>(y[i]);
+  return acc;
+}
+
+template <class Elem>
+__global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessParams p) {
+  const int lane_in_row = threadIdx.x % kLanesPerRow;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanesPerRow;
+  const int64_t num_rows = int64_t(p.batch) * p.heads * p.seqlen_q_rounded;
+
+  // Rows are enumerated (b, h, s) with s fastest, the layout of dPsum and lse_log2.
+  if (row < num_rows) {
+    const int s = static_cast<int>(row % p.seqlen_q_rounded);
+    const int64_t bh = row / p.seqlen_q_rounded;
+    const int h = static_cast<int>(bh % p.heads);
+    const int b = static_cast<int>(bh / p.heads);
+    float acc = 0.f;
+    float lse_log2 = 0.f;
+    if (s < p.seqlen_q) {
+      const Elem* o = static_cast<const Elem*>(p.o) + b * p.o_stride.batch + s * p.o_stride.row + h * p.o_stride.head;
+      const Elem* d = static_cast<const Elem*>(p.dout) + b * p.dout_stride.batch + s * p.dout_stride.row +
+                      h * p.dout_stride.head;
+      for (int c = lane_in_row; c < p.headdim / kVec; c += kLanesPerRow) {
+        acc += dot_chunk<Elem>(reinterpret_cast<const uint4*>(o)[c], reinterpret_cast<const uint4*>(d)[c]);
+      }
+      const float lse = p.lse[(int64_t(b) * p.heads + h) * p.seqlen_q + s];
+      // A row that attends no key has lse = -inf and O = 0. +inf makes the main
+      // kernel's P = exp2(S - lse) exactly 0 there instead of NaN.
+      lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    }
+#pragma unroll
+    for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) {
+      acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    }
+    if (lane_in_row == 0) {
+      p.dpsum[row] = acc;
+      p.lse_log2[row] = lse_log2;
+    }
+  }
+
+  // Zero the fp32 dQ accumulator (its size is a multiple of 8 floats) and the
+  // semaphores with a grid-stride loop; the main kernel only ever adds into them.
+  const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t accum_vecs = int64_t(p.batch) * p.heads * p.seqlen_q_rounded * p.headdim / 4;
+  float4* accum = reinterpret_cast<float4*>(p.dq_accum);
+  for (int64_t i = tid; i < accum_vecs; i += stride) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t i = tid; i < p.dq_semaphore_numel; i += stride) p.dq_semaphore[i] = 0;
+}
+
+}  // namespace
+
+void run_bwd_preprocess(const BwdPreprocessParams& params, DType dtype, cudaStream_t stream) {
+  if (params.headdim % kVec != 0) throw std::invalid_argument("dash_fa3: preprocess needs headdim % 8 == 0");
+  const int64_t num_rows = int64_t(params.batch) * params.heads * params.seqlen_q_rounded;
+  const int64_t blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (blocks == 0) return;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using Elem = typename decltype(tag)::type;
+    bwd_preprocess_kernel<Elem><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(params);
+  });
+  check_cuda(cudaGetLastError(), "bwd_preprocess launch");
+}
+
+}  // namespace dash_fa3

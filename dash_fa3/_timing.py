@@ -1,0 +1,36 @@
+"""Timing helpers shared by the main job and the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, headdim, causal, direction="fwd") -> float:
+    """FLOPs as the benchmark grid counts them: fwd = 4*b*h*sq*sk*d (halved when causal), bwd = 2.5x fwd."""
+    fwd = 4.0 * batch * heads * seqlen_q * seqlen_k * headdim / (2 if causal else 1)
+    return fwd * (2.5 if direction == "bwd" else 1.0)
+
+
+def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
+    """Median wall time of fn() in ms: CUDA events on the GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

@@ -1,0 +1,88 @@
+"""``flash_attn_func``: a drop-in for FlashAttention-3's ``flash_attn_interface.flash_attn_func``.
+
+Argument names, order and return convention follow FA3. FA3 features that
+dash_fa3 does not implement raise ``NotImplementedError`` rather than being
+ignored. dash_fa3 adds ``schedule=``, the deterministic backward's schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ext, ops, reference, validation
+
+
+def _unsupported(feature: str) -> NotImplementedError:
+    return NotImplementedError(f"dash_fa3.flash_attn_func does not support {feature}")
+
+
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    # The kernels address rows through TMA, which needs 16-byte aligned strides
+    # and base; other layouts are copied once (the last dim is already contiguous).
+    elems = 16 // t.element_size()
+    aligned = t.data_ptr() % 16 == 0 and all(s % elems == 0 or n == 1 for s, n in zip(t.stride()[:3], t.shape[:3]))
+    return t if aligned else t.contiguous()
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+    *,
+    schedule="auto",
+):
+    """Scaled dot-product attention, FA3 layout.
+
+    q: (batch, seqlen_q, heads, headdim); k, v: (batch, seqlen_k, heads_kv, headdim),
+    bf16 or fp16, last dim contiguous, heads % heads_kv == 0.
+    softmax_scale defaults to 1/sqrt(headdim). causal aligns the mask to the
+    bottom-right corner when seqlen_q != seqlen_k.
+    deterministic: the backward is bitwise reproducible; schedule names its
+    accumulation order ("auto", or one of dash_fa3.schedule's names).
+    sm_margin: SMs to leave free (e.g. for overlapped communication).
+    Returns out, or (out, softmax_lse) with return_attn_probs; softmax_lse is
+    (batch, heads, seqlen_q) fp32, natural log.
+    """
+    if qv is not None:
+        raise _unsupported("qv")
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        raise _unsupported("fp8 descaling (q_descale/k_descale/v_descale)")
+    if tuple(window_size) not in ((-1, -1), (None, None)):
+        raise _unsupported(f"local attention (window_size={tuple(window_size)})")
+    if attention_chunk not in (0, None):
+        raise _unsupported(f"attention_chunk={attention_chunk}")
+    if softcap != 0.0:
+        raise _unsupported(f"softcap={softcap}")
+    if num_splits != 1:
+        raise _unsupported(f"num_splits={num_splits}")
+    if pack_gqa:
+        raise _unsupported("pack_gqa=True")
+    if not isinstance(sm_margin, int) or sm_margin < 0:
+        raise ValueError(f"sm_margin must be a non-negative int, got {sm_margin!r}")
+
+    validation.check_attention_inputs(q, k, v, causal=causal, schedule=schedule)
+    if softmax_scale is None:
+        softmax_scale = reference.default_softmax_scale(q.shape[-1])
+    num_sms = 0
+    if q.is_cuda:
+        num_sms = _ext.num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        num_sms -= sm_margin
+        if num_sms < 1:
+            raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {num_sms + sm_margin}")
+        q, k, v = (_kernel_layout(t) for t in (q, k, v))
+    out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal), num_sms, bool(deterministic), schedule)
+    return (out, lse) if return_attn_probs else out

@@ -1,0 +1,100 @@
+"""The one list of compiled kernel variants.
+
+Every consumer reads this module: ``setup.py`` (which instantiation files to
+compile and the generated C++ variant table), the C++ dispatch (through that
+generated table), the tests (their parameters) and the benchmarks.
+
+A variant is (head dim, dtype, mask kind). ``DASH_FA3_VARIANTS`` narrows the
+list at build time; at run time the extension reports what it was built with
+(``built_variants()``), and that is the list the tests and benchmarks use.
+
+Filter syntax: a comma-separated list of patterns; a pattern is a dash-separated
+set of tokens, and a variant matches when every token equals one of its fields.
+``hdim128-bf16`` selects both masks of hdim 128 bf16; ``hdim64,hdim128-causal``
+selects every hdim-64 variant plus the causal hdim-128 ones. ``all`` (or an
+unset variable) selects everything.
+
+This module imports nothing but the standard library so ``setup.py`` can load it
+before torch's extension machinery is involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterable
+
+ENV_VAR = "DASH_FA3_VARIANTS"
+
+HEADDIMS: tuple[int, ...] = (64, 96, 128, 192, 256)
+DTYPES: tuple[str, ...] = ("bf16", "fp16")
+MASKS: tuple[str, ...] = ("full", "causal")
+
+# What a plain build compiles: the head dims of the benchmark grid. Wider
+# builds name their head dims explicitly (``DASH_FA3_VARIANTS=all``).
+DEFAULT_FILTER = "hdim64,hdim128"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Variant:
+    hdim: int
+    dtype: str
+    mask: str
+
+    @property
+    def name(self) -> str:
+        return f"hdim{self.hdim}-{self.dtype}-{self.mask}"
+
+    @property
+    def causal(self) -> bool:
+        return self.mask == "causal"
+
+    def tokens(self) -> frozenset[str]:
+        return frozenset((f"hdim{self.hdim}", self.dtype, self.mask))
+
+    @classmethod
+    def parse(cls, name: str) -> "Variant":
+        parts = name.split("-")
+        if len(parts) != 3 or not parts[0].startswith("hdim"):
+            raise ValueError(f"not a variant name: {name!r} (expected e.g. 'hdim128-bf16-causal')")
+        return cls(int(parts[0][4:]), parts[1], parts[2])
+
+
+ALL_VARIANTS: tuple[Variant, ...] = tuple(
+    Variant(h, d, m) for h in HEADDIMS for d in DTYPES for m in MASKS
+)
+
+_KNOWN_TOKENS = frozenset().union(*(v.tokens() for v in ALL_VARIANTS))
+
+
+def select(pattern: str | None = None) -> tuple[Variant, ...]:
+    """Variants matching ``pattern`` (default: ``$DASH_FA3_VARIANTS`` or the default build).
+
+    Raises ``ValueError`` for an unknown token or a pattern that selects nothing,
+    so a typo never yields a silently empty build.
+    """
+    if pattern is None:
+        pattern = os.environ.get(ENV_VAR) or DEFAULT_FILTER
+    pattern = pattern.strip()
+    if pattern == "all":
+        return ALL_VARIANTS
+    chosen: set[Variant] = set()
+    for alt in filter(None, (p.strip() for p in pattern.split(","))):
+        tokens = set(alt.split("-"))
+        unknown = tokens - _KNOWN_TOKENS
+        if unknown:
+            raise ValueError(
+                f"{ENV_VAR}: unknown token(s) {sorted(unknown)} in {alt!r}; "
+                f"known: {sorted(_KNOWN_TOKENS)}"
+            )
+        chosen.update(v for v in ALL_VARIANTS if tokens <= v.tokens())
+    if not chosen:
+        raise ValueError(f"{ENV_VAR}={pattern!r} selects no variant")
+    return tuple(sorted(chosen))
+
+
+def names(variants: Iterable[Variant]) -> list[str]:
+    return [v.name for v in variants]
+
+
+DTYPE_CPP = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}

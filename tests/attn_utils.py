@@ -1,0 +1,39 @@
+"""Shared helpers of the attention tests: the low-precision baseline and error checks."""
+
+import torch
+
+from dash_fa3 import reference
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Our error may be at most this multiple of a plain PyTorch low-precision
+# implementation's error on the same inputs (plus a tiny absolute floor).
+ERR_FACTOR = 2.0
+ERR_FLOOR = 1e-5
+
+
+def attention_lowp(q, k, v, softmax_scale, causal):
+    """A plain PyTorch bf16/fp16 attention: matmuls in the input dtype, softmax in fp32."""
+    heads = q.shape[2]
+    qh, kh, vh = (reference._bhsd(t, heads, t.dtype) for t in (q, k, v))
+    s = torch.matmul(qh, kh.transpose(-1, -2)).float() * softmax_scale
+    if causal:
+        s = s.masked_fill(~reference.causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    shift = lse.masked_fill(lse == float("-inf"), float("inf"))
+    p = torch.exp(s - shift.unsqueeze(-1)).to(q.dtype)
+    return torch.matmul(p, vh).transpose(1, 2), lse
+
+
+def max_abs_err(x, ref):
+    return (x.double() - ref.double()).abs().max().item()
+
+
+def assert_close_to_ref(name, ours, lowp, ref):
+    """ours vs the fp32 reference, within ERR_FACTOR of the low-precision baseline's error."""
+    assert not torch.isnan(ours).any(), f"{name}: NaN in output (unwritten or wrong)"
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ours), finite), f"{name}: infinities differ from the reference"
+    e_ours = max_abs_err(ours[finite], ref[finite])
+    e_lowp = max_abs_err(lowp[finite], ref[finite])
+    assert e_ours <= ERR_FACTOR * e_lowp + ERR_FLOOR, f"{name}: error {e_ours:.3g} > {ERR_FACTOR} x baseline {e_lowp:.3g}"

@@ -1,0 +1,111 @@
+"""Per-kernel ptxas resource report (registers, spills, stack, shared memory).
+
+Compiles the .cu translation units of the selected variants (DASH_FA3_VARIANTS)
+with the extension's own nvcc flags plus -Xptxas -v, without a GPU, and prints
+one row per kernel. Exit status 1 if any kernel spills or fails to compile.
+
+    python tools/ptxas_report.py [--sources PATTERN ...] [--jobs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import build_config  # noqa: E402
+
+ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")
+PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+USED = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?")
+
+
+def nvcc() -> str:
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    path = os.path.join(cuda_home, "bin", "nvcc")
+    if not os.path.exists(path):
+        sys.exit(f"nvcc not found at {path}; set CUDA_HOME")
+    return path
+
+
+def compile_one(src: str, outdir: str) -> tuple[str, float, int, str]:
+    cmd = [nvcc(), *build_config.NVCC_FLAGS, "-Xptxas=-v"]
+    cmd += [f"-I{d}" for d in build_config.include_dirs()]
+    cmd += ["-c", str(build_config.ROOT / src), "-o", os.path.join(outdir, os.path.basename(src) + ".o")]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return src, time.perf_counter() - start, proc.returncode, proc.stdout + proc.stderr
+
+
+def demangle(names: list[str]) -> list[str]:
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if tool is None:
+        return names
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return out if len(out) == len(names) else names
+
+
+def parse(log: str) -> list[dict]:
+    rows, cur = [], None
+    for line in log.splitlines():
+        if m := ENTRY.search(line):
+            cur = {"kernel": m.group(1), "arch": m.group(2)}
+            rows.append(cur)
+        elif cur is not None and (m := PROPS.search(line)):
+            cur.update(stack=int(m.group(1)), spill_st=int(m.group(2)), spill_ld=int(m.group(3)))
+        elif cur is not None and (m := USED.search(line)):
+            cur.update(regs=int(m.group(1)), smem=int(m.group(2) or 0))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sources", nargs="*", help="glob patterns over the .cu sources (default: all selected)")
+    ap.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+    args = ap.parse_args(argv)
+
+    selected = build_config.variants.select()
+    sources = [s for s in build_config.prepare(selected) if s.endswith(".cu")]
+    if args.sources:
+        sources = [s for s in sources if any(fnmatch.fnmatch(s, p) for p in args.sources)]
+    if not sources:
+        print("no .cu source matches", file=sys.stderr)
+        return 1
+    print(f"variants: {', '.join(v.name for v in selected)}\ncompiling {len(sources)} translation units, {args.jobs} jobs")
+    failed = False
+    spilled = False
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for src, secs, rc, log in pool.map(lambda s: compile_one(s, tmp), sources):
+            print(f"\n== {src}  ({secs:.0f} s)")
+            if rc != 0:
+                failed = True
+                print(log[-4000:])
+                continue
+            rows = parse(log)
+            for row, name in zip(rows, demangle([r["kernel"] for r in rows])):
+                spill = row.get("spill_st", 0) + row.get("spill_ld", 0)
+                spilled |= spill > 0
+                print(
+                    f"  regs {row.get('regs', '?'):>3}  smem {row.get('smem', 0):>6} B  stack {row.get('stack', 0):>4} B  "
+                    f"spill st/ld {row.get('spill_st', 0)}/{row.get('spill_ld', 0)}{'  <-- SPILLS' if spill else ''}  {name[:150]}"
+                )
+            for line in log.splitlines():
+                if "warning" in line.lower():
+                    print("  " + line.strip())
+    if failed:
+        print("\nFAILED: a translation unit did not compile")
+    if spilled:
+        print("\nSPILLS: at least one kernel spills registers")
+    return 1 if failed or spilled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
