@@ -1,8 +1,24 @@
-"""dash_fa3: FlashAttention-3-class attention for Hopper with a fast deterministic backward."""
+"""dash_fa3: FlashAttention-3-class attention for Hopper with a fast deterministic backward.
 
-from . import reference, variants
-from .interface import flash_attn_func
-from .ops import ReferenceBackwardWarning
+Submodules load lazily, so ``dash_fa3.schedule`` and ``dash_fa3.variants``
+import without torch.
+"""
 
-__all__ = ["flash_attn_func", "reference", "variants", "ReferenceBackwardWarning"]
+import importlib
+
+__all__ = ["flash_attn_func", "reference", "variants", "schedule", "ReferenceBackwardWarning"]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "flash_attn_func": ("interface", "flash_attn_func"),
+    "ReferenceBackwardWarning": ("ops", "ReferenceBackwardWarning"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
+    if name in ("reference", "variants", "schedule"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'dash_fa3' has no attribute {name!r}")

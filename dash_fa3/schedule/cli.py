@@ -1,0 +1,310 @@
+"""Command line: ``python -m dash_fa3.schedule ...``
+
+Real-shape mode (default)::
+
+    python -m dash_fa3.schedule --seqlen 8192 --headdim 128 --heads 16 --batch 2 --causal --schedule all
+
+prints makespan, critical path, lower bound, ratio and idle % per schedule and
+writes one Gantt chart per schedule into ``--gantt-dir`` (default ./gantt).
+
+Model mode (the paper's abstraction: n KV tiles = n Q tiles = n SMs, m heads)::
+
+    python -m dash_fa3.schedule model --kv-tiles 8 --heads 4 --compute 1 --reduce 0.5 \
+        --mask causal --schedule symmetric_shift --json
+
+Bench grid (validate every schedule on the paper's grid, optionally simulate)::
+
+    python -m dash_fa3.schedule bench-grid [--grid bench_grid.json] [--sms 132,114] [--simulate]
+
+Gallery (the Gantt charts of docs/schedule.md)::
+
+    python -m dash_fa3.schedule gallery --out docs/gantt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .geometry import Geometry, bwd_block_sizes
+from .paper import paper_makespan
+from .schedules import SCHEDULES, build_schedule
+from .simulate import CostModel, simulate
+from .validate import ScheduleError
+
+# The paper's grid (also in shared/bench_grid.json): bf16, 16384 tokens, hidden 2048.
+DEFAULT_GRID = {"total_tokens": 16384, "hidden": 2048, "headdims": [64, 128],
+                "seqlens": [512, 1024, 2048, 4096, 8192, 16384], "masks": ["full", "causal"]}
+
+
+def _schedule_list(arg: str) -> list[str]:
+    if arg == "all":
+        return list(SCHEDULES)
+    names = [a.strip() for a in arg.split(",") if a.strip()]
+    for n in names:
+        if n not in SCHEDULES + ("auto",):
+            raise SystemExit(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES + ('auto',))} or all")
+    return names
+
+
+def evaluate(name: str, geometry: Geometry, num_sms: int, costs: CostModel, *, want_cp: bool = True,
+             gantt_path: str | None = None) -> dict:
+    """Build, validate, simulate one schedule; return a result dict (valid=False on refusal)."""
+    from .dag import critical_path
+
+    out = {"schedule": name, "num_sms": num_sms}
+    try:
+        sched = build_schedule(name, geometry, num_sms)
+    except ScheduleError as e:
+        out.update(valid=False, error=str(e))
+        return out
+    out["schedule"] = sched.name
+    rep = sched.validate()
+    sim = simulate(sched, costs)
+    out.update(valid=True, tasks=sched.num_tasks, steps=sched.num_steps, ctas=sched.num_ctas,
+               dispatch=sched.dispatch, makespan=sim.makespan, lower_bound=sim.lower_bound,
+               ratio=sim.ratio, sm_idle_fraction=sim.sm_idle_fraction, collisions=sim.waits,
+               wait_time=sim.wait_time, metadata_bytes=rep.metadata_bytes)
+    if want_cp:
+        # the paper's DAG: zero-weight dependency edges (no semaphore latency)
+        out["critical_path"] = critical_path(sched, costs.replace(latency=0.0)).length
+    if gantt_path:
+        from .plot import plot_gantt
+        plot_gantt(sched, sim, gantt_path)
+        out["gantt"] = gantt_path
+    return out
+
+
+def _fmt_table(rows: list[dict]) -> str:
+    hdr = f"{'schedule':<16} {'valid':>5} {'tasks':>6} {'steps':>8} {'makespan':>11} {'crit.path':>11} " \
+          f"{'lower bnd':>11} {'ratio':>6} {'idle %':>7} {'waits':>7}"
+    lines = [hdr, "-" * len(hdr)]
+    for r in rows:
+        if not r.get("valid"):
+            lines.append(f"{r['schedule']:<16} {'no':>5}  refused: {r.get('error', '')}")
+            continue
+        cp = r.get("critical_path")
+        cps = f"{cp:>11.2f}" if cp is not None else f"{'-':>11}"
+        lines.append(f"{r['schedule']:<16} {'yes':>5} {r['tasks']:>6} {r['steps']:>8} {r['makespan']:>11.2f} "
+                     f"{cps} {r['lower_bound']:>11.2f} {r['ratio']:>6.3f} {100 * r['sm_idle_fraction']:>7.2f} "
+                     f"{r['collisions']:>7}")
+    return "\n".join(lines)
+
+
+def _costs_from(args) -> CostModel:
+    reduce = args.reduce if args.reduce is not None else args.compute * args.rc_ratio
+    return CostModel(compute=args.compute, reduce=reduce, latency=args.latency, epilogue=args.epilogue,
+                     scale=args.cost_scale)
+
+
+def _add_cost_args(p, *, rc_default: float):
+    p.add_argument("--compute", type=float, default=1.0, help="c: compute cost of one tile step (default 1)")
+    p.add_argument("--rc-ratio", type=float, default=rc_default,
+                   help=f"r/c when --reduce is not given (default {rc_default})")
+    p.add_argument("--reduce", type=float, default=None, help="r: cost of one dQ tile add")
+    p.add_argument("--latency", type=float, default=0.0,
+                   help="extra delay of a cross-SM semaphore signal, in the same units (default 0)")
+    p.add_argument("--epilogue", type=float, default=0.0, help="cost of a task's dK/dV epilogue (default 0)")
+    p.add_argument("--cost-scale", choices=("constant", "elements"), default="constant",
+                   help="constant per-step costs, or scaled by valid elements/rows of each tile")
+
+
+def _real_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule",
+                                description="Simulate the DASH backward schedules on a real shape.")
+    p.add_argument("--seqlen", type=int, required=True, help="seqlen_q")
+    p.add_argument("--seqlen-k", type=int, default=None, help="seqlen_k (default: seqlen)")
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--heads-kv", type=int, default=None, help="kv heads (GQA); default: heads")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--schedule", default="all", help="a name, a comma list, or all")
+    p.add_argument("--sms", type=int, default=132, help="SM count = persistent CTAs (132 H100/H200 SXM, 114 PCIe)")
+    p.add_argument("--block-m", type=int, default=None, help="Q tile rows (default from head dim)")
+    p.add_argument("--block-n", type=int, default=None, help="KV tile rows (default from head dim)")
+    _add_cost_args(p, rc_default=0.25)
+    p.add_argument("--gantt-dir", default="gantt", help="where to write Gantt PNGs (default ./gantt)")
+    p.add_argument("--no-gantt", action="store_true")
+    p.add_argument("--no-critical-path", action="store_true")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
+    args = p.parse_args(argv)
+    bm, bn = bwd_block_sizes(args.headdim)
+    g = Geometry(batch=args.batch, heads=args.heads, heads_kv=args.heads_kv, seqlen_q=args.seqlen,
+                 seqlen_k=args.seqlen_k or args.seqlen, block_m=args.block_m or bm,
+                 block_n=args.block_n or bn, mask="causal" if args.causal else "full")
+    costs = _costs_from(args)
+    if not args.no_gantt:
+        os.makedirs(args.gantt_dir, exist_ok=True)
+    rows = []
+    for name in _schedule_list(args.schedule):
+        gp = None
+        if not args.no_gantt:
+            gp = os.path.join(args.gantt_dir, f"{name}_{g.mask}_b{g.batch}h{g.heads}_sq{g.seqlen_q}_sk{g.seqlen_k}"
+                                              f"_bm{g.block_m}bn{g.block_n}_sms{args.sms}.png")
+        rows.append(evaluate(name, g, args.sms, costs, want_cp=not args.no_critical_path, gantt_path=gp))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{g.describe()}; headdim {args.headdim}; {args.sms} SMs; c={costs.compute:g} r={costs.reduce:g} "
+              f"latency={costs.latency:g} ({costs.scale} costs)")
+        print(_fmt_table(rows))
+        if not args.no_gantt:
+            print(f"Gantt charts in {args.gantt_dir}/")
+    return 0 if all(r.get("valid") for r in rows) else 1
+
+
+def _model_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule model",
+                                description="The paper's model: n KV tiles = n SMs, m heads, square tiles.")
+    p.add_argument("--kv-tiles", "-n", type=int, required=True)
+    p.add_argument("--heads", "-m", type=int, required=True)
+    p.add_argument("--q-tiles", type=int, default=None, help="Q tiles (default: kv tiles)")
+    p.add_argument("--sms", type=int, default=None, help="SMs (default: kv tiles)")
+    p.add_argument("--mask", choices=("full", "causal"), default="full")
+    p.add_argument("--schedule", default="all")
+    _add_cost_args(p, rc_default=1.0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--gantt", default=None, help="PNG path (single schedule) or directory (all)")
+    args = p.parse_args(argv)
+    n, m = args.kv_tiles, args.heads
+    g = Geometry.model(n, m, args.mask, n_q=args.q_tiles)
+    sms = args.sms or n
+    costs = _costs_from(args)
+    names = _schedule_list(args.schedule)
+    rows = []
+    for name in names:
+        gp = None
+        if args.gantt:
+            if len(names) > 1 or os.path.isdir(args.gantt):
+                os.makedirs(args.gantt, exist_ok=True)
+                gp = os.path.join(args.gantt, f"model_{args.mask}_{name}_n{n}_m{m}.png")
+            else:
+                gp = args.gantt
+        r = evaluate(name, g, sms, costs, gantt_path=gp)
+        r.update(mask=args.mask, n=n, m=m, compute=costs.compute, reduce=costs.reduce, latency=costs.latency,
+                 paper_makespan=paper_makespan(args.mask, r["schedule"], n, m, costs.compute, costs.reduce))
+        rows.append(r)
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else rows))
+    else:
+        print(f"model: {args.mask} mask, n={n} KV tiles, m={m} heads, {sms} SMs, c={costs.compute:g} "
+              f"r={costs.reduce:g} latency={costs.latency:g}")
+        print(_fmt_table(rows))
+        for r in rows:
+            if r.get("paper_makespan") is not None:
+                print(f"  paper closed form for {r['schedule']}: {r['paper_makespan']:g}")
+    return 0 if all(r.get("valid") for r in rows) else 1
+
+
+def grid_geometries(grid: dict):
+    """(label, Geometry) for every shape of a bench-grid dict."""
+    for hd in grid["headdims"]:
+        for sl in grid["seqlens"]:
+            for mask in grid["masks"]:
+                g = Geometry.from_shape(batch=grid["total_tokens"] // sl, heads=grid["hidden"] // hd,
+                                        seqlen_q=sl, headdim=hd, causal=(mask == "causal"))
+                yield f"hdim{hd} s{sl} {mask}", g
+
+
+def _grid_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule bench-grid",
+                                description="Validate (and optionally simulate) every schedule on the bench grid.")
+    p.add_argument("--grid", default=None, help="bench_grid.json (default: the paper's grid)")
+    p.add_argument("--sms", default="132,114")
+    p.add_argument("--schedule", default="all")
+    p.add_argument("--simulate", action="store_true", help="also simulate (prints makespan/lower bound)")
+    _add_cost_args(p, rc_default=0.25)
+    args = p.parse_args(argv)
+    grid = dict(DEFAULT_GRID)
+    if args.grid:
+        with open(args.grid) as f:
+            grid.update(json.load(f))
+    costs = _costs_from(args)
+    names = _schedule_list(args.schedule)
+    ok = True
+    t0 = time.time()
+    for sms in [int(x) for x in args.sms.split(",")]:
+        for label, g in grid_geometries(grid):
+            cells = []
+            for name in names:
+                try:
+                    s = build_schedule(name, g, sms)
+                    cell = "ok"
+                    if args.simulate:
+                        cell = f"{simulate(s, costs).ratio:.3f}"
+                except ScheduleError as e:
+                    ok = False
+                    cell = f"REFUSED ({e})"
+                cells.append(f"{name}={cell}")
+            print(f"sms={sms:<4} {label:<22} steps={g.num_steps:<7} " + " ".join(cells), flush=True)
+    print(f"{'all valid' if ok else 'SOME REFUSED'} in {time.time() - t0:.1f}s"
+          + ("  (cells: makespan / lower bound)" if args.simulate else ""))
+    return 0 if ok else 1
+
+
+# (file stem, mask, schedule, n, m) of the paper-model charts in docs/gantt; c = 1, r = 0.5
+GALLERY = [
+    ("full", "fa3", 4, 2), ("full", "shift", 4, 2),
+    ("full", "fa3", 8, 3), ("full", "shift", 8, 3),
+    ("causal", "fa3", 6, 2), ("causal", "descending", 6, 2), ("causal", "symmetric_shift", 6, 2),
+    ("causal", "fa3", 8, 4), ("causal", "spt", 8, 4), ("causal", "descending", 8, 4),
+    ("causal", "symmetric_shift", 8, 4), ("causal", "symmetric_shift", 5, 2),
+]
+
+
+def _gallery_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule gallery",
+                                description="Write the Gantt charts of docs/schedule.md.")
+    p.add_argument("--out", default=os.path.join("docs", "gantt"))
+    p.add_argument("--compute", type=float, default=1.0)
+    p.add_argument("--reduce", type=float, default=0.5)
+    args = p.parse_args(argv)
+    from .plot import plot_gantt
+
+    os.makedirs(args.out, exist_ok=True)
+    costs = CostModel(args.compute, args.reduce)
+    for mask, name, n, m in GALLERY:
+        g = Geometry.model(n, m, mask)
+        sched = build_schedule(name, g, n)
+        sim = simulate(sched, costs)
+        path = os.path.join(args.out, f"{mask}_{name}_n{n}_m{m}.png")
+        pm = paper_makespan(mask, name, n, m, costs.compute, costs.reduce)
+        title = (f"{name}, {mask} mask: n={n} KV tiles = {n} SMs, m={m} heads, c={costs.compute:g}, "
+                 f"r={costs.reduce:g}\nmakespan {sim.makespan:g} (lower bound {sim.lower_bound:g}"
+                 + (f", paper {pm:g}" if pm is not None else "") + f"), {sim.waits} semaphore waits")
+        plot_gantt(sched, sim, path, title=title)
+        print(f"{path}: makespan {sim.makespan:g}")
+    # a real-shape example with GQA and ragged tiles on 16 SMs
+    g = Geometry(batch=1, heads=4, heads_kv=2, seqlen_q=1000, seqlen_k=1000, block_m=64, block_n=128,
+                 mask="causal")
+    for name in ("descending", "symmetric_shift"):
+        sched = build_schedule(name, g, 16)
+        sim = simulate(sched, costs.replace(epilogue=1.0))
+        path = os.path.join(args.out, f"gqa_causal_{name}_s1000_sms16.png")
+        title = (f"{name}: causal, seqlen 1000, block 64x128 (8 KV x 16 Q tiles, ragged), 4 q heads / 2 kv heads, "
+                 f"16 SMs\nc={costs.compute:g}, r={costs.reduce:g}, epilogue 1 (ordered dK/dV adds); "
+                 f"makespan {sim.makespan:g}, lower bound {sim.lower_bound:.4g}")
+        plot_gantt(sched, sim, path, title=title)
+        print(f"{path}: makespan {sim.makespan:g}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "model":
+        return _model_main(argv[1:])
+    if argv and argv[0] == "bench-grid":
+        return _grid_main(argv[1:])
+    if argv and argv[0] == "gallery":
+        return _gallery_main(argv[1:])
+    if argv and argv[0] == "shape":
+        argv = argv[1:]
+    return _real_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

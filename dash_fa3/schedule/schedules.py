@@ -1,0 +1,481 @@
+"""The schedules: pure functions of (geometry, number of persistent CTAs).
+
+A schedule fixes (a) which tasks each CTA runs and in what order, (b) the order
+in which each task visits its Q tiles, (c) the rank of every (kv, q)
+contribution in the accumulation order of dQ tile q (and, for GQA, the order in
+which the q heads of a group add into dK/dV).
+
+The explicit orders (b) and (c) are built here from the schedule's *meaning*
+(rotations, reversed ranges; ranks by sorting contributions on their planned
+time).  The compact metadata the kernel reads (:mod:`.metadata`) is built next
+to them, and validation checks that decoding the metadata with the device
+arithmetic reproduces (b) and (c) exactly.
+
+Dynamic schedules (``fa3``, ``spt``, ``descending``): tasks sit in one global
+queue; a CTA that becomes free claims the next row from an atomic counter.
+Static schedules (``shift``, ``symmetric_shift``): *units* (one KV tile, or a
+pair of KV tiles j and n-1-j) are dealt round-robin, unit u to CTA u % S in wave
+u // S; CTA i runs its rows in order.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from .geometry import Geometry
+from . import metadata as M
+
+SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift")
+SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES + ("auto",)
+DYNAMIC_SCHEDULES = ("fa3", "spt", "descending")
+STATIC_SCHEDULES = ("shift", "symmetric_shift")
+
+
+def resolve_schedule_name(name: str, geometry: Geometry) -> str:
+    """Map ``auto`` to a concrete schedule; check the name.
+
+    The ``auto`` rule (a starting point until it becomes "best measured"):
+    ``shift`` for a full mask, ``descending`` for a causal mask (the paper's
+    practical choice at head dim 128, where symmetric_shift spills registers).
+    """
+    if name == "auto":
+        return "descending" if geometry.causal else "shift"
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
+    return name
+
+
+class Schedule:
+    """A built schedule.  Arrays are read-only; identity is (name, geometry, num_sms).
+
+    Task arrays are in task-table order (see :mod:`.metadata`); step arrays list
+    every step of every task, task by task.
+    """
+
+    def __init__(self, *, name, geometry, num_sms, dispatch, num_ctas, task_batch, task_head,
+                 task_kv, task_cta, task_unit, rank_dkv, step_offsets, step_q, step_rank,
+                 step_wave, step_time, meta):
+        self.name = name
+        self.geometry = geometry
+        self.num_sms = num_sms
+        self.dispatch = dispatch
+        self.num_ctas = num_ctas
+        self.task_batch = task_batch
+        self.task_head = task_head
+        self.task_kv = task_kv
+        self.task_cta = task_cta
+        self.task_unit = task_unit
+        self.rank_dkv = rank_dkv
+        self.step_offsets = step_offsets
+        self.step_q = step_q
+        self.step_rank = step_rank
+        self.step_wave = step_wave
+        self.step_time = step_time
+        self.meta = meta
+        for v in vars(self).values():
+            if isinstance(v, np.ndarray):
+                v.setflags(write=False)
+        self._validation = None
+        self._cache = {}
+
+    # identity
+    @property
+    def key(self):
+        return (self.name, self.geometry, self.num_sms)
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, Schedule) and self.key == other.key
+
+    def __repr__(self):
+        return (f"Schedule({self.name!r}, {self.geometry.describe()}, sms={self.num_sms}, "
+                f"{self.dispatch}, tasks={self.num_tasks}, steps={self.num_steps})")
+
+    # sizes
+    @property
+    def dynamic(self) -> bool:
+        return self.dispatch == "dynamic"
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self.task_kv.size)
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.step_q.size)
+
+    @property
+    def task_steps(self) -> np.ndarray:
+        return np.diff(self.step_offsets)
+
+    @property
+    def step_task(self) -> np.ndarray:
+        if "step_task" not in self._cache:
+            a = np.repeat(np.arange(self.num_tasks, dtype=np.int64), self.task_steps)
+            a.setflags(write=False)
+            self._cache["step_task"] = a
+        return self._cache["step_task"]
+
+    @property
+    def step_index(self) -> np.ndarray:
+        """Step number within its task."""
+        if "step_index" not in self._cache:
+            a = np.arange(self.num_steps, dtype=np.int64) - self.step_offsets[self.step_task]
+            a.setflags(write=False)
+            self._cache["step_index"] = a
+        return self._cache["step_index"]
+
+    @property
+    def task_head_index(self) -> np.ndarray:
+        """batch * heads + head: which dQ tensor a task writes."""
+        return self.task_batch * self.geometry.heads + self.task_head
+
+    @property
+    def step_dq_tile(self) -> np.ndarray:
+        """Global dQ tile id (batch, head, q) of each step."""
+        if "step_dq" not in self._cache:
+            a = self.task_head_index[self.step_task] * self.geometry.n_q + self.step_q
+            a.setflags(write=False)
+            self._cache["step_dq"] = a
+        return self._cache["step_dq"]
+
+    @property
+    def task_dkv_group(self) -> np.ndarray:
+        """Global (batch, head_kv, kv_tile) id each task adds its dK/dV into."""
+        g = self.geometry
+        return (self.task_batch * g.heads_kv + self.task_head // g.group) * g.n_kv + self.task_kv
+
+    # the three things a schedule fixes
+    def cta_tasks(self, cta: int) -> np.ndarray:
+        """(a) task indices CTA ``cta`` runs, in order (static schedules only)."""
+        if self.dynamic:
+            raise ValueError(f"{self.name} is dispatched dynamically: CTAs claim tasks in queue order")
+        return np.arange(int(self.meta.offsets[cta]), int(self.meta.offsets[cta + 1]))
+
+    def visiting_order(self, task: int) -> np.ndarray:
+        """(b) Q tiles task ``task`` visits, in order."""
+        return self.step_q[self.step_offsets[task]:self.step_offsets[task + 1]]
+
+    def ranks(self, task: int) -> np.ndarray:
+        """(c) rank of each of the task's contributions in its dQ tile's order."""
+        return self.step_rank[self.step_offsets[task]:self.step_offsets[task + 1]]
+
+    def accumulation_order(self, batch: int, head: int, q: int) -> np.ndarray:
+        """(c) KV tiles adding into dQ tile (batch, head, q), in rank order."""
+        gid = (batch * self.geometry.heads + head) * self.geometry.n_q + q
+        sel = np.flatnonzero(self.step_dq_tile == gid)
+        kv = self.task_kv[self.step_task[sel]]
+        return kv[np.argsort(self.step_rank[sel], kind="stable")]
+
+    def find_task(self, batch: int, head: int, kv: int) -> int:
+        hit = np.flatnonzero((self.task_batch == batch) & (self.task_head == head) & (self.task_kv == kv))
+        if hit.size != 1:
+            raise KeyError((batch, head, kv))
+        return int(hit[0])
+
+    # checks / models (lazy imports avoid cycles)
+    def validate(self):
+        """Run every check once (cached); raise ScheduleError if one fails."""
+        if self._validation is None:
+            from .validate import validate
+            self._validation = validate(self)
+        return self._validation
+
+    def simulate(self, costs=None):
+        from .simulate import simulate
+        return simulate(self, costs)
+
+
+# ---------------------------------------------------------------- helpers
+def _ranks_by_key(gid: np.ndarray, *keys: np.ndarray) -> np.ndarray:
+    """Rank of each element within its gid group, ordered by keys (most significant first)."""
+    order = np.lexsort(tuple(reversed(keys)) + (gid,))
+    g_sorted = gid[order]
+    n = gid.size
+    pos = np.arange(n, dtype=np.int64)
+    new_group = np.ones(n, dtype=bool)
+    new_group[1:] = g_sorted[1:] != g_sorted[:-1]
+    group_start = np.maximum.accumulate(np.where(new_group, pos, 0))
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = pos - group_start
+    return rank
+
+
+def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, units, pairs_hi,
+            num_steps, offsets_len) -> np.ndarray:
+    g = geometry
+    h = np.zeros(M.HEADER_LEN, dtype=np.int64)
+    h[M.H_MAGIC] = M.MAGIC
+    h[M.H_VERSION] = M.METADATA_VERSION
+    h[M.H_SCHEDULE] = SCHEDULES.index(name)
+    h[M.H_DISPATCH] = dispatch
+    h[M.H_RANK_KIND] = rank_kind
+    h[M.H_NUM_CTAS] = num_ctas
+    h[M.H_NUM_TASKS] = num_tasks
+    h[M.H_NUM_COLS] = M.NUM_COLS
+    h[M.H_BATCH], h[M.H_HEADS], h[M.H_HEADS_KV] = g.batch, g.heads, g.heads_kv
+    h[M.H_SEQLEN_Q], h[M.H_SEQLEN_K] = g.seqlen_q, g.seqlen_k
+    h[M.H_BLOCK_M], h[M.H_BLOCK_N] = g.block_m, g.block_n
+    h[M.H_CAUSAL] = int(g.causal)
+    h[M.H_N_Q], h[M.H_N_KV] = g.n_q, g.n_kv
+    h[M.H_RECT_BEGIN] = rect
+    h[M.H_UNITS_PER_HEAD] = units
+    h[M.H_PAIRS_HI] = pairs_hi
+    h[M.H_NUM_STEPS] = num_steps
+    h[M.H_OFFSETS_LEN] = offsets_len
+    return _i32(h)
+
+
+def _i32(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
+        raise OverflowError("schedule metadata does not fit in int32")
+    return a.astype(np.int32)
+
+
+def _check_num_sms(num_sms) -> int:
+    if isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms <= 0:
+        raise ValueError(f"num_sms must be a positive integer (the device's SM count), got {num_sms!r}")
+    return int(num_sms)
+
+
+# ---------------------------------------------------------------- dynamic
+def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
+    """fa3 / spt / descending: one global queue, head-major.
+
+    fa3:        queue kv ascending,  Q ascending,  dQ adds in ascending kv order.
+    spt:        queue kv descending (shortest task first under a causal mask),
+                Q ascending, dQ adds in descending kv order.
+    descending: fa3 with the Q loop reversed: queue kv ascending, Q descending,
+                dQ adds in ascending kv order (the paper's "just reverse the
+                loop"; see docs/schedule.md for why not descending kv).
+    The queue order always claims a contribution's rank predecessor earlier.
+    """
+    active = g.active_kv
+    ascending_rank = name != "spt"
+    kv_order = active if ascending_rank else active[::-1]
+    H = g.num_heads_total
+    T = H * kv_order.size
+    hidx = np.repeat(np.arange(H, dtype=np.int64), kv_order.size)
+    kv = np.tile(kv_order, H)
+    batch, head = hidx // g.heads, hidx % g.heads
+    lens = g.task_len[kv]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    N = int(offsets[-1])
+    step_task = np.repeat(np.arange(T, dtype=np.int64), lens)
+    s = np.arange(N, dtype=np.int64) - offsets[step_task]
+    qb = g.q_begin[kv]
+    ascending_q = name != "descending"
+    q = qb[step_task] + s if ascending_q else (g.n_q - 1) - s
+    gid = hidx[step_task] * g.n_q + q
+    skv = kv[step_task]
+    rank = _ranks_by_key(gid, skv if ascending_rank else -skv)
+    rank_dkv = head % g.group
+
+    rows = np.zeros((T, M.NUM_COLS), dtype=np.int64)
+    rows[:, M.C_BATCH], rows[:, M.C_HEAD], rows[:, M.C_KV] = batch, head, kv
+    rows[:, M.C_N_STEPS] = lens
+    rows[:, M.C_LIN_BASE] = qb if ascending_q else g.n_q - 1
+    rows[:, M.C_LIN_DIR] = 1 if ascending_q else -1
+    rows[:, M.C_RANK_DKV] = rank_dkv
+    rows[:, M.C_HEAD_KV] = head // g.group
+    rows[:, M.C_CTA] = -1
+    rows[:, M.C_UNIT] = kv
+    num_ctas = min(num_sms, T)
+    header = _header(name, g, num_ctas, T, M.DISPATCH_DYNAMIC,
+                     M.RANK_ASC if ascending_rank else M.RANK_DESC,
+                     0, g.n_kv, 0, N, 0)
+    meta = M.ScheduleMeta(header, np.zeros(0, dtype=np.int32), _i32(rows))
+    return Schedule(name=name, geometry=g, num_sms=num_sms, dispatch="dynamic", num_ctas=num_ctas,
+                    task_batch=batch, task_head=head, task_kv=kv, task_cta=np.full(T, -1, np.int64),
+                    task_unit=kv.copy(), rank_dkv=rank_dkv, step_offsets=offsets, step_q=q,
+                    step_rank=rank, step_wave=None, step_time=None, meta=meta)
+
+
+# ---------------------------------------------------------------- static
+def shift_layout(g: Geometry, name: str) -> tuple[int, int, int]:
+    """(units_per_head, pairs_hi, rect_begin) of a static schedule.
+
+    ``shift``: every KV tile is its own unit.  ``symmetric_shift`` on a causal
+    mask: unit p holds KV tile p ("lo") and, for p < n_kv // 2, KV tile
+    n_kv-1-p ("hi").  On a full mask every KV tile has the same length, there is
+    nothing to level, and symmetric_shift *is* shift.
+    rect_begin R: the Q tiles [R, n_q) are met by every lo tile (the dense
+    rectangle); hi tiles meet only Q tiles >= R.  With an odd n_kv the middle
+    tile is a lo tile without partner.
+    """
+    n = g.n_kv
+    if name == "symmetric_shift" and g.causal and n >= 2:
+        pairs_hi = n // 2
+        units = n - pairs_hi
+        # any R with q_begin[last lo] <= R <= q_begin[first hi] works.  Take the
+        # paper's (the first hi tile's q_begin) unless the rectangle would then be
+        # narrower than the number of lo tiles (odd n), which forces collisions.
+        rect = int(g.q_begin[units])
+        if g.n_q - rect < units:
+            rect = int(g.q_begin[units - 1])
+    else:
+        pairs_hi = 0
+        units = n
+        rect = int(g.q_begin[n - 1])
+    return units, pairs_hi, rect
+
+
+def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
+    """shift / symmetric_shift.
+
+    Unit u = (head index, p), u = head_index * units + p, runs on CTA u % S in
+    wave u // S.  The units of one head that share a wave form a *segment*
+    [pa, pb); slot i = p - pa.
+
+    lo tile p:  first the dense rectangle [R, n_q) as a cyclic shift starting at
+                R + i % W (W = n_q - R), then its remaining Q tiles [q_begin, R)
+                ascending (stage 2, the upper-left part).
+    hi tile:    Q tiles n_q-1 down to its q_begin (stage 2, the folded lower-right
+                triangle), right after the lo tile on the same CTA.
+
+    Ranks: every contribution gets a planned time (wave, t) with t its step
+    number within the unit; dQ adds happen in planned-time order.  Ties (only
+    possible when a segment is wider than the rectangle, or lo tiles share a
+    q_begin) break by slot in the rectangle and by descending unit elsewhere.
+    Since the planned time strictly increases along every CTA's program, the
+    wait-for graph is acyclic by construction; validation checks it anyway.
+    """
+    if g.active_kv.size != g.n_kv:  # cannot happen with the supported masks
+        raise ValueError(f"{name} needs every KV tile to have work")
+    units, pairs_hi, rect = shift_layout(g, name)
+    width = g.n_q - rect
+    n = g.n_kv
+    H = g.num_heads_total
+    U = H * units
+    S = num_sms
+    u = np.arange(U, dtype=np.int64)
+    u_head, u_p = u // units, u % units
+    u_cta, u_wave = u % S, u // S
+    u_pa = np.maximum(0, u_wave * S - u_head * units)
+    u_pb = np.minimum(units, (u_wave + 1) * S - u_head * units)
+    u_rows = 1 + (u_p < pairs_hi)
+    # table order: grouped by CTA, units in increasing u
+    uo = np.lexsort((u, u_cta))
+    row_unit = np.repeat(uo, u_rows[uo])
+    row_start = np.cumsum(u_rows[uo]) - u_rows[uo]
+    role = np.arange(row_unit.size, dtype=np.int64) - np.repeat(row_start, u_rows[uo])
+    p = u_p[row_unit]
+    kv = np.where(role == 0, p, n - 1 - p)
+    hidx = u_head[row_unit]
+    batch, head = hidx // g.heads, hidx % g.heads
+    pa, pb = u_pa[row_unit], u_pb[row_unit]
+    slot = p - pa
+    lens = g.task_len[kv]
+    T = kv.size
+
+    # (b) explicit visiting orders, built from their definition
+    step_q_parts = []
+    cache = {}
+    for r in range(T):
+        key = (int(role[r]), int(kv[r]), int(slot[r] % width))
+        seq = cache.get(key)
+        if seq is None:
+            if role[r] == 0:
+                rect_part = np.roll(np.arange(rect, g.n_q, dtype=np.int64), -key[2])
+                seq = np.concatenate([rect_part, np.arange(g.q_begin[kv[r]], rect, dtype=np.int64)])
+            else:
+                seq = np.arange(g.n_q - 1, g.q_begin[kv[r]] - 1, -1, dtype=np.int64)
+            cache[key] = seq
+        step_q_parts.append(seq)
+    step_q = np.concatenate(step_q_parts) if step_q_parts else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    N = int(offsets[-1])
+    step_task = np.repeat(np.arange(T, dtype=np.int64), lens)
+    s = np.arange(N, dtype=np.int64) - offsets[step_task]
+    # (c) ranks by planned time
+    lo_len = g.task_len[p]
+    t = np.where(role == 1, lo_len, 0)[step_task] + s
+    wave = u_wave[row_unit][step_task]
+    in_rect_leg = (role[step_task] == 0) & (s < width)
+    tie = np.where(in_rect_leg, slot[step_task], -p[step_task])
+    gid = hidx[step_task] * g.n_q + step_q
+    rank = _ranks_by_key(gid, wave, t, tie)
+    rank_dkv = head % g.group
+
+    num_ctas = min(S, U)
+    cta = u_cta[row_unit]
+    cta_offsets = np.concatenate([[0], np.cumsum(np.bincount(cta, minlength=num_ctas))])
+    rows = np.zeros((T, M.NUM_COLS), dtype=np.int64)
+    rows[:, M.C_BATCH], rows[:, M.C_HEAD], rows[:, M.C_KV] = batch, head, kv
+    rows[:, M.C_N_STEPS] = lens
+    rows[:, M.C_CYC_LEN] = np.where(role == 0, width, 0)
+    rows[:, M.C_CYC_BASE] = np.where(role == 0, rect, 0)
+    rows[:, M.C_CYC_OFF] = np.where(role == 0, slot % width, 0)
+    rows[:, M.C_LIN_BASE] = np.where(role == 0, g.q_begin[kv], g.n_q - 1)
+    rows[:, M.C_LIN_DIR] = np.where(role == 0, 1, -1)
+    rows[:, M.C_ROLE] = role
+    rows[:, M.C_SEG_BEGIN], rows[:, M.C_SEG_END] = pa, pb
+    rows[:, M.C_RANK_DKV] = rank_dkv
+    rows[:, M.C_HEAD_KV] = head // g.group
+    rows[:, M.C_CTA] = cta
+    rows[:, M.C_UNIT] = p
+    header = _header(name, g, num_ctas, T, M.DISPATCH_STATIC, M.RANK_SHIFT, rect, units, pairs_hi,
+                     N, num_ctas + 1)
+    meta = M.ScheduleMeta(header, _i32(cta_offsets), _i32(rows))
+    return Schedule(name=name, geometry=g, num_sms=S, dispatch="static", num_ctas=num_ctas,
+                    task_batch=batch, task_head=head, task_kv=kv, task_cta=cta, task_unit=p,
+                    rank_dkv=rank_dkv, step_offsets=offsets, step_q=step_q, step_rank=rank,
+                    step_wave=wave, step_time=t, meta=meta)
+
+
+# ---------------------------------------------------------------- entry points
+def build_schedule(name: str, geometry: Geometry, num_sms: int, *, validate: bool = True) -> Schedule:
+    """Build schedule ``name`` for ``geometry`` on ``num_sms`` persistent CTAs.
+
+    With ``validate=True`` (default) every check of :func:`.validate.validate`
+    runs and a failing schedule raises :class:`ScheduleError`.
+    """
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
+    num_sms = _check_num_sms(num_sms)
+    name = resolve_schedule_name(name, geometry)
+    builder = _build_dynamic if name in DYNAMIC_SCHEDULES else _build_static
+    sched = builder(name, geometry, num_sms)
+    if validate:
+        sched.validate()
+    return sched
+
+
+@lru_cache(maxsize=32)
+def _get_schedule_cached(name: str, geometry: Geometry, num_sms: int) -> Schedule:
+    return build_schedule(name, geometry, num_sms, validate=True)
+
+
+@lru_cache(maxsize=1024)
+def _get_metadata_cached(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
+    return _get_schedule_cached(name, geometry, num_sms).meta
+
+
+def get_schedule(name: str, geometry: Geometry, num_sms: int) -> Schedule:
+    """Validated schedule, cached by (name, geometry, num_sms).  ``auto`` resolves first.
+
+    This is what the kernel launcher calls for every backward; a repeated shape
+    costs one dictionary lookup.
+    """
+    num_sms = _check_num_sms(num_sms)
+    return _get_schedule_cached(resolve_schedule_name(name, geometry), geometry, num_sms)
+
+
+def get_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
+    """Only the kernel's input of the validated schedule (O(tasks) int32), cached.
+
+    The full :class:`Schedule` keeps O(steps) arrays for inspection and is
+    cached for fewer shapes; the launcher should call this.
+    """
+    num_sms = _check_num_sms(num_sms)
+    return _get_metadata_cached(resolve_schedule_name(name, geometry), geometry, num_sms)
+
+
+def clear_cache() -> None:
+    _get_schedule_cached.cache_clear()
+    _get_metadata_cached.cache_clear()

@@ -1,0 +1,100 @@
+"""Tile geometry: pair sets, masks, ragged tiles, block sizes."""
+
+import numpy as np
+import pytest
+
+from dash_fa3.schedule import Geometry, bwd_block_sizes
+from dash_fa3.schedule.geometry import kv_end_int
+
+
+def brute_pairs(g: Geometry):
+    """(kv, q) pairs from the element-level mask."""
+    i = np.arange(g.seqlen_q)[:, None]
+    j = np.arange(g.seqlen_k)[None, :]
+    allowed = np.ones((g.seqlen_q, g.seqlen_k), bool)
+    if g.causal:
+        allowed = j <= i + g.seqlen_k - g.seqlen_q
+    out = set()
+    counts = {}
+    for kv in range(g.n_kv):
+        for q in range(g.n_q):
+            blk = allowed[q * g.block_m:(q + 1) * g.block_m, kv * g.block_n:(kv + 1) * g.block_n]
+            if blk.any():
+                out.add((kv, q))
+            counts[(kv, q)] = int(blk.sum())
+    return out, counts
+
+
+SHAPES = [
+    (1, 1, 1, 128, 128, 64, 64, "full"),
+    (1, 1, 1, 128, 128, 64, 64, "causal"),
+    (1, 1, 1, 100, 300, 32, 64, "causal"),   # seqlen_k > seqlen_q, ragged
+    (1, 1, 1, 300, 100, 64, 32, "causal"),   # seqlen_q > seqlen_k: early rows attend nothing
+    (1, 1, 1, 1, 1, 64, 64, "causal"),
+    (1, 1, 1, 257, 129, 64, 128, "causal"),
+    (1, 1, 1, 257, 129, 64, 128, "full"),
+    (1, 1, 1, 64, 512, 64, 128, "causal"),
+    (1, 1, 1, 512, 64, 64, 128, "causal"),
+    (1, 1, 1, 200, 200, 128, 32, "causal"),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pairs_match_element_mask(shape):
+    g = Geometry(*shape)
+    want, counts = brute_pairs(g)
+    assert g.needed_pairs() == want
+    kv, q = g.pairs()
+    assert len(kv) == g.pairs_per_head == len(want)
+    # q_begin / kv_end are consistent descriptions of the same set
+    for (k, qq) in [(k, qq) for k in range(g.n_kv) for qq in range(g.n_q)]:
+        assert ((k, qq) in want) == (qq >= g.q_begin[k]) == (k < g.kv_end[qq])
+        assert g.kv_end_of(qq) == int(g.kv_end[qq])
+    # element counts (cost model) match the brute-force mask
+    ka = np.array([k for k, _ in counts]); qa = np.array([qq for _, qq in counts])
+    assert np.array_equal(g.valid_elements(ka, qa), np.array(list(counts.values())))
+
+
+def test_seqlen_q_longer_than_k_has_empty_q_tiles():
+    g = Geometry(1, 1, 1, 512, 128, 64, 64, "causal")
+    # rows 0..383 attend nothing: Q tiles 0..5 get no pair
+    assert list(g.kv_end[:6]) == [0] * 6
+    assert all(g.q_begin >= 6)
+    # every KV tile still has work (the last query row sees every key)
+    assert np.all(g.task_len > 0)
+
+
+def test_kv_end_int_matches_vector():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        sq, sk = rng.integers(1, 700, size=2)
+        bm, bn = rng.choice([16, 32, 64, 128], size=2)
+        g = Geometry(1, 1, 1, int(sq), int(sk), int(bm), int(bn), "causal")
+        for q in range(g.n_q):
+            assert kv_end_int(q, g.seqlen_q, g.seqlen_k, g.block_m, g.block_n, g.n_kv, 1) == g.kv_end[q]
+
+
+def test_block_sizes_and_from_shape():
+    assert bwd_block_sizes(64) == (128, 128)
+    assert bwd_block_sizes(128) == (64, 128)
+    assert bwd_block_sizes(96) == (64, 128)
+    assert bwd_block_sizes(100) == bwd_block_sizes(128)
+    with pytest.raises(ValueError):
+        bwd_block_sizes(512)
+    g = Geometry.from_shape(batch=2, heads=16, seqlen_q=8192, headdim=128, causal=True)
+    assert (g.block_m, g.block_n, g.n_q, g.n_kv, g.mask) == (64, 128, 128, 64, "causal")
+    g = Geometry.from_shape(batch=1, heads=8, seqlen_q=1000, headdim=64, block_m=64)
+    assert (g.block_m, g.block_n, g.n_q, g.n_kv) == (64, 128, 16, 8)
+
+
+def test_geometry_checks_and_hash():
+    with pytest.raises(ValueError):
+        Geometry(1, 6, 4, 128, 128, 64, 64)
+    with pytest.raises(ValueError):
+        Geometry(1, 4, 4, 0, 128, 64, 64)
+    with pytest.raises(ValueError):
+        Geometry(1, 4, 4, 128, 128, 64, 64, "sliding")
+    a = Geometry(1, 4, None, 128, 128, 64, 64)
+    b = Geometry(1, 4, 4, 128, 128, 64, 64)
+    assert a == b and hash(a) == hash(b) and a.heads_kv == 4 and a.group == 1
+    assert Geometry(2, 8, 2, 128, 128, 64, 64).group == 4

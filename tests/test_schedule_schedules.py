@@ -1,0 +1,201 @@
+"""Schedule semantics on small readable cases, refusals, caching."""
+
+import numpy as np
+import pytest
+
+from dash_fa3.schedule import (SCHEDULES, Geometry, ScheduleError, build_schedule, get_metadata, get_schedule,
+                               resolve_schedule_name, simulate, CostModel)
+from dash_fa3.schedule.schedules import Schedule
+from dash_fa3.schedule.validate import check_deadlock_free, check_structure
+
+
+def orders(s):
+    return {(int(s.task_head[t]), int(s.task_kv[t])): s.visiting_order(t).tolist() for t in range(s.num_tasks)}
+
+
+def test_fa3_spt_descending_orders_and_ranks():
+    g = Geometry.model(4, 1, "causal")
+    fa3 = build_schedule("fa3", g, 4)
+    assert fa3.dynamic and fa3.task_kv.tolist() == [0, 1, 2, 3]
+    assert orders(fa3)[(0, 1)] == [1, 2, 3]
+    assert fa3.accumulation_order(0, 0, 3).tolist() == [0, 1, 2, 3]
+    spt = build_schedule("spt", g, 4)
+    assert spt.task_kv.tolist() == [3, 2, 1, 0]            # shortest first
+    assert orders(spt)[(0, 1)] == [1, 2, 3]
+    assert spt.accumulation_order(0, 0, 3).tolist() == [3, 2, 1, 0]
+    desc = build_schedule("descending", g, 4)
+    assert desc.task_kv.tolist() == [0, 1, 2, 3]
+    assert orders(desc)[(0, 1)] == [3, 2, 1]
+    assert desc.accumulation_order(0, 0, 2).tolist() == [0, 1, 2]
+
+
+def test_shift_is_cyclic_and_collision_free():
+    n = 5
+    g = Geometry.model(n, 3, "full")
+    s = build_schedule("shift", g, n)
+    assert not s.dynamic and s.num_ctas == n
+    for t in range(s.num_tasks):
+        kv = int(s.task_kv[t])
+        assert s.visiting_order(t).tolist() == [(kv + k) % n for k in range(n)]
+        assert int(s.task_cta[t]) == kv                      # head h is wave h, KV tile i on CTA i
+    # rank = step at which the tile reaches q = (q - kv) mod n
+    for q in range(n):
+        assert s.accumulation_order(0, 1, q).tolist() == [(q - k) % n for k in range(n)]
+    assert s.validate().collisions == 0
+
+
+def test_symmetric_shift_paper_layout():
+    n = 8
+    g = Geometry.model(n, 2, "causal")
+    s = build_schedule("symmetric_shift", g, n)
+    assert s.num_ctas == n
+    # CTA p runs KV tile p then KV tile n-1-p (head 0 on CTAs 0..3, head 1 on 4..7)
+    for cta in range(n):
+        tasks = s.cta_tasks(cta)
+        p = cta % (n // 2)
+        assert s.task_kv[tasks].tolist() == [p, n - 1 - p]
+        lo, hi = (s.visiting_order(t).tolist() for t in tasks)
+        # stage 1: cyclic shift over the dense rectangle [n/2, n); stage 2: the rest ascending
+        assert lo == [n // 2 + (p + k) % (n // 2) for k in range(n // 2)] + list(range(p, n // 2))
+        # folded lower-right triangle: descending
+        assert hi == list(range(n - 1, n - 2 - p, -1))
+        # level work: n + 1 steps per CTA
+        assert len(lo) + len(hi) == n + 1
+    assert s.validate().collisions == 0
+
+
+def test_symmetric_shift_on_full_is_shift():
+    g = Geometry.model(6, 2, "full")
+    a, b = build_schedule("shift", g, 6), build_schedule("symmetric_shift", g, 6)
+    assert np.array_equal(a.step_q, b.step_q) and np.array_equal(a.step_rank, b.step_rank)
+    assert np.array_equal(a.meta.tasks, b.meta.tasks)
+
+
+def test_shift_generalizes_to_causal():
+    g = Geometry.model(6, 2, "causal")
+    s = build_schedule("shift", g, 6)   # valid (rectangle shift + ascending rest), not balanced
+    rep = s.validate()
+    # the rectangle is the last Q tile only: all six tiles meet it at step 0 (two heads)
+    assert rep.collisions == 2 * 5
+    assert all(s.visiting_order(t).tolist() == [5] + list(range(int(s.task_kv[t]), 5))
+               for t in range(s.num_tasks))
+
+
+def test_auto_rule():
+    assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "shift"
+    assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "descending"
+    assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "descending"
+    with pytest.raises(ValueError, match="unknown schedule"):
+        resolve_schedule_name("nope", Geometry.model(4, 1))
+
+
+def test_cache_and_sm_count():
+    g = Geometry.from_shape(batch=2, heads=16, seqlen_q=2048, headdim=128, causal=True)
+    a = get_schedule("symmetric_shift", g, 132)
+    b = get_schedule("symmetric_shift", Geometry.from_shape(batch=2, heads=16, seqlen_q=2048, headdim=128,
+                                                            causal=True), 132)
+    assert a is b and hash(a) == hash(b)
+    c = get_schedule("symmetric_shift", g, 114)
+    assert c is not a and c.num_ctas == 114 and a.num_ctas == 132
+    assert int(a.meta.header[5]) == 132 and int(c.meta.header[5]) == 114
+    with pytest.raises(ValueError):
+        get_schedule("shift", g, 0)
+    meta = get_metadata("auto", g, 132)
+    assert meta is get_metadata("descending", g, 132)
+    assert np.array_equal(meta.tasks, get_schedule("descending", g, 132).meta.tasks)
+
+
+def test_gqa_dkv_order():
+    g = Geometry(2, 8, 2, 256, 256, 64, 64, "causal")      # groups of 4 q heads
+    for name in SCHEDULES:
+        s = build_schedule(name, g, 7)
+        # each (batch, kv head, kv tile) gets ranks 0..3 from its 4 q heads, in q-head order
+        for t in range(s.num_tasks):
+            assert s.rank_dkv[t] == s.task_head[t] % 4
+        sim = simulate(s, CostModel(1, 1, epilogue=0.5))
+        grp = s.task_dkv_group
+        for gid in np.unique(grp)[:5]:
+            idx = np.flatnonzero(grp == gid)
+            order = idx[np.argsort(s.rank_dkv[idx])]
+            assert np.all(np.diff(sim.epilogue_start[order]) >= 0.5 - 1e-9)
+
+
+# ------------------------------------------------------------------ refusals
+def clone(s, **kw):
+    fields = dict(name=s.name, geometry=s.geometry, num_sms=s.num_sms, dispatch=s.dispatch,
+                  num_ctas=s.num_ctas, task_batch=s.task_batch, task_head=s.task_head, task_kv=s.task_kv,
+                  task_cta=s.task_cta, task_unit=s.task_unit, rank_dkv=s.rank_dkv,
+                  step_offsets=s.step_offsets, step_q=s.step_q, step_rank=s.step_rank,
+                  step_wave=s.step_wave, step_time=s.step_time, meta=s.meta)
+    fields.update(kw)
+    return Schedule(**fields)
+
+
+def test_refuses_double_visit():
+    s = build_schedule("fa3", Geometry.model(3, 1, "full"), 3)
+    q = s.step_q.copy()
+    q[1] = q[0]
+    with pytest.raises(ScheduleError, match="visited twice"):
+        clone(s, step_q=q).validate()
+
+
+def test_refuses_masked_visit():
+    s = build_schedule("fa3", Geometry.model(3, 1, "causal"), 3)
+    q = s.step_q.copy()
+    t = s.find_task(0, 0, 2)
+    q[s.step_offsets[t]] = 0
+    with pytest.raises(ScheduleError, match="does not need"):
+        clone(s, step_q=q).validate()
+
+
+def test_refuses_bad_rank_permutation():
+    s = build_schedule("shift", Geometry.model(3, 1, "full"), 3)
+    r = s.step_rank.copy()
+    r[0] = 7
+    with pytest.raises(ScheduleError, match="not a permutation"):
+        clone(s, step_rank=r).validate()
+
+
+def test_refuses_metadata_mismatch():
+    s = build_schedule("symmetric_shift", Geometry.model(6, 2, "causal"), 6)
+    r = s.step_rank.copy()
+    t = s.step_task == 0
+    r[t] = r[t][::-1] if t.sum() > 1 else r[t]
+    # still a permutation per tile? make one by swapping two contributions of one dQ tile
+    gid = s.step_dq_tile
+    a, b = np.flatnonzero(gid == gid[0])[:2]
+    r = s.step_rank.copy()
+    r[a], r[b] = r[b], r[a]
+    with pytest.raises(ScheduleError, match="metadata decodes"):
+        clone(s, step_rank=r).validate()
+
+
+def test_refuses_static_deadlock():
+    # shift, 2 KV tiles x 2 Q tiles on 2 CTAs: tile 0 visits q0,q1; tile 1 visits q1,q0.
+    s = build_schedule("shift", Geometry.model(2, 1, "full"), 2)
+    bad = clone(s, step_rank=1 - s.step_rank)   # later contribution first on both tiles: a cycle
+    check_structure(clone(s))                    # sanity
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_deadlock_free(bad)
+
+
+def test_refuses_static_deadlock_behind_waiting_task():
+    # one CTA runs both tiles; ranks make the first task wait for the second
+    g = Geometry.model(2, 1, "full")
+    s = build_schedule("shift", g, 1)
+    assert s.num_ctas == 1
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_deadlock_free(clone(s, step_rank=1 - s.step_rank))
+
+
+def test_refuses_dynamic_wait_on_later_task():
+    s = build_schedule("fa3", Geometry.model(3, 1, "full"), 3)
+    bad = clone(s, step_rank=2 - s.step_rank)     # descending kv ranks, ascending queue
+    with pytest.raises(ScheduleError, match="claimed later"):
+        check_deadlock_free(bad)
+
+
+def test_refuses_too_many_ctas():
+    s = build_schedule("shift", Geometry.model(4, 1, "full"), 4)
+    with pytest.raises(ScheduleError, match="persistent grid"):
+        clone(s, num_sms=2).validate()
