@@ -90,6 +90,20 @@ def run_cpu(args, reason: str) -> None:
     ])
 
 
+def print_schedule_model(args, num_sms: int, what: str = "this shape") -> None:
+    """The schedule model's prediction for this shape: what the deterministic backward's schedules cost."""
+    from .schedule import cli
+
+    print(f"\nSchedule model (dash_fa3.schedule) for {what}, {num_sms} SMs, deterministic backward:")
+    argv = ["--seqlen", str(args.seqlen), "--headdim", str(args.headdim), "--heads", str(args.heads),
+            "--batch", str(args.batch), "--schedule", "all", "--sms", str(num_sms), "--no-gantt"]
+    if args.heads_kv:
+        argv += ["--heads-kv", str(args.heads_kv)]
+    if args.causal:
+        argv.append("--causal")
+    cli.main(argv)
+
+
 def _print_rows(rows) -> None:
     print(f"\n{'step':<16} {'ms':>9}  {'rate':>14}  implementation")
     for step, impl, ms, rate in rows:
@@ -110,12 +124,16 @@ def main(argv=None) -> int:
     mask.add_argument("--full", dest="causal", action="store_false")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sms", type=int, default=132, help="SM count for the schedule model without a GPU (default: H100/H200 SXM)")
     args = ap.parse_args(argv)
     reason = gpu_unavailable_reason()
     if reason is None:
         run_gpu(args)
+        print_schedule_model(args, _ext.num_sms(torch.cuda.current_device()))
     else:
+        model_args = argparse.Namespace(**vars(args))
         run_cpu(args, reason)
+        print_schedule_model(model_args, args.sms, "the shape a GPU run would use")
     return 0
 
 
