@@ -1,0 +1,78 @@
+"""Lowering dynamically dispatched schedules to static ones for the kernel.
+
+The backward kernel runs static task lists: CTA i runs table rows
+[offsets[i], offsets[i+1]). ``fa3``, ``spt`` and ``descending`` are defined
+with a global queue that free CTAs claim from (how the hardware hands a plain
+grid to SMs). Lowering fixes, ahead of the launch, the CTA each task would be
+claimed by under the cost model: tasks in queue order, each to the CTA that
+becomes free first (ties to the lowest index), with a task's cost its number of
+Q-tile steps. Orders (b) and (c) are unchanged: only (a) becomes explicit.
+
+Deadlock-freedom carries over: a task only waits on tasks earlier in the queue,
+and each CTA runs its tasks in queue order, so the earliest unfinished task
+can always run. Validation checks it again on the lowered schedule.
+"""
+
+from __future__ import annotations
+
+import heapq
+from functools import lru_cache
+
+import numpy as np
+
+from . import metadata as M
+from .geometry import Geometry
+from .schedules import Schedule, _check_num_sms, _i32, get_schedule, resolve_schedule_name
+
+
+def greedy_assignment(task_cost: np.ndarray, num_ctas: int) -> np.ndarray:
+    """CTA of each task when tasks, in order, go to the CTA that frees first."""
+    free = [(0, cta) for cta in range(num_ctas)]
+    cta_of = np.empty(task_cost.size, dtype=np.int64)
+    for t, cost in enumerate(task_cost.tolist()):
+        when, cta = heapq.heappop(free)
+        cta_of[t] = cta
+        heapq.heappush(free, (when + cost, cta))
+    return cta_of
+
+
+def lower_to_static(s: Schedule, *, validate: bool = True) -> Schedule:
+    """The static form of ``s`` (``s`` itself when it is already static)."""
+    if not s.dynamic:
+        return s
+    T = s.num_tasks
+    cta = greedy_assignment(s.task_steps, s.num_ctas)
+    perm = np.lexsort((np.arange(T), cta))  # by CTA, queue order within a CTA
+    lens = s.task_steps[perm]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    step_idx = np.repeat(s.step_offsets[perm] - offsets[:-1], lens) + np.arange(int(offsets[-1]))
+    counts = np.bincount(cta, minlength=s.num_ctas)
+    cta_offsets = np.concatenate([[0], np.cumsum(counts)])
+
+    rows = s.meta.tasks.astype(np.int64)[perm]
+    rows[:, M.C_CTA] = cta[perm]
+    header = s.meta.header.astype(np.int64).copy()
+    header[M.H_DISPATCH] = M.DISPATCH_STATIC
+    header[M.H_OFFSETS_LEN] = s.num_ctas + 1
+    meta = M.ScheduleMeta(_i32(header), _i32(cta_offsets), _i32(rows))
+    lowered = Schedule(
+        name=s.name, geometry=s.geometry, num_sms=s.num_sms, dispatch="static", num_ctas=s.num_ctas,
+        task_batch=s.task_batch[perm], task_head=s.task_head[perm], task_kv=s.task_kv[perm],
+        task_cta=cta[perm], task_unit=s.task_unit[perm], rank_dkv=s.rank_dkv[perm],
+        step_offsets=offsets, step_q=s.step_q[step_idx], step_rank=s.step_rank[step_idx],
+        step_wave=None, step_time=None, meta=meta,
+    )
+    if validate:
+        lowered.validate()
+    return lowered
+
+
+@lru_cache(maxsize=1024)
+def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
+    return lower_to_static(get_schedule(name, geometry, num_sms)).meta
+
+
+def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
+    """The validated, static metadata the backward kernel runs; cached by shape."""
+    num_sms = _check_num_sms(num_sms)
+    return _kernel_metadata_cached(resolve_schedule_name(name, geometry), geometry, num_sms)
