@@ -55,5 +55,10 @@ def built_fwd_variants() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def built_bwd_variants() -> tuple[str, ...]:
+    return tuple(ops().built_bwd_variants())
+
+
+@functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -16,14 +16,6 @@ def _unsupported(feature: str) -> NotImplementedError:
     return NotImplementedError(f"dash_fa3.flash_attn_func does not support {feature}")
 
 
-def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    # The kernels address rows through TMA, which needs 16-byte aligned strides
-    # and base; other layouts are copied once (the last dim is already contiguous).
-    elems = 16 // t.element_size()
-    aligned = t.data_ptr() % 16 == 0 and all(s % elems == 0 or n == 1 for s, n in zip(t.stride()[:3], t.shape[:3]))
-    return t if aligned else t.contiguous()
-
-
 def flash_attn_func(
     q,
     k,
@@ -83,6 +75,6 @@ def flash_attn_func(
         num_sms -= sm_margin
         if num_sms < 1:
             raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {num_sms + sm_margin}")
-        q, k, v = (_kernel_layout(t) for t in (q, k, v))
+        q, k, v = (ops.kernel_layout(t) for t in (q, k, v))
     out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal), num_sms, bool(deterministic), schedule)
     return (out, lse) if return_attn_probs else out

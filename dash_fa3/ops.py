@@ -8,15 +8,55 @@ torch.compile and replay under CUDA graphs.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
-from . import _ext, reference
+from . import _ext, reference, variants
 
 
 class ReferenceBackwardWarning(UserWarning):
-    """The GPU backward ran the fp32 reference because the backward kernel is not built yet."""
+    """The GPU backward ran the fp32 reference: no backward kernel exists for this head dim."""
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if the kernels can address it through TMA (16-byte aligned base
+    and strides, contiguous last dim), else a contiguous copy."""
+    elems = 16 // t.element_size()
+    aligned = (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s % elems == 0 or n == 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+    )
+    return t if aligned else t.contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_tensors(schedule: str, geometry, num_sms: int, device: torch.device):
+    """The validated static schedule metadata on ``device`` and its header on the
+    host, cached per shape: a repeated shape costs one lookup, no host work and no
+    copy (so the backward can be captured in a CUDA graph after one eager call)."""
+    from .schedule.lowering import get_kernel_metadata
+
+    flat = torch.from_numpy(get_kernel_metadata(schedule, geometry, num_sms).as_int32_array())
+    return flat.to(device), flat.clone()
+
+
+def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, num_sms):
+    from .schedule import Geometry, bwd_block_sizes
+
+    c = _ext.ops()
+    batch, seqlen_q, heads, hdim = q.shape
+    block_m, block_n = bwd_block_sizes(hdim)
+    dpsum, lse_log2, dq_accum, dq_semaphore = c.bwd_preprocess(out, dout, lse, block_m)
+    geometry = Geometry(batch=batch, heads=heads, heads_kv=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1],
+                        block_m=block_m, block_n=block_n, mask="causal" if causal else "full")
+    flat, header = _schedule_tensors(schedule, geometry, num_sms, q.device)
+    dk, dv = c.bwd(dout, q, k, v, dpsum, lse_log2, dq_accum, dq_semaphore, flat, header, softmax_scale, causal,
+                   deterministic)
+    dq = c.bwd_postprocess(dq_accum, seqlen_q, softmax_scale, q.dtype)
+    return dq, dk, dv
 
 
 @torch.library.custom_op("dash_fa3::fwd", mutates_args=())
@@ -63,11 +103,22 @@ def bwd(
     schedule: str,
     num_sms: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward: (dq, dk, dv) in the inputs' dtype."""
+    """Attention backward: (dq, dk, dv) in the inputs' dtype.
+
+    On CUDA the Hopper kernel runs the validated ``schedule``; ``deterministic``
+    orders every dQ (and, for GQA, dK/dV) accumulation by it. Head dims without a
+    backward kernel run the fp32 reference and warn.
+    """
     if dout.is_cuda:
+        variant = variants.Variant(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
+                                   "causal" if causal else "full")
+        if variant.name in _ext.built_bwd_variants():
+            return _bwd_cuda(kernel_layout(dout), q, k, v, out, lse, softmax_scale, causal, deterministic,
+                             schedule, num_sms)
         warnings.warn(
-            "dash_fa3: the Hopper backward kernel is not built yet, so the GPU backward runs the "
-            "fp32 reference: correct and deterministic, but slow and O(seqlen_q * seqlen_k) in memory",
+            f"dash_fa3: no Hopper backward kernel for {variant.name} (kernels exist for head dims "
+            f"{', '.join(map(str, variants.BWD_HEADDIMS))}), so the GPU backward runs the fp32 reference: "
+            f"correct and deterministic, but slow and O(seqlen_q * seqlen_k) in memory",
             ReferenceBackwardWarning,
             stacklevel=2,
         )

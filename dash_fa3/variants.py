@@ -29,6 +29,8 @@ ENV_VAR = "DASH_FA3_VARIANTS"
 HEADDIMS: tuple[int, ...] = (64, 96, 128, 192, 256)
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
 MASKS: tuple[str, ...] = ("full", "causal")
+# Head dims with a Hopper backward kernel; the others run the reference backward, with a warning.
+BWD_HEADDIMS: tuple[int, ...] = (64, 96, 128)
 
 # What a plain build compiles: the head dims of the benchmark grid. Wider
 # builds name their head dims explicitly (``DASH_FA3_VARIANTS=all``).
@@ -48,6 +50,10 @@ class Variant:
     @property
     def causal(self) -> bool:
         return self.mask == "causal"
+
+    @property
+    def has_bwd(self) -> bool:
+        return self.hdim in BWD_HEADDIMS
 
     def tokens(self) -> frozenset[str]:
         return frozenset((f"hdim{self.hdim}", self.dtype, self.mask))

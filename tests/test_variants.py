@@ -43,19 +43,24 @@ def test_variant_name_roundtrip():
 
 
 def test_checked_in_instantiations_match_generator():
-    """csrc/instantiations/ holds exactly one generated file per known variant."""
+    """csrc/instantiations/ holds exactly one generated file per known (direction, variant)."""
+    pairs = build_config.instantiations(variants.ALL_VARIANTS)
     on_disk = {f for f in os.listdir(build_config.INSTANTIATIONS) if f.endswith(".cu")}
-    expected = {build_config.fwd_instantiation_name(v) for v in variants.ALL_VARIANTS}
-    assert on_disk == expected
-    for v in variants.ALL_VARIANTS:
-        path = build_config.INSTANTIATIONS / build_config.fwd_instantiation_name(v)
-        assert path.read_text() == build_config.fwd_instantiation_source(v)
+    assert on_disk == {build_config.instantiation_name(d, v) for d, v in pairs}
+    for d, v in pairs:
+        path = build_config.INSTANTIATIONS / build_config.instantiation_name(d, v)
+        assert path.read_text() == build_config.instantiation_source(d, v)
+    # every variant has a forward; the backward exists for BWD_HEADDIMS
+    assert sum(d == "fwd" for d, _ in pairs) == len(variants.ALL_VARIANTS)
+    assert {v.hdim for d, v in pairs if d == "bwd"} == set(variants.BWD_HEADDIMS)
 
 
 def test_build_sources_follow_selection():
     sel = variants.select("hdim128-bf16-causal")
     table = build_config.variant_table_source(sel)
-    assert '"hdim128-bf16-causal"' in table and "hdim64" not in table
+    assert table.count('"hdim128-bf16-causal"') == 2 and "hdim64" not in table  # fwd and bwd
+    table = build_config.variant_table_source(variants.select("hdim256-bf16-full"))
+    assert "DASH_FA3_FOR_EACH_BWD_VARIANT(X)" in table and table.count("hdim256") == 1  # no hdim256 backward
     for src in build_config.COMMON_SOURCES:
         assert os.path.isfile(os.path.join(ROOT, src)), src
 
@@ -65,3 +70,5 @@ def test_built_variants_are_declared():
     built = _ext.built_fwd_variants()
     assert built, "the extension declares no forward variant"
     assert set(built) <= {v.name for v in variants.ALL_VARIANTS}
+    bwd = _ext.built_bwd_variants()
+    assert set(bwd) == {name for name in built if variants.Variant.parse(name).has_bwd}

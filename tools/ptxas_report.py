@@ -2,9 +2,10 @@
 
 Compiles the .cu translation units of the selected variants (DASH_FA3_VARIANTS)
 with the extension's own nvcc flags plus -Xptxas -v, without a GPU, and prints
-one row per kernel. Exit status 1 if any kernel spills or fails to compile.
+one row per kernel. Exit status 1 if a kernel fails to compile or spills
+(except kernels matched by --allow-spills, whose spills are known and reported).
 
-    python tools/ptxas_report.py [--sources PATTERN ...] [--jobs N]
+    python tools/ptxas_report.py [--sources PATTERN ...] [--jobs N] [--allow-spills GLOB ...]
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sources", nargs="*", help="glob patterns over the .cu sources (default: all selected)")
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+    ap.add_argument("--allow-spills", nargs="*", default=[], metavar="PATTERN",
+                    help="demangled-name globs whose spills are known (reported, not failing)")
     args = ap.parse_args(argv)
 
     selected = build_config.variants.select()
@@ -92,10 +95,11 @@ def main(argv=None) -> int:
             rows = parse(log)
             for row, name in zip(rows, demangle([r["kernel"] for r in rows])):
                 spill = row.get("spill_st", 0) + row.get("spill_ld", 0)
-                spilled |= spill > 0
+                allowed = any(fnmatch.fnmatch(name, p) for p in args.allow_spills)
+                spilled |= spill > 0 and not allowed
                 print(
                     f"  regs {row.get('regs', '?'):>3}  smem {row.get('smem', 0):>6} B  stack {row.get('stack', 0):>4} B  "
-                    f"spill st/ld {row.get('spill_st', 0)}/{row.get('spill_ld', 0)}{'  <-- SPILLS' if spill else ''}  {name[:150]}"
+                    f"spill st/ld {row.get('spill_st', 0)}/{row.get('spill_ld', 0)}{('  <-- SPILLS (known)' if allowed else '  <-- SPILLS') if spill else ''}  {name[:150]}"
                 )
             for line in log.splitlines():
                 if "warning" in line.lower():

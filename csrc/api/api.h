@@ -20,7 +20,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(
 at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double softmax_scale,
                            at::ScalarType dtype);
 
+std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& dpsum, const at::Tensor& lse_log2,
+                                       at::Tensor& dq_accum, at::Tensor& dq_semaphore, const at::Tensor& schedule,
+                                       const at::Tensor& schedule_header, double softmax_scale, bool causal,
+                                       bool deterministic);
+
 std::vector<std::string> built_fwd_variants();
+std::vector<std::string> built_bwd_variants();
 
 // Shared input checks (csrc/api/checks.cpp).
 DType dtype_of(const at::Tensor& t, const char* name);

@@ -1,0 +1,95 @@
+// The backward main kernel: sets up barriers and pipelines, then dispatches
+// warp roles. All work lives in the role files:
+//   bwd_producer.h   TMA loads of K, V per task; Q+LSE, dO+dPsum per step   (warpgroup 0, warp 0)
+//   bwd_dq_writer.h  partial dQ -> dQ accumulator, TMA reduce-add, ordered  (warpgroup 0, warp 1)
+//   bwd_mainloop.h   S, P, dP, dS, dV, dK, partial dQ with WGMMA           (warpgroups 1 and 2)
+//   bwd_epilogue.h   dK, dV stores (GQA: ordered fp32 adds)                (warpgroups 1 and 2)
+//   bwd_tasks.h      which schedule rows a CTA runs                        (all roles)
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "kernels/bwd/bwd_dq_writer.h"
+#include "kernels/bwd/bwd_epilogue.h"
+#include "kernels/bwd/bwd_mainloop.h"
+#include "kernels/bwd/bwd_producer.h"
+#include "kernels/bwd/bwd_tasks.h"
+#include "kernels/bwd/bwd_traits.h"
+
+namespace dash_fa3::bwd {
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = typename Traits::Pipeline;
+  extern __shared__ char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  int const warp_idx = cutlass::canonical_warp_idx_sync();
+  int const warpgroup = cutlass::canonical_warp_group_idx();
+  WarpRole const role = warpgroup > 0 ? WarpRole::kMma
+                        : warp_idx == 0 ? WarpRole::kProducer
+                        : warp_idx == 1 ? WarpRole::kDqWriter
+                                        : WarpRole::kIdle;
+
+  if (warp_idx == 0 && cute::elect_one_sync()) {
+    BwdProducer<Traits>::prefetch_descriptors(p);
+    smem.kv_full.init(1);  // one arrival: the producer's expect-tx
+  }
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kNumMmaThreads;  // every MMA thread releases each stage
+  pipe_params.transaction_bytes = Traits::kTmaBytesQ + Traits::kRowStatBytes;
+  // Warp 0 initialises the stage barriers (and fences the inits).
+  Pipeline pipeline_q(smem.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_do(smem.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
+  // Barrier inits must be visible to every thread before anyone waits.
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (role == WarpRole::kProducer) {
+      BwdProducer<Traits>::run(p, smem, pipeline_q, pipeline_do);
+    } else if (role == WarpRole::kDqWriter) {
+      BwdDqWriter<Traits>::run(p, smem);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
+    using Mainloop = BwdMainloop<Traits>;
+    int const mma_tid = threadIdx.x - Traits::kThreadsPerWarpgroup;
+    Mainloop::init();
+    typename Traits::PipelineState read_q, read_do;
+    int kv_phase = 0;
+    int ds_stage = 0;
+    int dq_stage = 0;
+    CtaTasks const tasks = CtaTasks::of(p.schedule);
+    CUTE_NO_UNROLL
+    for (int task = tasks.begin; task < tasks.end; ++task) {
+      int32_t const* row = schedule::task_row(p.schedule, task);
+      int const n_steps = row[schedule::kCNSteps];
+      typename Mainloop::FragDkv tdKrdK, tdVrdV;
+      clear(tdKrdK);
+      clear(tdVrdV);
+      if (n_steps > 0) {
+        smem.kv_full.wait(kv_phase);
+        kv_phase ^= 1;
+        Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row,
+                           n_steps,
+                           mma_tid, tdKrdK, tdVrdV);
+        // Every GEMM of the task has retired: sK and sV are free for the next task.
+        Mainloop::init();
+      }
+      BwdEpilogue<Traits>::store(p, tdKrdK, tdVrdV, row, mma_tid);
+    }
+  }
+#endif
+}
+
+}  // namespace dash_fa3::bwd

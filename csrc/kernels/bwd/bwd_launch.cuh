@@ -1,0 +1,189 @@
+// Host launcher of the backward main kernel: defines dash_fa3::run_bwd
+// (declared in common/launch.h). Each instantiation file includes this header
+// once.
+//
+// Requirements on the inputs (checked here, cheaply, with a clear error):
+//   - q, k, v, dout, dk, dv 16-byte aligned (dk/dv: 4-byte); q, k, v, dout
+//     strides multiples of 8 elements (TMA needs 16-byte aligned strides);
+//   - headdim == kHeadDim; heads % heads_kv == 0; seqlen_q_rounded is seqlen_q
+//     rounded up to bwd_block_m(kHeadDim);
+//   - the schedule header matches this call (shape, block sizes, mask kind)
+//     and uses static dispatch; its CTA count is the grid size. The schedule
+//     must have been validated (every needed pair once, ranks a permutation,
+//     no wait cycle for this grid) by dash_fa3.schedule before launch;
+//   - GQA (heads != heads_kv): dk_accum, dv_accum, dkv_semaphore given and zeroed.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <cute/tensor.hpp>
+
+#include "common/cuda_check.h"
+#include "common/dtype.h"
+#include "common/launch.h"
+#include "common/params.h"
+#include "kernels/bwd/bwd_epilogue.h"
+#include "kernels/bwd/bwd_kernel.h"
+#include "kernels/bwd/bwd_traits.h"
+#include "schedules/schedule_metadata.h"
+
+namespace dash_fa3 {
+
+namespace bwd {
+
+inline void require(bool ok, const std::string& what) {
+  if (!ok) { throw std::invalid_argument("dash_fa3 bwd: " + what); }
+}
+
+inline bool aligned(const void* ptr, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; }
+
+inline bool tma_strides_ok(TensorStrides const& s) {
+  return s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0;
+}
+
+// Checks the host copy of the schedule header against the call.
+template <class Traits>
+void check_schedule_header(BwdParams const& a) {
+  namespace S = schedule;
+  int32_t const* h = a.schedule_header_host;
+  require(a.schedule != nullptr && h != nullptr, "schedule (device buffer and host header) must be given");
+  require(h[S::kHMagic] == S::kMagic && h[S::kHVersion] == S::kVersion,
+          "schedule buffer has a bad magic/version (not from dash_fa3.schedule.metadata)");
+  require(h[S::kHNumCols] == S::kNumCols, "schedule has an unexpected number of task columns");
+  require(h[S::kHDispatch] == S::kDispatchStatic, "dynamic-dispatch schedules are not supported by this kernel");
+  require(h[S::kHOffsetsLen] == h[S::kHNumCtas] + 1, "schedule cta_offsets must have num_ctas + 1 entries");
+  require(h[S::kHBatch] == a.batch && h[S::kHHeads] == a.heads && h[S::kHHeadsKv] == a.heads_kv &&
+              h[S::kHSeqlenQ] == a.seqlen_q && h[S::kHSeqlenK] == a.seqlen_k,
+          "schedule was built for another shape (batch, heads, heads_kv, seqlen_q, seqlen_k)");
+  require(h[S::kHBlockM] == Traits::kBlockM && h[S::kHBlockN] == Traits::kBlockN,
+          "schedule block sizes (" + std::to_string(h[S::kHBlockM]) + ", " + std::to_string(h[S::kHBlockN]) +
+              ") differ from the kernel's (" + std::to_string(Traits::kBlockM) + ", " +
+              std::to_string(Traits::kBlockN) + ")");
+  require(h[S::kHCausal] == int(Traits::kCausal), "schedule mask kind differs from the kernel's");
+  require(h[S::kHNumCtas] >= 1, "schedule has no CTAs");
+}
+
+template <class Traits>
+typename Traits::Params make_bwd_params(BwdParams const& a) {
+  using Element = typename Traits::Element;
+  typename Traits::Params p{};
+  auto shape_q = make_shape(a.seqlen_q, a.headdim, a.heads, a.batch);
+  auto shape_k = make_shape(a.seqlen_k, a.headdim, a.heads_kv, a.batch);
+  auto shape_dq = make_shape(a.seqlen_q_rounded, a.headdim, a.heads, a.batch);
+  auto gmem = [](void const* ptr, auto shape, TensorStrides const& s) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
+                       make_stride(s.row, _1{}, s.head, s.batch));
+  };
+  Tensor gQ = gmem(a.q, shape_q, a.q_stride);
+  Tensor gdO = gmem(a.dout, shape_q, a.do_stride);
+  Tensor gK = gmem(a.k, shape_k, a.k_stride);
+  Tensor gV = gmem(a.v, shape_k, a.v_stride);
+  int64_t const dq_row = a.headdim;
+  int64_t const dq_head = dq_row * a.seqlen_q_rounded;
+  int64_t const dq_batch = dq_head * a.heads;
+  Tensor gDq = make_tensor(make_gmem_ptr(a.dq_accum), shape_dq, make_stride(dq_row, _1{}, dq_head, dq_batch));
+  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  using TileK = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, _1{});
+  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Traits::SmemLayoutK{}, TileK{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gV, typename Traits::SmemLayoutK{}, TileK{}, _1{});
+  p.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{}, gDq, take<0, 2>(typename Traits::SmemLayoutDq{}), TileQ{}, _1{});
+  p.shape_q = shape_q;
+  p.shape_k = shape_k;
+  p.shape_dq = shape_dq;
+  p.lse_log2 = a.lse_log2;
+  p.dpsum = a.dpsum;
+  p.dq_semaphore = a.dq_semaphore;
+  p.dk = a.dk;
+  p.dv = a.dv;
+  p.dk_batch_stride = a.dk_stride.batch;
+  p.dk_row_stride = a.dk_stride.row;
+  p.dk_head_stride = a.dk_stride.head;
+  p.dv_batch_stride = a.dv_stride.batch;
+  p.dv_row_stride = a.dv_stride.row;
+  p.dv_head_stride = a.dv_stride.head;
+  bool const gqa = a.heads != a.heads_kv;
+  p.dk_accum = gqa ? a.dk_accum : nullptr;
+  p.dv_accum = gqa ? a.dv_accum : nullptr;
+  p.dkv_semaphore = gqa ? a.dkv_semaphore : nullptr;
+  p.schedule = a.schedule;
+  p.seqlen_q = a.seqlen_q;
+  p.seqlen_k = a.seqlen_k;
+  p.seqlen_q_rounded = a.seqlen_q_rounded;
+  p.heads = a.heads;
+  p.heads_kv = a.heads_kv;
+  p.batch = a.batch;
+  p.n_q = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  p.n_kv = (a.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  p.softmax_scale = a.softmax_scale;
+  p.softmax_scale_log2 = a.softmax_scale_log2;
+  p.deterministic = a.deterministic ? 1 : 0;
+  return p;
+}
+
+}  // namespace bwd
+
+template <int kHeadDim, DType kDType, bool kCausal>
+void run_bwd(const BwdParams& params, cudaStream_t stream) {
+  using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kCausal>;
+  using bwd::require;
+  using Elem = Element<kDType>;
+  require(params.headdim == kHeadDim, "headdim does not match the instantiation");
+  require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
+  require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
+  require(params.heads % params.heads_kv == 0, "heads must be a multiple of heads_kv");
+  int const n_q = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  require(params.seqlen_q_rounded == n_q * Traits::kBlockM,
+          "seqlen_q_rounded must be seqlen_q rounded up to block_m = " + std::to_string(Traits::kBlockM));
+  require(bwd::aligned(params.q, 16) && bwd::aligned(params.k, 16) && bwd::aligned(params.v, 16) &&
+              bwd::aligned(params.dout, 16) && bwd::aligned(params.dq_accum, 128),
+          "q, k, v, dout must be 16-byte aligned and dq_accum 128-byte aligned");
+  require(bwd::tma_strides_ok(params.q_stride) && bwd::tma_strides_ok(params.k_stride) &&
+              bwd::tma_strides_ok(params.v_stride) && bwd::tma_strides_ok(params.do_stride),
+          "q, k, v, dout strides (batch, row, head) must be multiples of 8 elements");
+  require(bwd::aligned(params.dk, 4) && bwd::aligned(params.dv, 4) && params.dk_stride.row % 2 == 0 &&
+              params.dk_stride.head % 2 == 0 && params.dk_stride.batch % 2 == 0 &&
+              params.dv_stride.row % 2 == 0 && params.dv_stride.head % 2 == 0 && params.dv_stride.batch % 2 == 0,
+          "dk, dv must be 4-byte aligned with even strides (written in element pairs)");
+  require(params.lse_log2 && params.dpsum && params.dq_accum && params.dq_semaphore,
+          "lse_log2, dpsum, dq_accum and dq_semaphore (from the preprocess) must be given");
+  bool const gqa = params.heads != params.heads_kv;
+  require(!gqa || (params.dk_accum && params.dv_accum && params.dkv_semaphore),
+          "GQA/MQA needs dk_accum, dv_accum and dkv_semaphore");
+  bwd::check_schedule_header<Traits>(params);
+
+  typename Traits::Params p = bwd::make_bwd_params<Traits>(params);
+  int const grid = params.schedule_header_host[schedule::kHNumCtas];
+  int device = 0, num_sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(multiProcessorCount)");
+  // Deterministic mode waits between CTAs: all of them must be resident at once.
+  require(grid <= num_sms, "schedule has more CTAs (" + std::to_string(grid) + ") than the device has SMs (" +
+                               std::to_string(num_sms) + ")");
+
+  auto kernel = bwd::bwd_kernel<Traits>;
+  constexpr int kSmemBytes = Traits::kSharedStorageBytes;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+             "cudaFuncSetAttribute(bwd_kernel, max dynamic shared memory)");
+  kernel<<<grid, Traits::kNumThreads, kSmemBytes, stream>>>(p);
+  check_cuda(cudaGetLastError(), "bwd_kernel launch");
+
+  if (gqa) {
+    int64_t const pairs = int64_t(params.batch) * params.heads_kv * params.seqlen_k * kHeadDim / 2;
+    int const threads = 256;
+    int64_t const blocks = std::min<int64_t>((pairs + threads - 1) / threads, int64_t(num_sms) * 8);
+    bwd::dkv_convert_kernel<Elem><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        params.dk_accum, params.dv_accum, static_cast<Elem*>(params.dk), static_cast<Elem*>(params.dv),
+        params.dk_stride.batch, params.dk_stride.row, params.dk_stride.head, params.dv_stride.batch,
+        params.dv_stride.row, params.dv_stride.head, params.batch, params.heads_kv, params.seqlen_k, kHeadDim);
+    check_cuda(cudaGetLastError(), "dkv_convert_kernel launch");
+  }
+}
+
+}  // namespace dash_fa3

@@ -1,0 +1,211 @@
+// MMA (consumer) role of the backward kernel, run by both MMA warpgroups.
+// Warpgroup w owns KV rows [64w, 64w + 64) of the task's KV tile; its dK and
+// dV rows accumulate in registers across all steps of the task.
+//
+// One step (one Q tile q):
+//   S^T  = K Q^T         (SS WGMMA)    issued together, then
+//   dP^T = V dO^T        (SS WGMMA)    P is computed while dP still runs
+//   P^T  = exp2(S^T * scale_log2 - lse_log2[m])   (masked entries -> 0)
+//   dS^T = P^T * (dP^T - dPsum[m])
+//   dV  += P^T dO        (RS WGMMA, P^T from registers)
+//   dS^T -> sdS          (shared memory, for the dQ GEMM of both warpgroups)
+//   dQ   = dS K          (SS WGMMA, after both warpgroups wrote sdS: kDsReady)
+//   dK  += dS^T Q        (RS WGMMA)
+//   dQ -> sdQ[step % 2], handed to the dQ writer (kDqEmpty+b / kDqFull+b)
+//                        while the dK GEMM still runs
+// dK here is unscaled; the epilogue multiplies it by softmax_scale.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include <cmath>
+
+#include "common/gemm_sm90.h"
+#include "common/named_barriers.h"
+#include "kernels/bwd/bwd_traits.h"
+#include "schedules/schedule_metadata.h"
+
+namespace dash_fa3::bwd {
+
+template <class Traits>
+struct BwdMainloop {
+  using Element = typename Traits::Element;
+  using Params = typename Traits::Params;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr bool kCausal = Traits::kCausal;
+  static constexpr int kMmaThreads = Traits::kNumMmaThreads;
+  static constexpr int kDqHandoffThreads = Traits::kNumMmaThreads + Traits::kWarpThreads;
+
+  using FragSdP = decltype(partition_fragment_C(typename Traits::TiledMmaSdP{},
+                                                Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  using FragDkv = decltype(partition_fragment_C(typename Traits::TiledMmaDkv{},
+                                                Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using FragDq = decltype(partition_fragment_C(typename Traits::TiledMmaDq{},
+                                               Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // P^T / dS^T accumulators re-viewed as the register A operand of dV / dK.
+  using LayoutA = decltype(accumulator_as_a_operand(typename FragSdP::layout_type{}));
+
+  // Called once by every MMA thread before the first task.
+  CUTE_DEVICE static void init() {
+    // sK/sV start out free: lets the producer load the first task's K and V.
+    named_barrier_arrive(BwdBarrier::kKvEmpty, kMmaThreads + Traits::kWarpThreads);
+  }
+
+  CUTE_DEVICE static BwdBarrier dq_empty(int stage) {
+    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqEmpty) + stage);
+  }
+  CUTE_DEVICE static BwdBarrier dq_full(int stage) {
+    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqFull) + stage);
+  }
+
+  CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, PipelineState const& state) {
+    auto token = pipeline.consumer_try_wait(state);
+    pipeline.consumer_wait(state, token);
+  }
+
+  // Runs the n_steps >= 1 steps of one task. K and V must have landed.
+  // ds_stage, dq_stage: which sdS / sdQ buffer the next step writes (flip every step).
+  CUTE_DEVICE static void run_task(Params const& p, SharedStorage& smem, Pipeline& pipeline_q,
+                                   Pipeline& pipeline_do, PipelineState& read_q, PipelineState& read_do,
+                                   int& ds_stage, int& dq_stage, int32_t const* row, int n_steps, int mma_tid,
+                                   FragDkv& tdKrdK, FragDkv& tdVrdV) {
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
+    Tensor sDst = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{});
+    Tensor sDq = make_tensor(make_smem_ptr(smem.dq.data()), typename Traits::SmemLayoutDq{});
+
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmaDkv mma_dkv;
+    typename Traits::TiledMmaDq mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
+    auto thr_dkv = mma_dkv.get_thread_slice(mma_tid);
+    auto thr_dq = mma_dq.get_thread_slice(mma_tid);
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (.., stage)
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);    // (.., stage)
+    Tensor tDrdOt = thr_dkv.partition_fragment_B(sdOt);  // (.., stage)
+    Tensor tDrQt = thr_dkv.partition_fragment_B(sQt);    // (.., stage)
+    Tensor tQrDs = thr_dq.partition_fragment_A(sDs);     // (.., stage)
+    Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+    Tensor tSsDst = thr_sdp.partition_C(sDst);           // (.., stage), this thread's dS^T slots
+    Tensor tQsDq = thr_dq.partition_C(sDq);
+    // (KV row, Q row) of each accumulator register, tile-local.
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+
+    int32_t const* header = p.schedule;
+    int const kv = row[schedule::kCKv];
+    int const n0 = kv * kBlockN;
+    int const causal_shift = p.seqlen_k - p.seqlen_q;  // key j visible to query i iff j <= i + shift
+    float const scale_log2 = p.softmax_scale_log2;
+
+    CUTE_NO_UNROLL
+    for (int s = 0; s < n_steps; ++s) {
+      int const q = schedule::decode_step(header, row, s).q_tile;
+      int const m0 = q * kBlockM;
+
+      FragSdP tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      FragSdP tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      consumer_wait(pipeline_q, read_q);
+      warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
+      consumer_wait(pipeline_do, read_do);
+      warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
+      warpgroup_wait<1>();  // S^T is ready; dP^T may still run
+      warpgroup_fence_operand(tSrS);
+
+      // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
+      // above the causal diagonal get -inf first; only tiles that hold such
+      // entries pay for the test.
+      float const* lse = smem.lse[read_q.index()];
+      bool const need_mask = n0 + kBlockN > p.seqlen_k ||
+                             (kCausal && n0 + kBlockN - 1 > m0 + causal_shift);
+      if (need_mask) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          int const n = n0 + get<0>(tScS(i));
+          int const m = get<1>(tScS(i));
+          bool const masked = n >= p.seqlen_k || (kCausal && n > m0 + m + causal_shift);
+          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse[m]));
+        }
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse[get<1>(tScS(i))]));
+        }
+      }
+      Tensor tDrP = make_tensor<Element>(LayoutA{});
+      convert_fragment(make_tensor(tSrS.data(), LayoutA{}), tDrP);
+
+      warpgroup_wait<0>();  // dP^T is ready
+      warpgroup_fence_operand(tdPrdP);
+      float const* dpsum = smem.dpsum[read_do.index()];
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdPrdP); ++i) {
+        tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
+      }
+      Tensor tDrDs = make_tensor<Element>(LayoutA{});
+      convert_fragment(make_tensor(tdPrdP.data(), LayoutA{}), tDrDs);
+
+      warpgroup_gemm<false, -1>(mma_dkv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
+
+      // dS^T -> sdS. Registers 2j, 2j+1 hold adjacent Q rows of one KV row,
+      // which are adjacent in the M-contiguous sdS: one 4-byte store per pair.
+      {
+        Tensor dst = tSsDst(_, _, _, ds_stage);
+        Element const* src = tDrDs.data();
+        CUTE_UNROLL
+        for (int i = 0; i < size(dst); i += 2) {
+          *reinterpret_cast<uint32_t*>(&dst(i)) = *reinterpret_cast<uint32_t const*>(src + i);
+        }
+      }
+      // The generic-proxy stores above are read by WGMMA (async proxy) next.
+      cutlass::arch::fence_view_async_shared();
+
+      // Wait until both warpgroups have written their KV rows of dS.
+      named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
+      FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
+      warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+      warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
+      warpgroup_fence_operand(tQrDq);
+
+      // Wait until the dQ writer has finished reading this sdQ buffer (two steps ago).
+      named_barrier_sync(dq_empty(dq_stage), kDqHandoffThreads);
+      {
+        Tensor dst = tQsDq(_, _, _, dq_stage);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tQrDq); i += 2) {
+          *reinterpret_cast<float2*>(&dst(i)) = make_float2(tQrDq(i), tQrDq(i + 1));
+        }
+      }
+      // sdQ is read by the bulk copy engine (async proxy).
+      cutlass::arch::fence_view_async_shared();
+      // Tell the dQ writer that this sdQ buffer holds this step's partial dQ.
+      named_barrier_arrive(dq_full(dq_stage), kDqHandoffThreads);
+
+      warpgroup_wait<0>();  // dK retired: the Q and dO stages and sdS are read
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_fence_operand(tdKrdK);
+      pipeline_q.consumer_release(read_q);
+      pipeline_do.consumer_release(read_do);
+      ++read_q;
+      ++read_do;
+      ds_stage ^= 1;
+      dq_stage ^= 1;
+    }
+  }
+};
+
+}  // namespace dash_fa3::bwd

@@ -1,0 +1,120 @@
+// Producer role of the backward kernel: one warp issues every TMA load.
+//
+// Per task (one KV tile of one (batch, q head)): K and V once, onto the
+// kv_full transaction barrier, after the MMA warpgroups have released the
+// previous task's K and V (kKvEmpty). Then, per step, in the schedule's Q-tile
+// order: Q + its LSE rows into the Q pipeline, dO + its dPsum rows into the
+// dO pipeline, each kStages deep, so the loads of the next steps run under
+// the current step's GEMMs.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/named_barriers.h"
+#include "kernels/bwd/bwd_tasks.h"
+#include "kernels/bwd/bwd_traits.h"
+#include "schedules/schedule_metadata.h"
+
+namespace dash_fa3::bwd {
+
+template <class Traits>
+struct BwdProducer {
+  using Params = typename Traits::Params;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
+  }
+
+  // Run by all 32 lanes of the producer warp; lane 0 issues the copies and the
+  // expect-tx arrivals (it is the pipelines' leader thread).
+  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, Pipeline& pipeline_q,
+                              Pipeline& pipeline_do) {
+    bool const leader = (threadIdx.x % 32) == 0;
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    auto tma_q = p.tma_q.get_slice(_0{});
+    auto tma_do = p.tma_do.get_slice(_0{});
+    auto tma_k = p.tma_k.get_slice(_0{});
+    auto tma_v = p.tma_v.get_slice(_0{});
+    Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_D, stage)
+    Tensor tdOsdO = tma_do.partition_D(sdO);
+    Tensor tKsK = tma_k.partition_D(sK);     // (TMA, TMA_N, TMA_D)
+    Tensor tVsV = tma_v.partition_D(sV);
+
+    PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+    uint64_t& kv_full = reinterpret_cast<uint64_t&>(smem.kv_full);
+    int32_t const* header = p.schedule;
+
+    CtaTasks const tasks = CtaTasks::of(p.schedule);
+    for (int task = tasks.begin; task < tasks.end; ++task) {
+      int32_t const* row = schedule::task_row(p.schedule, task);
+      int const n_steps = row[schedule::kCNSteps];
+      if (n_steps <= 0) { continue; }  // the MMA warpgroups write dK = dV = 0 without loads
+      int const b = row[schedule::kCBatch];
+      int const h = row[schedule::kCHead];
+      int const h_kv = row[schedule::kCHeadKv];
+      int const kv = row[schedule::kCKv];
+
+      Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, h, b),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
+      Tensor gdO = local_tile(p.tma_do.get_tma_tensor(p.shape_q)(_, _, h, b),
+                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, h_kv, b),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(kv, _0{}));
+      Tensor gV = local_tile(p.tma_v.get_tma_tensor(p.shape_k)(_, _, h_kv, b),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(kv, _0{}));
+      Tensor tQgQ = tma_q.partition_S(gQ);    // (TMA, TMA_M, TMA_D, m)
+      Tensor tdOgdO = tma_do.partition_S(gdO);
+      Tensor tKgK = tma_k.partition_S(gK);
+      Tensor tVgV = tma_v.partition_S(gV);
+      int64_t const stat_offset = (int64_t(b) * p.heads + h) * p.seqlen_q_rounded;
+
+      // Wait until both MMA warpgroups are done with the previous task's K
+      // and V (they arrive once at start-up too), then load this task's.
+      named_barrier_sync(BwdBarrier::kKvEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
+      if (leader) {
+        smem.kv_full.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
+        copy(p.tma_k.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK);
+        copy(p.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
+      }
+      for (int s = 0; s < n_steps; ++s) {
+        int const q = schedule::decode_step(header, row, s).q_tile;
+        // Q and dO of one tile are read by every KV tile of the head: keep them in L2.
+        pipeline_q.producer_acquire(write_q);
+        if (leader) {
+          uint64_t* bar = pipeline_q.producer_get_barrier(write_q);
+          copy(p.tma_q.with(*bar, 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, _, _, q),
+               tQsQ(_, _, _, write_q.index()));
+          SM90_BULK_COPY_G2S::copy(p.lse_log2 + stat_offset + q * kBlockM, bar, smem.lse[write_q.index()],
+                                   Traits::kRowStatBytes);
+        }
+        ++write_q;
+        pipeline_do.producer_acquire(write_do);
+        if (leader) {
+          uint64_t* bar = pipeline_do.producer_get_barrier(write_do);
+          copy(p.tma_do.with(*bar, 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, _, _, q),
+               tdOsdO(_, _, _, write_do.index()));
+          SM90_BULK_COPY_G2S::copy(p.dpsum + stat_offset + q * kBlockM, bar, smem.dpsum[write_do.index()],
+                                   Traits::kRowStatBytes);
+        }
+        ++write_do;
+      }
+    }
+  }
+};
+
+}  // namespace dash_fa3::bwd

@@ -1,0 +1,62 @@
+// Inter-CTA semaphores of the deterministic backward: one int32 counter per
+// dQ tile (and, for GQA, per dK/dV tile). A contribution of rank r waits until
+// the counter reads r, adds, waits for its add to complete, then sets the
+// counter to r + 1. Counters start at zero (the preprocess zeroes them).
+//
+// Memory ordering. The adds into the fp32 accumulators are done by the bulk
+// copy engine (async proxy) for dQ and by ordinary red.add (generic proxy)
+// for GQA dK/dV; the counter is an ordinary global int (generic proxy).
+//   release side: [adds complete] -> fence.proxy.async.global (dQ: orders the
+//                 completed async-proxy writes before this thread's later
+//                 generic accesses) -> red.release.gpu (gpu-scope release:
+//                 everything this thread has observed so far, the completed
+//                 adds included, happens before any acquire that reads it)
+//   acquire side: ld.acquire.gpu spin until the counter == rank ->
+//                 fence.proxy.async.global (orders the acquire before the
+//                 async-proxy reduce this thread issues next)
+// "Complete" for the bulk reduce is cp.async.bulk.wait_group 0, not the .read
+// variant: .read only says the engine has finished READING shared memory; the
+// global writes may still be in flight, and a release after it would let the
+// next rank's add race with ours (suspected in flash-attention issue 2244).
+#pragma once
+
+#include <cute/config.hpp>
+
+#include <cstdint>
+
+namespace dash_fa3::bwd {
+
+CUTE_DEVICE int semaphore_load_acquire(int const* sem) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
+  return v;
+}
+
+// Spins until *sem == rank (one thread).
+CUTE_DEVICE void semaphore_wait_for(int const* sem, int rank) {
+  while (semaphore_load_acquire(sem) != rank) {}
+}
+
+// Adds 1 to *sem with gpu-scope release semantics (one thread).
+CUTE_DEVICE void semaphore_release_increment(int* sem) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" : : "l"(sem) : "memory");
+}
+
+// Orders this thread's generic-proxy and async-proxy global accesses.
+CUTE_DEVICE void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Waits until every bulk async-group this thread committed has COMPLETED,
+// its global writes included.
+CUTE_DEVICE void bulk_wait_all_complete() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Waits until every bulk async-group this thread committed has finished
+// reading its shared-memory source (the writes may still be in flight).
+CUTE_DEVICE void bulk_wait_all_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+}  // namespace dash_fa3::bwd

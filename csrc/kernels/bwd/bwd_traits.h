@@ -1,0 +1,214 @@
+// Compile-time configuration of the Hopper backward kernel: tile sizes, warp
+// roles, named barriers, register budgets, shared-memory layouts, MMA and TMA
+// types, the shared storage and the kernel parameter block. Everything the
+// role files need is derived here from (head dim, element type, causal).
+//
+// Operand choices (the same for every head dim; docs/bwd_kernel.md has the
+// longer argument):
+//  * S and dP are computed transposed, S^T = K Q^T and dP^T = V dO^T, with
+//    the two MMA warpgroups split along the KV rows (warpgroup w owns KV rows
+//    [64w, 64w + 64) of the 128-row KV tile). The accumulator of S^T is then
+//    already P^T laid out as a register A operand of dV += P^T dO, and dS^T
+//    is the register A operand of dK += dS^T Q: neither P nor dS goes through
+//    shared memory for the dK/dV GEMMs, and each warpgroup's dK/dV rows are
+//    its own, so no reduction between warpgroups is needed.
+//  * dQ = dS K needs all KV rows, so dS is written once to shared memory
+//    (m-contiguous, which matches the register pairs of the transposed
+//    accumulator) and read by both warpgroups. The dQ tile is split between
+//    the warpgroups along M when kBlockM = 128 (hdim 64) and along the head
+//    dim when kBlockM = 64 (hdim 96/128), so each warpgroup's WGMMA is 64 x N.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "common/gemm_sm90.h"
+
+namespace dash_fa3::bwd {
+
+using namespace cute;
+
+// Warp roles. Warpgroup 0: warp 0 issues the TMA loads, warp 1 is the dQ
+// writer, warps 2-3 only give their registers back. Warpgroups 1-2: MMA.
+enum class WarpRole : int { kProducer = 0, kDqWriter = 1, kIdle = 2, kMma = 3 };
+
+// Named barriers of the backward kernel (ids are offset past CUTLASS's
+// reserved ones by named_barrier_*).
+enum class BwdBarrier : uint32_t {
+  // The MMA warpgroups are done with sK/sV of the current task; the producer
+  // waits on it before loading the next task's K and V.
+  kKvEmpty = 0,
+  // Both MMA warpgroups have written their rows of dS^T to sdS; both wait on
+  // it before the dQ = dS K GEMM.
+  kDsReady = 1,
+  // GQA dK/dV: the MMA warpgroups wait for their turn (deterministic mode)
+  // and, after their adds, for each other before releasing the turn.
+  kDkvTurn = 2,
+  // kDqEmpty + b: the dQ writer has finished reading sdQ buffer b; the MMA
+  // warpgroups wait on it before writing their next partial dQ into b.
+  kDqEmpty = 3,  // and 4
+  // kDqFull + b: the MMA warpgroups have written a partial dQ into sdQ buffer
+  // b; the dQ writer waits on it before issuing the reduce-add.
+  kDqFull = 5,  // and 6
+};
+
+// Tile shape per head dim (16-bit inputs), as FA3's Hopper backward:
+// kBlockN = 128 KV rows (two warpgroups x 64); kBlockM Q rows per step.
+template <int kHeadDim>
+struct BwdTileConfig;
+template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128; };
+template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64; };
+template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64; };
+
+template <int kHeadDim_, class Element_, bool kCausal_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kCausal = kCausal_;
+
+  static constexpr int kBlockM = BwdTileConfig<kHeadDim>::kBlockM;
+  static constexpr int kBlockN = 128;
+  static constexpr int kNumMmaWarpgroups = 2;
+  static constexpr int kStages = 2;      // Q (+LSE) and dO (+dPsum) pipelines
+  static constexpr int kStagesDs = 2;    // sdS double buffer: no barrier before the next write
+  // sdQ double buffer: the MMA warpgroups run one step ahead of a dQ writer
+  // that waits for its turn (deterministic mode).
+  static constexpr int kStagesDq = 2;
+  static_assert(kBlockN == 64 * kNumMmaWarpgroups, "each MMA warpgroup owns 64 KV rows");
+  static_assert(kBlockM % 64 == 0 && kHeadDim % 32 == 0);
+
+  static constexpr int kThreadsPerWarpgroup = 128;
+  static constexpr int kNumMmaThreads = kNumMmaWarpgroups * kThreadsPerWarpgroup;
+  static constexpr int kNumThreads = kThreadsPerWarpgroup + kNumMmaThreads;
+  static constexpr int kWarpThreads = 32;
+  // setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 64K registers. The
+  // producer and the dQ writer decode schedule steps and hold TMA
+  // coordinates: 24 registers made them spill.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kMmaRegisters = 232;
+
+  // ---- MMAs
+  // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM, kHeadDim), warpgroups along M (KV rows).
+  using AtomLayoutKv = Layout<Shape<_2, _1, _1>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+      AtomLayoutKv{}));
+  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim, kBlockM), A from registers.
+  using TiledMmaDkv = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutKv{}));
+  // dQ = dS K: (kBlockM, kHeadDim, kBlockN), warpgroups along M if kBlockM = 128, else along N.
+  static constexpr int kDqWgM = kBlockM / 64;
+  static constexpr int kDqWgN = kNumMmaWarpgroups / kDqWgM;
+  using TiledMmaDq = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM / kDqWgM>, Int<kHeadDim / kDqWgN>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<Int<kDqWgM>, Int<kDqWgN>, _1>>{}));
+
+  // ---- shared-memory layouts
+  // Q, dO: (kBlockM, kHeadDim, stage), head dim contiguous (as TMA writes it).
+  using SmemLayoutQ = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  // The same bytes viewed (kHeadDim, kBlockM, stage): the MN-major B operand of dK/dV.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  // K, V: (kBlockN, kHeadDim), loaded once per task.
+  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // K viewed (kHeadDim, kBlockN): the MN-major B operand of dQ.
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  // dS: (kBlockM, kBlockN, stage), M contiguous (the A operand of dQ, MN-major).
+  using SmemLayoutDs = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::MN, Element, kBlockM>(),
+                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesDs>>{}));
+  // dS viewed (kBlockN, kBlockM, stage): how the transposed accumulator writes it.
+  using SmemLayoutDst = decltype(composition(
+      SmemLayoutDs{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesDs>>{},
+                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+  // Partial dQ, fp32 (kBlockM, kHeadDim), head dim contiguous with 128-byte
+  // swizzle: the TMA reduce-add reads it, the accumulator pairs write it
+  // without bank conflicts.
+  using SmemLayoutDq = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, float, kHeadDim>(),
+                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStagesDq>>{}));
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or dPsum of one tile
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static_assert(kRowStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+
+  // ---- TMA
+  // Q, K, V, dO as (row, dim, head, batch); dq_accum as (row, dim, head, batch) fp32.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
+      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
+      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaDq = decltype(make_tma_copy(
+      SM90_TMA_REDUCE_ADD{},
+      make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
+      take<0, 2>(SmemLayoutDq{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  // 128-byte swizzled TMA destinations must be 1024-byte aligned.
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDs>> ds;
+    alignas(1024) cute::array_aligned<float, cosize_v<SmemLayoutDq>> dq;
+    alignas(16) float lse[kStages][kBlockM];    // log2-domain LSE rows of the Q stage
+    alignas(16) float dpsum[kStages][kBlockM];  // dPsum rows of the dO stage
+    alignas(16) typename Pipeline::SharedStorage pipeline_q;
+    alignas(16) typename Pipeline::SharedStorage pipeline_do;
+    // K and V of the current task have landed (one phase per task).
+    alignas(8) cutlass::arch::ClusterTransactionBarrier kv_full;
+  };
+  static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
+  static_assert(kSharedStorageBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
+
+  // Kernel parameters (a __grid_constant__, so the TMA descriptors stay in
+  // parameter space).
+  struct Params {
+    TmaQ tma_q;
+    TmaQ tma_do;
+    TmaKV tma_k;
+    TmaKV tma_v;
+    TmaDq tma_dq;
+    GmemShape shape_q;   // (seqlen_q, d, heads, batch), also dO
+    GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch), also V
+    GmemShape shape_dq;  // (seqlen_q_rounded, d, heads, batch)
+    float const* lse_log2;  // (batch, heads, seqlen_q_rounded)
+    float const* dpsum;     // (batch, heads, seqlen_q_rounded)
+    int* dq_semaphore;      // (batch, heads, n_q)
+    // MHA: dK, dV written directly, (batch, seqlen_k, heads_kv, d) with strides.
+    void* dk;
+    void* dv;
+    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+    // GQA: fp32 accumulators (batch, heads_kv, seqlen_k, d) and one semaphore
+    // per (batch, head_kv, kv tile); nullptr for MHA.
+    float* dk_accum;
+    float* dv_accum;
+    int* dkv_semaphore;
+    int32_t const* schedule;  // flat metadata buffer (csrc/schedules/schedule_metadata.h)
+    int seqlen_q, seqlen_k, seqlen_q_rounded, heads, heads_kv, batch, n_q, n_kv;
+    float softmax_scale, softmax_scale_log2;
+    int deterministic;
+  };
+};
+
+}  // namespace dash_fa3::bwd

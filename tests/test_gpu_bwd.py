@@ -1,0 +1,158 @@
+"""The Hopper backward kernel: gradients vs the fp32 reference, bitwise determinism,
+schedules agreeing (GPU)."""
+
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attn_utils import TORCH_DTYPES, assert_close_to_ref, attention_lowp
+from conftest import poison_cuda_allocator
+import dash_fa3
+from dash_fa3 import _ext, reference, variants
+from dash_fa3.schedule import SCHEDULES
+
+pytestmark = pytest.mark.gpu
+
+BWD_VARIANTS = [v for v in variants.ALL_VARIANTS if v.has_bwd]
+SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
+    (2, 256, 256, 4, 4),
+    (1, 1000, 1000, 2, 2),  # ragged last tiles
+    (1, 700, 1200, 4, 2),   # seqlen_q < seqlen_k, GQA
+    (2, 1100, 333, 2, 1),   # seqlen_q > seqlen_k (causal: empty rows), MQA
+    (1, 1, 77, 3, 3),
+]
+
+
+def require_built(v):
+    if v.name not in _ext.built_bwd_variants():
+        pytest.skip(f"no backward kernel for {v.name} in this build")
+
+
+def make(v, shape, seed):
+    b, sq, sk, h, hkv = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = TORCH_DTYPES[v.dtype]
+    q = torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g)
+    vv = torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g)
+    dout = torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g)
+    return q, k, vv, dout
+
+
+def grads(q, k, v, dout, causal, scale=None, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    poison_cuda_allocator(1 << 28)
+    out = dash_fa3.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def lowp_grads(q, k, v, dout, causal, scale):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, _ = attention_lowp(q, k, v, scale, causal)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def check_case(v, shape, seed, schedule, deterministic):
+    q, k, vv, dout = make(v, shape, seed)
+    scale = 1.0 / math.sqrt(v.hdim) * (0.75 + 0.25 * (seed % 3))
+    out, dq, dk, dv = grads(q, k, vv, dout, v.causal, scale, deterministic=deterministic, schedule=schedule)
+    ref = reference.attention_bwd_ref(dout, q, k, vv, out, scale, v.causal)
+    lowp = lowp_grads(q, k, vv, dout, v.causal, scale)
+    for name, ours, want, base in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, lowp):
+        assert ours.shape == want.shape and ours.dtype == q.dtype
+        assert_close_to_ref(name, ours, base, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
+def test_gradients_match_reference(v, shape):
+    require_built(v)
+    check_case(v, shape, seed=sum(shape), schedule="auto", deterministic=True)
+    check_case(v, shape, seed=sum(shape) + 1, schedule="auto", deterministic=False)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_schedule_is_correct(schedule, causal):
+    v = variants.Variant(128, "bf16", "causal" if causal else "full")
+    require_built(v)
+    check_case(v, (2, 1000, 1000, 4, 2), seed=3, schedule=schedule, deterministic=True)
+
+
+@pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
+def test_random_shapes(v):
+    require_built(v)
+    rng = random.Random(v.name)
+    for i in range(3):
+        hkv = rng.choice([1, 2])
+        shape = (rng.randint(1, 2), rng.randint(1, 900), rng.randint(1, 900), hkv * rng.choice([1, 2, 3]), hkv)
+        check_case(v, shape, seed=i, schedule=rng.choice(SCHEDULES), deterministic=bool(i % 2))
+
+
+def test_schedules_agree_within_rounding():
+    v = variants.Variant(128, "bf16", "causal")
+    require_built(v)
+    q, k, vv, dout = make(v, (2, 1536, 1536, 4, 2), 11)
+    results = {s: grads(q, k, vv, dout, True, deterministic=True, schedule=s)[1:] for s in SCHEDULES}
+    base = results["fa3"]
+    for s, gs in results.items():
+        for a, b in zip(gs, base):
+            rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            assert rel < 2e-3, (s, rel)
+
+
+@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift"])
+def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
+    v = variants.Variant(128, "bf16", "causal")
+    require_built(v)
+    q, k, vv, dout = make(v, (2, 2048, 2048, 8, 4), 5)
+    first = grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:]
+    for _ in range(99):
+        again = grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:]
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        other = grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:]
+    stream.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(other, first))
+
+
+def test_nondeterministic_mode_runs_and_is_close():
+    v = variants.Variant(128, "bf16", "full")
+    require_built(v)
+    q, k, vv, dout = make(v, (2, 2048, 2048, 8, 8), 7)
+    det = grads(q, k, vv, dout, False, deterministic=True)[1:]
+    nondet = grads(q, k, vv, dout, False, deterministic=False)[1:]
+    for a, b in zip(nondet, det):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-3
+
+
+CHILD = r"""
+import hashlib, sys, torch
+sys.path.insert(0, sys.argv[1])
+import dash_fa3
+g = torch.Generator(device="cuda").manual_seed(1234)
+mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)
+q, k, v, do = mk(1, 1500, 4, 128), mk(1, 1500, 2, 128), mk(1, 1500, 2, 128), mk(1, 1500, 4, 128)
+q, k, v = (t.requires_grad_() for t in (q, k, v))
+out = dash_fa3.flash_attn_func(q, k, v, causal=True, deterministic=True, schedule="spt")
+h = hashlib.sha256()
+for t in torch.autograd.grad(out, (q, k, v), do):
+    h.update(t.float().cpu().numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_deterministic_across_processes():
+    require_built(variants.Variant(128, "bf16", "causal"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digests = {
+        subprocess.run([sys.executable, "-c", CHILD, root], capture_output=True, text=True, check=True).stdout.strip()
+        for _ in range(2)
+    }
+    assert len(digests) == 1
