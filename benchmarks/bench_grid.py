@@ -31,14 +31,14 @@ GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_grid.json
 PEERS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def dash_fn(q, k, v, causal, direction):
+def dash_fn(q, k, v, causal, direction, deterministic=False, schedule="auto"):
     num_sms = _ext.num_sms(torch.cuda.current_device())
     scale = q.shape[-1] ** -0.5
     if direction == "fwd":
         return lambda: ops.fwd(q, k, v, scale, causal, num_sms, False, "auto")
     out, lse = ops.fwd(q, k, v, scale, causal, num_sms, False, "auto")
     dout = torch.randn_like(out)
-    return lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, False, "auto", num_sms)
+    return lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, deterministic, schedule, num_sms)
 
 
 def peer_fn(backend, q, k, v, causal, direction):
@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", type=int, nargs="+", default=grid["seqlens"])
     ap.add_argument("--masks", nargs="+", default=grid["masks"])
     ap.add_argument("--peers", default="sdpa-flash,cudnn", help="comma list of " + ",".join(PEERS) + " or ''")
+    ap.add_argument("--schedules", default="fa3,spt,descending,shift,symmetric_shift",
+                    help="bwd: deterministic schedules to time besides the non-deterministic kernel")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
@@ -71,8 +73,10 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     date = datetime.date.today().isoformat()
-    print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16")
-    cols = ["dash_fa3"] + peers
+    print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16"
+          + ("; dash_fa3 = non-deterministic, det-X = deterministic with schedule X" if det else ""))
+    det = [f"det-{x}" for x in args.schedules.split(",") if x] if args.direction == "bwd" else []
+    cols = ["dash_fa3"] + det + peers
     print("| hdim | mask | seqlen | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     rows = []
@@ -86,6 +90,7 @@ def main(argv=None) -> int:
                 flops = attention_flops(b, h, s, s, d, causal, args.direction)
                 row = {"hdim": d, "mask": mask, "seqlen": s, "batch": b, "heads": h}
                 fns = {"dash_fa3": lambda: dash_fn(q, k, v, causal, args.direction)}
+                fns.update({c: (lambda c=c: dash_fn(q, k, v, causal, "bwd", True, c[4:])) for c in det})
                 fns.update({p: (lambda p=p: peer_fn(PEERS[p], q, k, v, causal, args.direction)) for p in peers})
                 for name, make in fns.items():
                     try:

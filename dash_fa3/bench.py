@@ -17,6 +17,7 @@ import torch
 from . import _ext, ops, reference, validation
 from ._timing import attention_flops, median_ms
 from .interface import flash_attn_func
+from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -57,20 +58,32 @@ def run_gpu(args) -> None:
         out = out.to(q.dtype)
     dout = torch.randn_like(out)
     c = _ext.ops()
-    ms = median_ms(lambda: c.bwd_preprocess(out, dout, lse, 64), args.warmup, args.iters)
+    block_m = bwd_block_sizes(d)[0]
+    ms = median_ms(lambda: c.bwd_preprocess(out, dout, lse, block_m), args.warmup, args.iters)
     gbytes = (2 * out.numel() * out.element_size() + lse.numel() * 4 * 3 + out.numel() * 4) / 1e9
     rows.append(("bwd preprocess", "dash_fa3 kernel", ms, f"{gbytes / ms * 1e3:.0f} GB/s"))
-    accum = c.bwd_preprocess(out, dout, lse, 64)[2]
+    accum = c.bwd_preprocess(out, dout, lse, block_m)[2]
     ms = median_ms(lambda: c.bwd_postprocess(accum, s, 0.1, q.dtype), args.warmup, args.iters)
     gbytes = (accum.numel() * 4 + out.numel() * out.element_size()) / 1e9
     rows.append(("bwd postprocess", "dash_fa3 kernel", ms, f"{gbytes / ms * 1e3:.0f} GB/s"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ops.ReferenceBackwardWarning)
-        ms = median_ms(
-            lambda: ops.bwd(dout, q, k, v, out, lse, d ** -0.5, args.causal, True, "auto", 0), 1, 3
-        )
-    tf = attention_flops(b, h, s, s, d, args.causal, "bwd") / ms / 1e9
-    rows.append(("backward", "fp32 reference (the Hopper backward kernel is not built yet)", ms, f"{tf:.0f} TFLOP/s"))
+    kernel_bwd = variant.name in _ext.built_bwd_variants()
+    num_sms = _ext.num_sms(torch.cuda.current_device())
+    geometry = Geometry.from_shape(batch=b, heads=h, heads_kv=k.shape[2], seqlen_q=s, headdim=d, causal=args.causal)
+    for deterministic in ([False, True] if kernel_bwd else [True]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ops.ReferenceBackwardWarning)
+            ms = median_ms(
+                lambda: ops.bwd(dout, q, k, v, out, lse, d ** -0.5, args.causal, deterministic, "auto", num_sms),
+                args.warmup if kernel_bwd else 1, args.iters if kernel_bwd else 3,
+            )
+        tf = attention_flops(b, h, s, s, d, args.causal, "bwd") / ms / 1e9
+        if not kernel_bwd:
+            impl = f"fp32 reference (no backward kernel for {variant.name})"
+        elif deterministic:
+            impl = f"dash_fa3 Hopper kernel, deterministic, schedule {resolve_schedule_name('auto', geometry)}"
+        else:
+            impl = "dash_fa3 Hopper kernel, non-deterministic (adds in any order)"
+        rows.append(("backward", impl, ms, f"{tf:.0f} TFLOP/s"))
     _print_rows(rows)
 
 
