@@ -1,0 +1,89 @@
+// The forward kernel: sets up barriers and pipelines, then dispatches warp
+// roles. All work lives in the role files:
+//   fwd_producer.h        TMA loads of Q, K, V      (warpgroup 0, warp 0)
+//   fwd_mainloop.h        WGMMA + online softmax    (warpgroups 1 and 2)
+//   fwd_epilogue.h        O and LSE stores          (warpgroups 1 and 2)
+//   fwd_tile_scheduler.h  which tiles a CTA visits  (all roles)
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "kernels/fwd/fwd_epilogue.h"
+#include "kernels/fwd/fwd_mainloop.h"
+#include "kernels/fwd/fwd_producer.h"
+#include "kernels/fwd/fwd_tile_scheduler.h"
+#include "kernels/fwd/fwd_traits.h"
+
+namespace dash_fa3::fwd {
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using SharedStorage = typename Traits::SharedStorage;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineKV = typename Traits::PipelineKV;
+  extern __shared__ char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  int const warp_idx = cutlass::canonical_warp_idx_sync();
+  WarpRole const role = cutlass::canonical_warp_group_idx() == 0 ? WarpRole::kProducer : WarpRole::kMma;
+
+  if (warp_idx == 0 && cute::elect_one_sync()) { FwdProducer<Traits>::prefetch_descriptors(p); }
+
+  typename PipelineKV::Params pipe_params;
+  pipe_params.role = role == WarpRole::kProducer ? PipelineKV::ThreadCategory::Producer
+                                                 : PipelineKV::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kNumMmaThreads;  // every MMA thread releases each stage
+  pipe_params.transaction_bytes = Traits::kTmaBytesKV;
+  // Warp 0 initialises the stage barriers (and fences the inits).
+  PipelineKV pipeline_k(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  PipelineKV pipeline_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  typename PipelineQ::Params q_params;
+  q_params.role = pipe_params.role == PipelineKV::ThreadCategory::Producer
+                      ? PipelineQ::ThreadCategory::Producer
+                      : PipelineQ::ThreadCategory::Consumer;
+  q_params.is_leader = pipe_params.is_leader;
+  q_params.num_consumers = Traits::kNumMmaThreads;
+  q_params.transaction_bytes = Traits::kTmaBytesQ;
+  PipelineQ pipeline_q(smem.pipeline_q, q_params, Shape<_1, _1, _1>{});
+  // Barrier inits must be visible to every thread before anyone waits.
+  __syncthreads();
+
+  if (role == WarpRole::kProducer) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (warp_idx == 0) { FwdProducer<Traits>::run(p, smem, pipeline_q, pipeline_k, pipeline_v); }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
+    using Mainloop = FwdMainloop<Traits>;
+    using Epilogue = FwdEpilogue<Traits>;
+    using Blocks = typename Mainloop::Blocks;
+    int const mma_tid = threadIdx.x - Traits::kThreadsPerWarpgroup;
+    Mainloop::init(mma_tid);
+    typename Traits::PipelineState read_state;
+    typename Traits::PipelineStateQ q_state;
+    CUTE_NO_UNROLL
+    for (int round = 0;; ++round) {
+      int const tile = FwdTileScheduler<Traits>::tile_of_round(round);
+      if (tile >= p.num_tiles) { break; }
+      FwdTile const t = FwdTileScheduler<Traits>::decode(p, tile);
+      int const n_end = Blocks::end(t.m_block, p.seqlen_q, p.seqlen_k);
+      if (n_end <= 0) {
+        Epilogue::store_empty(p, t, mma_tid);
+        continue;
+      }
+      typename Mainloop::FragO tOrO;
+      float lse[2];
+      Mainloop::run(p, smem, pipeline_q, pipeline_k, pipeline_v, q_state, read_state, t.m_block, n_end,
+                    mma_tid, tOrO, lse);
+      Epilogue::store(p, tOrO, lse, t, mma_tid);
+    }
+  }
+#endif
+}
+
+}  // namespace dash_fa3::fwd

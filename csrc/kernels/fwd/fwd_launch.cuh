@@ -1,0 +1,138 @@
+// Host launcher of the forward kernel: defines dash_fa3::run_fwd (declared in
+// common/launch.h). Each instantiation file includes this header once.
+//
+// Requirements on the inputs (checked here, cheaply, with a clear error):
+//   - q, k, v, o 16-byte aligned; every stride (batch, row, head) a multiple of
+//     8 elements (TMA needs 16-byte aligned global strides); last dim contiguous;
+//   - headdim == kHeadDim, seqlen_q, seqlen_k >= 1, heads % heads_kv == 0,
+//     softmax_scale > 0; lse is (batch, heads, seqlen_q) contiguous fp32.
+// tile_counter is not used (the scheduler is static) and may be nullptr.
+#pragma once
+
+// kBlockN = 176 / 112 / 80 need WGMMA N extents outside CuTe's default set. Defined
+// before any CuTe header; the build may also pass it with -D.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <cute/tensor.hpp>
+
+#include "common/cuda_check.h"
+#include "common/dtype.h"
+#include "common/launch.h"
+#include "common/params.h"
+#include "kernels/fwd/fwd_kernel.h"
+#include "kernels/fwd/fwd_tile_scheduler.h"
+#include "kernels/fwd/fwd_traits.h"
+
+namespace dash_fa3 {
+
+namespace fwd {
+
+inline void require(bool ok, const char* what) {
+  if (!ok) { throw std::invalid_argument(std::string("dash_fa3 fwd: ") + what); }
+}
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+inline bool tma_strides_ok(TensorStrides const& s) {
+  return s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0;
+}
+
+// L2 bytes a section of (batch, head) pairs may fill with its K and V.
+constexpr int64_t kL2SectionBudgetBytes = 24ll << 20;
+
+template <class Traits>
+typename Traits::Params make_fwd_params(FwdParams const& a) {
+  using Element = typename Traits::Element;
+  using P = typename Traits::Params;
+  P p{};
+  auto shape_q = make_shape(a.seqlen_q, a.headdim, a.heads, a.batch);
+  auto shape_k = make_shape(a.seqlen_k, a.headdim, a.heads_kv, a.batch);
+  auto shape_vt = make_shape(a.headdim, a.seqlen_k, a.heads_kv, a.batch);
+  auto gQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
+                        make_stride(a.q_stride.row, _1{}, a.q_stride.head, a.q_stride.batch));
+  auto gK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), shape_k,
+                        make_stride(a.k_stride.row, _1{}, a.k_stride.head, a.k_stride.batch));
+  auto gVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.v)), shape_vt,
+                         make_stride(_1{}, a.v_stride.row, a.v_stride.head, a.v_stride.batch));
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Traits::SmemLayoutQ{}),
+                          Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(typename Traits::SmemLayoutK{}),
+                          Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(typename Traits::SmemLayoutVt{}),
+                          Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
+  p.shape_q = shape_q;
+  p.shape_k = shape_k;
+  p.shape_vt = shape_vt;
+  p.o = a.o;
+  p.o_batch_stride = a.o_stride.batch;
+  p.o_row_stride = a.o_stride.row;
+  p.o_head_stride = a.o_stride.head;
+  p.lse = a.lse;
+  p.seqlen_q = a.seqlen_q;
+  p.seqlen_k = a.seqlen_k;
+  p.heads = a.heads;
+  p.batch = a.batch;
+  p.q_heads_per_kv_head = a.heads / a.heads_kv;
+  p.softmax_scale = a.softmax_scale;
+  p.softmax_scale_log2 = a.softmax_scale_log2;
+  p.num_m_blocks = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  int64_t const tiles = int64_t(p.num_m_blocks) * a.heads * a.batch;
+  require(tiles < (int64_t(1) << 31), "too many tiles (batch * heads * seqlen_q / 128 >= 2^31)");
+  p.num_tiles = int(tiles);
+  int64_t const kv_bytes_per_head = 2 * int64_t(a.seqlen_k) * a.headdim * int64_t(sizeof(Element));
+  // Heads that share a KV head read the same K/V: count KV bytes per KV head.
+  int const pairs = FwdTileScheduler<Traits>::heads_per_section(kv_bytes_per_head, kL2SectionBudgetBytes) *
+                    p.q_heads_per_kv_head;
+  p.heads_per_section = pairs;
+  return p;
+}
+
+}  // namespace fwd
+
+template <int kHeadDim, DType kDType, bool kCausal>
+void run_fwd(const FwdParams& params, cudaStream_t stream) {
+  using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kCausal>;
+  using fwd::require;
+  require(params.headdim == kHeadDim, "headdim does not match the instantiation");
+  require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
+  require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
+  require(params.heads % params.heads_kv == 0, "heads must be a multiple of heads_kv");
+  require(params.softmax_scale > 0.f, "softmax_scale must be > 0");
+  require(fwd::aligned16(params.q) && fwd::aligned16(params.k) && fwd::aligned16(params.v) &&
+              fwd::aligned16(params.o),
+          "q, k, v, o must be 16-byte aligned");
+  require(fwd::tma_strides_ok(params.q_stride) && fwd::tma_strides_ok(params.k_stride) &&
+              fwd::tma_strides_ok(params.v_stride),
+          "q, k, v strides (batch, row, head) must be multiples of 8 elements");
+  require(params.o_stride.row % 2 == 0 && params.o_stride.head % 2 == 0 && params.o_stride.batch % 2 == 0,
+          "o strides must be even (O is written in 4-byte pairs)");
+  require(params.lse != nullptr, "lse must be given");
+
+  typename Traits::Params p = fwd::make_fwd_params<Traits>(params);
+
+  int num_sms = params.num_sms;
+  if (num_sms <= 0) {
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+  }
+  int const grid = p.num_tiles < num_sms ? p.num_tiles : num_sms;
+
+  auto kernel = fwd::fwd_kernel<Traits>;
+  constexpr int kSmemBytes = Traits::kSharedStorageBytes;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+             "cudaFuncSetAttribute(fwd_kernel, max dynamic shared memory)");
+  kernel<<<grid, Traits::kNumThreads, kSmemBytes, stream>>>(p);
+  check_cuda(cudaGetLastError(), "fwd_kernel launch");
+}
+
+}  // namespace dash_fa3

@@ -1,0 +1,117 @@
+// Producer role of the forward kernel: one warp issues the TMA loads of Q, K
+// and V for every tile this CTA processes.
+//
+// Per tile with key blocks n = end-1 ... 0 (visited from the last block down,
+// which puts the masked blocks first), the load order is
+//   K[end-1], Q, K[end-2], V[end-1], K[end-3], V[end-2], ..., V[0]
+// Q has its own kQStages-deep pipeline, so with kQStages = 2 the next tile's
+// Q lands while the current tile still runs.
+// which is the order in which the MMA warpgroups consume them with
+// intra-warpgroup overlap (S = Q K[n]^T is issued before O += P V[n+1]).
+// K and V have their own kStages-deep pipelines; the i-th K block and the
+// i-th V block of the CTA use the same stage index and phase.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/mask.h"
+#include "kernels/fwd/fwd_tile_scheduler.h"
+#include "kernels/fwd/fwd_traits.h"
+
+namespace dash_fa3::fwd {
+
+template <class Traits>
+struct FwdProducer {
+  using Params = typename Traits::Params;
+  using SharedStorage = typename Traits::SharedStorage;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineKV = typename Traits::PipelineKV;
+  using PipelineState = typename Traits::PipelineState;
+  using Blocks = KeyBlockRange<Traits::kBlockM, Traits::kBlockN, Traits::kCausal>;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+  }
+
+  // Run by all 32 lanes of the producer warp; lane 0 issues the copies and
+  // the expect-tx arrivals (it is the pipelines' leader thread).
+  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
+                              PipelineKV& pipeline_k, PipelineKV& pipeline_v) {
+    bool const leader = (threadIdx.x % 32) == 0;
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+
+    auto tma_q = p.tma_q.get_slice(_0{});
+    auto tma_k = p.tma_k.get_slice(_0{});
+    auto tma_v = p.tma_v.get_slice(_0{});
+    Tensor tQsQ = tma_q.partition_D(sQ);    // (TMA, TMA_M, TMA_D, q stage)
+    Tensor tKsK = tma_k.partition_D(sK);    // (TMA, TMA_N, TMA_D, stage)
+    Tensor tVsV = tma_v.partition_D(sVt);   // (TMA, TMA_D, TMA_N, stage)
+
+    PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
+    typename Traits::PipelineStateQ q_write_state = cutlass::make_producer_start_state<PipelineQ>();
+
+    for (int round = 0;; ++round) {
+      int const tile = FwdTileScheduler<Traits>::tile_of_round(round);
+      if (tile >= p.num_tiles) { break; }
+      FwdTile const t = FwdTileScheduler<Traits>::decode(p, tile);
+      int const n_end = Blocks::end(t.m_block, p.seqlen_q, p.seqlen_k);
+      // The MMA warpgroups skip such a tile too (they write O = 0, LSE = -inf).
+      if (n_end <= 0) { continue; }
+      int const head_kv = t.head / p.q_heads_per_kv_head;
+
+      Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, t.batch),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
+      Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, t.batch),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));   // (N, D, n)
+      Tensor gVt = local_tile(p.tma_v.get_tma_tensor(p.shape_vt)(_, _, head_kv, t.batch),
+                              Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (D, N, n)
+      Tensor tQgQ = tma_q.partition_S(gQ);
+      Tensor tKgK = tma_k.partition_S(gK);
+      Tensor tVgV = tma_v.partition_S(gVt);
+
+      auto load_k = [&](int n, PipelineState const& state) {
+        pipeline_k.producer_acquire(state);
+        if (leader) {
+          copy(p.tma_k.with(*pipeline_k.producer_get_barrier(state), 0, TMA::CacheHintSm90::EVICT_LAST),
+               tKgK(_, _, _, n), tKsK(_, _, _, state.index()));
+        }
+      };
+      auto load_v = [&](int n, PipelineState const& state) {
+        pipeline_v.producer_acquire(state);
+        if (leader) {
+          copy(p.tma_v.with(*pipeline_v.producer_get_barrier(state), 0, TMA::CacheHintSm90::EVICT_LAST),
+               tVgV(_, _, _, n), tVsV(_, _, _, state.index()));
+        }
+      };
+
+      int n = n_end - 1;
+      load_k(n, write_state);
+      // Waits until the MMA warpgroups released this Q stage (their last
+      // S = Q K^T of the tile kQStages tiles back has retired).
+      pipeline_q.producer_acquire(q_write_state);
+      if (leader) {
+        copy(p.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0, TMA::CacheHintSm90::EVICT_FIRST),
+             tQgQ, tQsQ(_, _, _, q_write_state.index()));
+      }
+      ++q_write_state;
+      for (--n; n >= 0; --n) {
+        PipelineState const v_state = write_state;  // V of block n+1 rides one step behind K
+        ++write_state;
+        load_k(n, write_state);
+        load_v(n + 1, v_state);
+      }
+      load_v(0, write_state);
+      ++write_state;
+    }
+  }
+};
+
+}  // namespace dash_fa3::fwd

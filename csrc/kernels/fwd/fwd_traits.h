@@ -1,0 +1,174 @@
+// Compile-time configuration of the Hopper forward kernel: tile sizes, warp
+// roles, register budgets, shared-memory layouts, MMA and TMA types, the
+// shared storage and the kernel parameter block. Everything the role files
+// need is derived here from (head dim, element type, causal).
+#pragma once
+
+// Extended WGMMA N extents (kBlockN = 176, 112, 80); see fwd_launch.cuh.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "common/gemm_sm90.h"
+
+namespace dash_fa3::fwd {
+
+using namespace cute;
+
+// Warp roles. Warpgroup 0 is the producer (only its first warp works; the
+// other three exit after giving their registers back); warpgroups 1.. are
+// the MMA consumers, each owning 64 rows of the 128-row query tile.
+enum class WarpRole : int { kProducer = 0, kMma = 1 };
+
+// Named barriers of the forward kernel (ids are offset past CUTLASS's
+// reserved ones by named_barrier_*).
+// (Q, K and V hand-offs between the producer and the MMA warpgroups use the
+// mbarriers of their TMA pipelines, not named barriers.)
+enum class FwdBarrier : uint32_t {
+  // Ping-pong turn tokens: warpgroup w (0 or 1) waits on kMmaTurn0 + w before
+  // issuing its GEMMs of one step, then passes the turn to the other one.
+  kMmaTurn0 = 0,
+  kMmaTurn1 = 1,
+};
+
+// Tile shape per head dim (16-bit inputs). kBlockM is fixed at 128 (two MMA
+// warpgroups x 64 rows). kBlockN is as large as registers (S accumulator
+// kBlockN/2 + P kBlockN/4 + O accumulator kHeadDim/2 per thread, under 240)
+// and shared memory (kQStages x Q + kStages x (K + V) under 227 KiB) allow.
+// Causal masks keep kBlockN = kBlockM at hdim <= 128 so the diagonal costs a
+// single masked block. kQStages = 2 lets the producer load the next tile's Q
+// while the current tile runs (no bubble between tiles); it does not fit in
+// shared memory at hdim >= 192, nor next to kBlockN = 176 at hdim 128.
+template <int kHeadDim, bool kCausal>
+struct FwdTileConfig;
+template <bool kCausal> struct FwdTileConfig<64, kCausal> {
+  static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
+};
+template <bool kCausal> struct FwdTileConfig<96, kCausal> {
+  static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
+};
+template <bool kCausal> struct FwdTileConfig<128, kCausal> {
+  // Full: 128 x 176 with one Q stage measured faster than 128 x 160 with two.
+  static constexpr int kBlockN = kCausal ? 128 : 176, kStages = 2, kQStages = kCausal ? 2 : 1;
+};
+template <bool kCausal> struct FwdTileConfig<192, kCausal> {
+  static constexpr int kBlockN = 112, kStages = 2, kQStages = 1;
+};
+template <bool kCausal> struct FwdTileConfig<256, kCausal> {
+  static constexpr int kBlockN = 80, kStages = 2, kQStages = 1;
+};
+
+template <int kHeadDim_, class Element_, bool kCausal_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kCausal = kCausal_;
+
+  static constexpr int kNumMmaWarpgroups = 2;
+  static constexpr int kBlockM = 64 * kNumMmaWarpgroups;
+  static constexpr int kBlockN = FwdTileConfig<kHeadDim, kCausal_>::kBlockN;
+  static constexpr int kStages = FwdTileConfig<kHeadDim, kCausal_>::kStages;
+  static constexpr int kQStages = FwdTileConfig<kHeadDim, kCausal_>::kQStages;
+  static_assert(kBlockN % 16 == 0, "kBlockN is the K extent of the PV GEMM");
+
+  static constexpr int kThreadsPerWarpgroup = 128;
+  static constexpr int kNumMmaThreads = kNumMmaWarpgroups * kThreadsPerWarpgroup;
+  static constexpr int kNumProducerThreads = 32;  // one warp issues all TMA loads
+  static constexpr int kNumThreads = kThreadsPerWarpgroup + kNumMmaThreads;
+  // setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 64K registers.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kMmaRegisters = 240;
+
+  // GEMM shapes: S = Q K^T is (kBlockM, kBlockN, kHeadDim); O += P V is
+  // (kBlockM, kHeadDim, kBlockN) with P from registers and V MN-major.
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using MmaWarpgroupLayout = Layout<Shape<Int<kNumMmaWarpgroups>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), MmaWarpgroupLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(),
+      MmaWarpgroupLayout{}));
+
+  // Shared-memory layouts. Q and K are K-major (head dim contiguous); V is
+  // stored as V^T viewed (head dim, key), MN-major, i.e. the same bytes as a
+  // row-major (key, head dim) tile, which is what TMA copies from global.
+  using SmemLayoutQ = decltype(tile_to_shape(
+      gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+      Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(
+      gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+      Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(tile_to_shape(
+      gmma_smem_atom<GMMA::Major::MN, Element, kHeadDim>(),
+      Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  // Global views as TMA sees them: Q/K/V as (row, dim, head, batch) and V^T
+  // as (dim, row, head, batch); the head dim is contiguous, the rest strided.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemStrideT = Stride<_1, int64_t, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
+      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
+      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStrideT{}),
+      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+
+  // Q, K and V each have a TMA pipeline: full barriers complete on the TMA
+  // transaction bytes, empty barriers when all 256 MMA threads released.
+  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
+  using PipelineStateQ = typename PipelineQ::PipelineState;
+  using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename PipelineKV::PipelineState;
+
+  // 128-byte swizzled TMA destinations must be 1024-byte aligned.
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
+    alignas(16) typename PipelineKV::SharedStorage pipeline_k;
+    alignas(16) typename PipelineKV::SharedStorage pipeline_v;
+  };
+  static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
+  static_assert(kSharedStorageBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
+
+  // Kernel parameters (passed as a __grid_constant__ so the TMA descriptors
+  // stay in parameter space).
+  struct Params {
+    TmaQ tma_q;
+    TmaK tma_k;
+    TmaV tma_v;
+    GmemShape shape_q;   // (seqlen_q, d, heads, batch)
+    GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch)
+    GmemShape shape_vt;  // (d, seqlen_k, heads_kv, batch)
+    void* o;
+    int64_t o_batch_stride, o_row_stride, o_head_stride;
+    float* lse;
+    int seqlen_q, seqlen_k, heads, batch;
+    int q_heads_per_kv_head;
+    float softmax_scale, softmax_scale_log2;
+    // Tile scheduler.
+    int num_m_blocks;
+    int num_tiles;
+    int heads_per_section;  // (batch, head) pairs per L2 section, see fwd_tile_scheduler.h
+  };
+};
+
+}  // namespace dash_fa3::fwd
