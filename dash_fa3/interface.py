@@ -7,6 +7,8 @@ ignored. dash_fa3 adds ``schedule=``, the deterministic backward's schedule.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _ext, ops, reference, validation
@@ -69,6 +71,8 @@ def flash_attn_func(
     validation.check_attention_inputs(q, k, v, causal=causal, schedule=schedule)
     if softmax_scale is None:
         softmax_scale = reference.default_softmax_scale(q.shape[-1])
+    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     num_sms = 0
     if q.is_cuda:
         num_sms = _ext.num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())

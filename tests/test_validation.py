@@ -86,6 +86,13 @@ def test_unsupported_fa3_features_raise(kwargs, match):
         dash_fa3.flash_attn_func(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.1, float("nan"), float("inf"), "0.1"])
+def test_bad_softmax_scale(scale):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="softmax_scale"):
+        dash_fa3.flash_attn_func(q, k, v, softmax_scale=scale)
+
+
 def test_bad_sm_margin():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="sm_margin"):
