@@ -36,7 +36,7 @@ else
 fi
 
 echo "== GPU tests"
-DASH_FA3_REQUIRE_GPU=1 "$PY" -m pytest ${GPU_CHECK_TESTS:-tests} -q -rs -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+DASH_FA3_REQUIRE_GPU=1 "$PY" -m pytest ${GPU_CHECK_TESTS:-tests} -q -rs -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/pytest.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== main job"
