@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dash_fa3 import _ext, ops  # noqa: E402
+from dash_fa3 import ops  # noqa: E402
 from dash_fa3._timing import attention_flops, median_ms  # noqa: E402
 
 GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_grid.json")
@@ -32,13 +32,12 @@ PEERS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATT
 
 
 def dash_fn(q, k, v, causal, direction, deterministic=False, schedule="auto"):
-    num_sms = _ext.num_sms(torch.cuda.current_device())
     scale = q.shape[-1] ** -0.5
     if direction == "fwd":
-        return lambda: ops.fwd(q, k, v, scale, causal, num_sms, False, "auto")
-    out, lse = ops.fwd(q, k, v, scale, causal, num_sms, False, "auto")
+        return lambda: ops.fwd(q, k, v, scale, causal, 0, False, "auto")
+    out, lse = ops.fwd(q, k, v, scale, causal, 0, False, "auto")
     dout = torch.randn_like(out)
-    return lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, deterministic, schedule, num_sms)
+    return lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, deterministic, schedule, 0)
 
 
 def peer_fn(backend, q, k, v, causal, direction):
@@ -73,10 +72,10 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     date = datetime.date.today().isoformat()
-    print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16"
-          + ("; dash_fa3 = non-deterministic, det-X = deterministic with schedule X" if det else ""))
     det = [f"det-{x}" for x in args.schedules.split(",") if x] if args.direction == "bwd" else []
     cols = ["dash_fa3"] + det + peers
+    print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16"
+          + ("; dash_fa3 = non-deterministic, det-X = deterministic with schedule X" if det else ""))
     print("| hdim | mask | seqlen | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     rows = []

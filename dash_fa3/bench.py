@@ -67,13 +67,12 @@ def run_gpu(args) -> None:
     gbytes = (accum.numel() * 4 + out.numel() * out.element_size()) / 1e9
     rows.append(("bwd postprocess", "dash_fa3 kernel", ms, f"{gbytes / ms * 1e3:.0f} GB/s"))
     kernel_bwd = variant.name in _ext.built_bwd_variants()
-    num_sms = _ext.num_sms(torch.cuda.current_device())
     geometry = Geometry.from_shape(batch=b, heads=h, heads_kv=k.shape[2], seqlen_q=s, headdim=d, causal=args.causal)
     for deterministic in ([False, True] if kernel_bwd else [True]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ops.ReferenceBackwardWarning)
             ms = median_ms(
-                lambda: ops.bwd(dout, q, k, v, out, lse, d ** -0.5, args.causal, deterministic, "auto", num_sms),
+                lambda: ops.bwd(dout, q, k, v, out, lse, d ** -0.5, args.causal, deterministic, "auto", 0),
                 args.warmup if kernel_bwd else 1, args.iters if kernel_bwd else 3,
             )
         tf = attention_flops(b, h, s, s, d, args.causal, "bwd") / ms / 1e9

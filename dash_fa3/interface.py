@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import _ext, ops, reference, validation
+from . import ops, reference, validation
 
 
 def _unsupported(feature: str) -> NotImplementedError:
@@ -73,12 +73,7 @@ def flash_attn_func(
         softmax_scale = reference.default_softmax_scale(q.shape[-1])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    num_sms = 0
     if q.is_cuda:
-        num_sms = _ext.num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        num_sms -= sm_margin
-        if num_sms < 1:
-            raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {num_sms + sm_margin}")
         q, k, v = (ops.kernel_layout(t) for t in (q, k, v))
-    out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal), num_sms, bool(deterministic), schedule)
+    out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal), sm_margin, bool(deterministic), schedule)
     return (out, lse) if return_attn_probs else out

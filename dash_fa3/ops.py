@@ -33,6 +33,17 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
+def usable_sms(device: torch.device, sm_margin: int) -> int:
+    """The persistent grid size: the device's SMs less ``sm_margin`` (read here,
+    inside the op, so torch.compile never traces the device query)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = _ext.num_sms(index)
+    if total - sm_margin < 1:
+        raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
+    return total - sm_margin
+
+
+@functools.lru_cache(maxsize=256)
 def _schedule_tensors(schedule: str, geometry, num_sms: int, device: torch.device):
     """The validated static schedule metadata on ``device`` and its header on the
     host, cached per shape: a repeated shape costs one lookup, no host work and no
@@ -66,23 +77,23 @@ def fwd(
     v: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-    num_sms: int,
+    sm_margin: int,
     deterministic: bool,
     schedule: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: (out (b, sq, h, d) in q's dtype, lse (b, h, sq) fp32, natural log).
 
-    ``deterministic`` and ``schedule`` only matter to the backward; they are
-    arguments here so autograd can hand them to it.
+    ``sm_margin`` SMs are left free. ``deterministic`` and ``schedule`` only
+    matter to the backward; they are arguments here so autograd can hand them to it.
     """
     if q.is_cuda:
-        return _ext.ops().fwd(q, k, v, softmax_scale, causal, num_sms)
+        return _ext.ops().fwd(q, k, v, softmax_scale, causal, usable_sms(q.device, sm_margin))
     out, lse = reference.attention_ref(q, k, v, softmax_scale, causal)
     return out.to(q.dtype), lse.float()
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, num_sms, deterministic, schedule):
+def _fwd_fake(q, k, v, softmax_scale, causal, sm_margin, deterministic, schedule):
     b, sq, h, _ = q.shape
     out = q.new_empty((b, sq, h, v.shape[-1]))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -101,7 +112,7 @@ def bwd(
     causal: bool,
     deterministic: bool,
     schedule: str,
-    num_sms: int,
+    sm_margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: (dq, dk, dv) in the inputs' dtype.
 
@@ -114,7 +125,7 @@ def bwd(
                                    "causal" if causal else "full")
         if variant.name in _ext.built_bwd_variants():
             return _bwd_cuda(kernel_layout(dout), q, k, v, out, lse, softmax_scale, causal, deterministic,
-                             schedule, num_sms)
+                             schedule, usable_sms(q.device, sm_margin))
         warnings.warn(
             f"dash_fa3: no Hopper backward kernel for {variant.name} (kernels exist for head dims "
             f"{', '.join(map(str, variants.BWD_HEADDIMS))}), so the GPU backward runs the fp32 reference: "
@@ -127,17 +138,17 @@ def bwd(
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, num_sms):
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, num_sms, deterministic, schedule = inputs
+    q, k, v, softmax_scale, causal, sm_margin, deterministic, schedule = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
     ctx.causal = causal
-    ctx.num_sms = num_sms
+    ctx.sm_margin = sm_margin
     ctx.deterministic = deterministic
     ctx.schedule = schedule
     ctx.mark_non_differentiable(lse)
@@ -148,7 +159,7 @@ def _backward(ctx, dout, dlse):
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq, dk, dv = bwd(
-        dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.schedule, ctx.num_sms
+        dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.schedule, ctx.sm_margin
     )
     return dq, dk, dv, None, None, None, None, None
 

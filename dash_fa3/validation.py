@@ -88,8 +88,11 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> 
     check_schedule(schedule)
     shape = AttnShape(batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, SUPPORTED_DTYPES[q.dtype])
     if q.is_cuda:
-        check_cuda_device(q.device)
-        check_built(shape.variant(causal))
+        # Host lookups (device properties, the extension's variant list) that
+        # torch.compile cannot trace; under compilation the C++ op re-checks at run time.
+        if not torch.compiler.is_compiling():
+            check_cuda_device(q.device)
+            check_built(shape.variant(causal))
     elif q.device.type != "cpu":
         raise ValueError(f"dash_fa3 runs on CUDA (Hopper) or, slowly, on the CPU; got device {q.device}")
     return shape
