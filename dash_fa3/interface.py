@@ -73,7 +73,5 @@ def flash_attn_func(
         softmax_scale = reference.default_softmax_scale(q.shape[-1])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    if q.is_cuda:
-        q, k, v = (ops.kernel_layout(t) for t in (q, k, v))
     out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal), sm_margin, bool(deterministic), schedule)
     return (out, lse) if return_attn_probs else out

@@ -22,7 +22,8 @@ class ReferenceBackwardWarning(UserWarning):
 
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if the kernels can address it through TMA (16-byte aligned base
-    and strides, contiguous last dim), else a contiguous copy."""
+    and strides, contiguous last dim), else a contiguous copy. Called inside the
+    op bodies: data pointers are not traceable by torch.compile."""
     elems = 16 // t.element_size()
     aligned = (
         t.stride(-1) == 1
@@ -87,6 +88,7 @@ def fwd(
     matter to the backward; they are arguments here so autograd can hand them to it.
     """
     if q.is_cuda:
+        q, k, v = (kernel_layout(t) for t in (q, k, v))
         return _ext.ops().fwd(q, k, v, softmax_scale, causal, usable_sms(q.device, sm_margin))
     out, lse = reference.attention_ref(q, k, v, softmax_scale, causal)
     return out.to(q.dtype), lse.float()
@@ -124,7 +126,8 @@ def bwd(
         variant = variants.Variant(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
                                    "causal" if causal else "full")
         if variant.name in _ext.built_bwd_variants():
-            return _bwd_cuda(kernel_layout(dout), q, k, v, out, lse, softmax_scale, causal, deterministic,
+            dout, q, k, v = (kernel_layout(t) for t in (dout, q, k, v))
+            return _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
                              schedule, usable_sms(q.device, sm_margin))
         warnings.warn(
             f"dash_fa3: no Hopper backward kernel for {variant.name} (kernels exist for head dims "

@@ -82,9 +82,13 @@ def test_shift_generalizes_to_causal():
 
 
 def test_auto_rule():
-    assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "shift"
-    assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "descending"
-    assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "descending"
+    assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "shift"  # square tiles
+    assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "spt"
+    assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "spt"
+    full128 = dict(batch=1, heads=16, headdim=128, causal=False)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **full128)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full128)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full128)) == "fa3"
     with pytest.raises(ValueError, match="unknown schedule"):
         resolve_schedule_name("nope", Geometry.model(4, 1))
 
@@ -101,8 +105,8 @@ def test_cache_and_sm_count():
     with pytest.raises(ValueError):
         get_schedule("shift", g, 0)
     meta = get_metadata("auto", g, 132)
-    assert meta is get_metadata("descending", g, 132)
-    assert np.array_equal(meta.tasks, get_schedule("descending", g, 132).meta.tasks)
+    assert meta is get_metadata("spt", g, 132)
+    assert np.array_equal(meta.tasks, get_schedule("spt", g, 132).meta.tasks)
 
 
 def test_gqa_dkv_order():

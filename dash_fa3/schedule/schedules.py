@@ -36,12 +36,18 @@ STATIC_SCHEDULES = ("shift", "symmetric_shift")
 def resolve_schedule_name(name: str, geometry: Geometry) -> str:
     """Map ``auto`` to a concrete schedule; check the name.
 
-    The ``auto`` rule (a starting point until it becomes "best measured"):
-    ``shift`` for a full mask, ``descending`` for a causal mask (the paper's
-    practical choice at head dim 128, where symmetric_shift spills registers).
+    ``auto`` is the best measured deterministic schedule on the bench grid
+    (H200, 2026-11-21, benchmarks/RESULTS.md):
+    causal: ``spt`` (best or within 3% of the best at every grid point but two);
+    full: ``shift`` where it measured fastest -- square tiles (head dim 64) and
+    9..32 KV tiles -- else ``fa3`` (at 512 and >= 8k tokens with head dim 128,
+    ``shift`` lost 5-15% to ``fa3``).
     """
     if name == "auto":
-        return "descending" if geometry.causal else "shift"
+        g = geometry
+        if g.causal:
+            return "spt"
+        return "shift" if g.block_m == g.block_n or 8 < g.n_kv <= 32 else "fa3"
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
     return name
