@@ -71,14 +71,6 @@ def build_ext_class():
     from torch.utils.cpp_extension import BuildExtension
 
     class TimedBuildExtension(BuildExtension):
-        def build_extensions(self):
-            # Some distributions' Python (Ubuntu's among them) put -Bsymbolic-functions
-            # in LDSHARED. With it, libstdc++ template code that the .so carries binds to
-            # its own copies instead of the process's libstdc++, and formatting a number
-            # in an error message crashed (seen on the H200 host, 2026-11-21).
-            self.compiler.linker_so = [f for f in self.compiler.linker_so if f != "-Wl,-Bsymbolic-functions"]
-            super().build_extensions()
-
         def run(self):
             start = time.perf_counter()
             super().run()

@@ -5,10 +5,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <sstream>
+#include <string>
 #include <vector>
 
 #include "api.h"
+#include "message.h"
 #include "common/launch.h"
 #include "schedules/schedule_metadata.h"
 #include "variant_table.h"
@@ -39,16 +40,16 @@ const std::vector<BwdVariant> kBwdVariants = {DASH_FA3_FOR_EACH_BWD_VARIANT(DASH
 constexpr float kLog2e = 1.4426950408889634f;
 
 std::string built_list() {
-  std::ostringstream os;
-  for (const auto& v : kBwdVariants) os << (&v == &kBwdVariants.front() ? "" : ", ") << v.name;
-  return os.str();
+  std::string names;
+  for (const auto& v : kBwdVariants) names += (names.empty() ? "" : ", ") + std::string(v.name);
+  return names;
 }
 
 void check_f32_cuda(const at::Tensor& t, const char* name, at::IntArrayRef sizes, const at::Device& dev) {
   TORCH_CHECK(t.is_cuda() && t.device() == dev && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                  t.sizes() == sizes,
+                  t.sizes() == sizes, msg(
               "dash_fa3: ", name, " must be a contiguous fp32 tensor of shape ", sizes, " on ", dev, ", got ",
-              t.scalar_type(), " ", t.sizes());
+              t.scalar_type(), " ", t.sizes()));
 }
 
 }  // namespace
@@ -82,20 +83,20 @@ std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor&
   const TensorStrides do_stride = bshd_strides(dout, "dout");
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), hdim = q.size(3);
   const int64_t seqlen_k = k.size(1), heads_kv = k.size(2);
-  TORCH_CHECK(dout.sizes() == q.sizes(), "dash_fa3: dout must have q's shape ", q.sizes(), ", got ", dout.sizes());
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == hdim, "dash_fa3: k must be (", batch, ", seqlen_k, heads_kv, ",
-              hdim, "), got ", k.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), "dash_fa3: v must have k's shape ", k.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(heads_kv >= 1 && heads % heads_kv == 0, "dash_fa3: heads (", heads,
-              ") must be a multiple of heads_kv (", heads_kv, ")");
+  TORCH_CHECK(dout.sizes() == q.sizes(), msg("dash_fa3: dout must have q's shape ", q.sizes(), ", got ", dout.sizes()));
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == hdim, msg("dash_fa3: k must be (", batch, ", seqlen_k, heads_kv, ",
+              hdim, "), got ", k.sizes()));
+  TORCH_CHECK(v.sizes() == k.sizes(), msg("dash_fa3: v must have k's shape ", k.sizes(), ", got ", v.sizes()));
+  TORCH_CHECK(heads_kv >= 1 && heads % heads_kv == 0, msg("dash_fa3: heads (", heads,
+              ") must be a multiple of heads_kv (", heads_kv, ")"));
 
   const BwdVariant* chosen = nullptr;
   for (const auto& var : kBwdVariants) {
     if (var.hdim == hdim && var.dtype == dtype && var.causal == causal) chosen = &var;
   }
-  TORCH_CHECK(chosen != nullptr, "dash_fa3: no backward kernel for hdim", hdim, "-",
+  TORCH_CHECK(chosen != nullptr, msg("dash_fa3: no backward kernel for hdim", hdim, "-",
               dtype == DType::kBF16 ? "bf16" : "fp16", "-", causal ? "causal" : "full",
-              " in this build (built: ", built_list(), "); rebuild with DASH_FA3_VARIANTS naming it");
+              " in this build (built: ", built_list(), "); rebuild with DASH_FA3_VARIANTS naming it"));
 
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));
   const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
@@ -106,21 +107,21 @@ std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor&
   check_f32_cuda(lse_log2, "lse_log2", {batch, heads, rounded}, dev);
   check_f32_cuda(dq_accum, "dq_accum", {batch, heads, rounded, hdim}, dev);
   TORCH_CHECK(dq_semaphore.is_cuda() && dq_semaphore.device() == dev && dq_semaphore.scalar_type() == at::kInt &&
-                  dq_semaphore.is_contiguous() && dq_semaphore.sizes() == at::IntArrayRef({batch, heads, n_q}),
+                  dq_semaphore.is_contiguous() && dq_semaphore.sizes() == at::IntArrayRef({batch, heads, n_q}), msg(
               "dash_fa3: dq_semaphore must be a contiguous int32 tensor of shape (", batch, ", ", heads, ", ", n_q,
-              ") (bwd_preprocess with block_m = ", block_m, ")");
+              ") (bwd_preprocess with block_m = ", block_m, ")"));
   TORCH_CHECK(schedule.is_cuda() && schedule.device() == dev && schedule.scalar_type() == at::kInt &&
                   schedule.is_contiguous() && schedule.dim() == 1,
               "dash_fa3: schedule must be a 1-D contiguous int32 tensor on q's device");
   TORCH_CHECK(!schedule_header.is_cuda() && schedule_header.scalar_type() == at::kInt &&
-                  schedule_header.is_contiguous() && schedule_header.numel() >= schedule::kHeaderLen,
+                  schedule_header.is_contiguous() && schedule_header.numel() >= schedule::kHeaderLen, msg(
               "dash_fa3: schedule_header must be a contiguous CPU int32 tensor with at least ",
-              schedule::kHeaderLen, " entries");
+              schedule::kHeaderLen, " entries"));
   const int32_t* hdr = schedule_header.data_ptr<int32_t>();
   const int64_t expected_len = schedule::kHeaderLen + int64_t(hdr[schedule::kHOffsetsLen]) +
                                int64_t(hdr[schedule::kHNumTasks]) * schedule::kNumCols;
-  TORCH_CHECK(schedule.numel() == expected_len, "dash_fa3: schedule has ", schedule.numel(),
-              " entries, its header says ", expected_len);
+  TORCH_CHECK(schedule.numel() == expected_len, msg("dash_fa3: schedule has ", schedule.numel(),
+              " entries, its header says ", expected_len));
 
   c10::cuda::CUDAGuard guard(dev);
   at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));

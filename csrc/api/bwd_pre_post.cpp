@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "api.h"
+#include "message.h"
 #include "common/launch.h"
 
 namespace dash_fa3 {
@@ -17,17 +18,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(const 
                                                                           int64_t block_m) {
   const DType dtype = dtype_of(out, "out");
   TORCH_CHECK(dout.scalar_type() == out.scalar_type(), "dash_fa3: dout must have out's dtype");
-  TORCH_CHECK(dout.sizes() == out.sizes(), "dash_fa3: dout must have out's shape ", out.sizes(), ", got ",
-              dout.sizes());
+  TORCH_CHECK(dout.sizes() == out.sizes(), msg("dash_fa3: dout must have out's shape ", out.sizes(), ", got ",
+              dout.sizes()));
   const TensorStrides o_stride = bshd_strides(out, "out");
   const TensorStrides do_stride = bshd_strides(dout, "dout");
   const int64_t batch = out.size(0), seqlen_q = out.size(1), heads = out.size(2), hdim = out.size(3);
-  TORCH_CHECK(hdim % 8 == 0, "dash_fa3: headdim must be a multiple of 8, got ", hdim);
+  TORCH_CHECK(hdim % 8 == 0, msg("dash_fa3: headdim must be a multiple of 8, got ", hdim));
   TORCH_CHECK(block_m >= 1, "dash_fa3: block_m must be >= 1");
   TORCH_CHECK(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-                  lse.sizes() == at::IntArrayRef({batch, heads, seqlen_q}),
+                  lse.sizes() == at::IntArrayRef({batch, heads, seqlen_q}), msg(
               "dash_fa3: lse must be a contiguous fp32 CUDA tensor of shape (", batch, ", ", heads, ", ", seqlen_q,
-              ")");
+              ")"));
 
   c10::cuda::CUDAGuard guard(out.device());
   const int64_t num_q_tiles = (seqlen_q + block_m - 1) / block_m;
@@ -65,9 +66,9 @@ at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double 
               "dash_fa3: dq_accum must be a contiguous fp32 CUDA tensor (batch, heads, seqlen_q_rounded, headdim)");
   const int64_t batch = dq_accum.size(0), heads = dq_accum.size(1), rounded = dq_accum.size(2),
                 hdim = dq_accum.size(3);
-  TORCH_CHECK(seqlen_q >= 1 && seqlen_q <= rounded, "dash_fa3: seqlen_q must be in [1, ", rounded, "], got ",
-              seqlen_q);
-  TORCH_CHECK(hdim % 8 == 0, "dash_fa3: headdim must be a multiple of 8, got ", hdim);
+  TORCH_CHECK(seqlen_q >= 1 && seqlen_q <= rounded, msg("dash_fa3: seqlen_q must be in [1, ", rounded, "], got ",
+              seqlen_q));
+  TORCH_CHECK(hdim % 8 == 0, msg("dash_fa3: headdim must be a multiple of 8, got ", hdim));
 
   c10::cuda::CUDAGuard guard(dq_accum.device());
   at::Tensor dq = at::empty({batch, seqlen_q, heads, hdim}, dq_accum.options().dtype(dtype));

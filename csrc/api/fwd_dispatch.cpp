@@ -3,10 +3,11 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
-#include <sstream>
+#include <string>
 #include <vector>
 
 #include "api.h"
+#include "message.h"
 #include "common/launch.h"
 #include "variant_table.h"
 
@@ -32,9 +33,9 @@ const std::vector<FwdVariant> kFwdVariants = {DASH_FA3_FOR_EACH_FWD_VARIANT(DASH
 constexpr float kLog2e = 1.4426950408889634f;
 
 std::string built_list() {
-  std::ostringstream os;
-  for (const auto& v : kFwdVariants) os << (&v == &kFwdVariants.front() ? "" : ", ") << v.name;
-  return os.str();
+  std::string names;
+  for (const auto& v : kFwdVariants) names += (names.empty() ? "" : ", ") + std::string(v.name);
+  return names;
 }
 
 }  // namespace
@@ -56,21 +57,21 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
   const TensorStrides v_stride = bshd_strides(v, "v");
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), hdim = q.size(3);
   const int64_t seqlen_k = k.size(1), heads_kv = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == hdim, "dash_fa3: k must be (", batch, ", seqlen_k, heads_kv, ",
-              hdim, "), got ", k.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), "dash_fa3: v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == hdim, msg("dash_fa3: k must be (", batch, ", seqlen_k, heads_kv, ",
+              hdim, "), got ", k.sizes()));
+  TORCH_CHECK(v.sizes() == k.sizes(), msg("dash_fa3: v must have k's shape ", k.sizes(), ", got ", v.sizes()));
   TORCH_CHECK(seqlen_q >= 1 && seqlen_k >= 1, "dash_fa3: sequence lengths must be >= 1");
-  TORCH_CHECK(heads_kv >= 1 && heads % heads_kv == 0, "dash_fa3: heads (", heads,
-              ") must be a multiple of heads_kv (", heads_kv, ")");
+  TORCH_CHECK(heads_kv >= 1 && heads % heads_kv == 0, msg("dash_fa3: heads (", heads,
+              ") must be a multiple of heads_kv (", heads_kv, ")"));
   TORCH_CHECK(num_sms >= 1, "dash_fa3: num_sms must be >= 1");
 
   const FwdVariant* chosen = nullptr;
   for (const auto& var : kFwdVariants) {
     if (var.hdim == hdim && var.dtype == dtype && var.causal == causal) chosen = &var;
   }
-  TORCH_CHECK(chosen != nullptr, "dash_fa3: no forward kernel for hdim", hdim, "-",
+  TORCH_CHECK(chosen != nullptr, msg("dash_fa3: no forward kernel for hdim", hdim, "-",
               dtype == DType::kBF16 ? "bf16" : "fp16", "-", causal ? "causal" : "full",
-              " in this build (built: ", built_list(), "); rebuild with DASH_FA3_VARIANTS naming it");
+              " in this build (built: ", built_list(), "); rebuild with DASH_FA3_VARIANTS naming it"));
 
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty({batch, seqlen_q, heads, hdim}, q.options());
