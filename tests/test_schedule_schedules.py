@@ -83,8 +83,10 @@ def test_shift_generalizes_to_causal():
 
 def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "shift"  # square tiles
-    assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "spt"
-    assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "spt"
+    assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "symmetric_shift"
+    assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "symmetric_shift"
+    causal128 = Geometry.from_shape(batch=1, heads=16, headdim=128, seqlen_q=4096, causal=True)
+    assert resolve_schedule_name("auto", causal128) == "spt"
     full128 = dict(batch=1, heads=16, headdim=128, causal=False)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **full128)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full128)) == "fa3"

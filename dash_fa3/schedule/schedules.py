@@ -38,16 +38,17 @@ def resolve_schedule_name(name: str, geometry: Geometry) -> str:
 
     ``auto`` is the best measured deterministic schedule on the bench grid
     (H200, 2026-11-21, benchmarks/RESULTS.md):
-    causal: ``spt`` (best or within 3% of the best at every grid point but two);
-    full: ``shift`` where it measured fastest -- square tiles (head dim 64) and
-    9..32 KV tiles -- else ``fa3`` (at 512 and >= 8k tokens with head dim 128,
-    ``shift`` lost 5-15% to ``fa3``).
+    causal: ``symmetric_shift`` with square tiles (head dim 64: best or within
+    1% at every length), else ``spt`` (best or within 1% at every length but 16k);
+    full: ``shift`` with square tiles or 9..32 KV tiles, else ``fa3`` (at 512
+    and >= 8k tokens with head dim 128, ``shift`` lost 5-15% to ``fa3``).
     """
     if name == "auto":
         g = geometry
+        square = g.block_m == g.block_n
         if g.causal:
-            return "spt"
-        return "shift" if g.block_m == g.block_n or 8 < g.n_kv <= 32 else "fa3"
+            return "symmetric_shift" if square else "spt"
+        return "shift" if square or 8 < g.n_kv <= 32 else "fa3"
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
     return name
