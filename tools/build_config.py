@@ -119,7 +119,7 @@ def variant_table_source(selected) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_if_changed(path: Path, text: str) -> None:
+def write_if_changed(path: Path, text: str) -> None:
     # Unchanged files keep their timestamps, so ninja does not rebuild them.
     if path.exists() and path.read_text() == text:
         return
@@ -130,13 +130,13 @@ def _write_if_changed(path: Path, text: str) -> None:
 def write_instantiations() -> None:
     """(Re)write the instantiation file of every known variant (they are checked in)."""
     for d, v in instantiations(variants.ALL_VARIANTS):
-        _write_if_changed(INSTANTIATIONS / instantiation_name(d, v), instantiation_source(d, v))
+        write_if_changed(INSTANTIATIONS / instantiation_name(d, v), instantiation_source(d, v))
 
 
 def prepare(selected) -> list[str]:
     """Write generated files for ``selected`` and return the sources to compile (repo-relative)."""
     write_instantiations()
-    _write_if_changed(GENERATED / "variant_table.h", variant_table_source(selected))
+    write_if_changed(GENERATED / "variant_table.h", variant_table_source(selected))
     return COMMON_SOURCES + [f"csrc/instantiations/{instantiation_name(d, v)}" for d, v in instantiations(selected)]
 
 
