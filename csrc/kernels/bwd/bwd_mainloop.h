@@ -83,8 +83,15 @@ struct BwdMainloop {
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
     Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
-    Tensor sDst = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{});
-    Tensor sDq = make_tensor(make_smem_ptr(smem.dq.data()), typename Traits::SmemLayoutDq{});
+    // sdS and sdQ are written from registers through position-independent
+    // swizzle tensors: the 128-byte swizzle acts on the 32-bit element offset
+    // (exact because the buffers are 1024-byte aligned) and the stores are
+    // st.shared. Swizzling the 64-bit generic address instead kept 16 + 16
+    // 64-bit addresses live through the dS^T computation and made ptxas spill.
+    Tensor sDst = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{}));
+    Tensor sDq = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(smem.dq.data()), typename Traits::SmemLayoutDq{}));
 
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmaDkv mma_dkv;
@@ -145,9 +152,6 @@ struct BwdMainloop {
           tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse[get<1>(tScS(i))]));
         }
       }
-      Tensor tDrP = make_tensor<Element>(LayoutA{});
-      convert_fragment(make_tensor(tSrS.data(), LayoutA{}), tDrP);
-
       warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
       float const* dpsum = smem.dpsum[read_do.index()];
@@ -155,6 +159,11 @@ struct BwdMainloop {
       for (int i = 0; i < size(tdPrdP); ++i) {
         tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
       }
+      // P^T is converted only now, after dS^T: converting it before the dP^T
+      // wait kept the 16-bit P^T live next to fp32 S^T and dP^T (hdim 64:
+      // 64 + 64 + 32 registers on top of dK, dV), which made ptxas spill.
+      Tensor tDrP = make_tensor<Element>(LayoutA{});
+      convert_fragment(make_tensor(tSrS.data(), LayoutA{}), tDrP);
       Tensor tDrDs = make_tensor<Element>(LayoutA{});
       convert_fragment(make_tensor(tdPrdP.data(), LayoutA{}), tDrDs);
 
