@@ -82,13 +82,18 @@ def test_shift_generalizes_to_causal():
 
 
 def test_auto_rule():
-    assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "shift"  # square tiles
-    assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "symmetric_shift"
-    assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "symmetric_shift"
+    assert resolve_schedule_name("auto", Geometry.model(8, 1, "full")) == "shift"
+    assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "spt"
+    assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "spt"
+    full64 = dict(batch=1, heads=32, headdim=64, causal=False)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full64)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "fa3"
     causal128 = Geometry.from_shape(batch=1, heads=16, headdim=128, seqlen_q=4096, causal=True)
     assert resolve_schedule_name("auto", causal128) == "spt"
     full128 = dict(batch=1, heads=16, headdim=128, causal=False)
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **full128)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **full128)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **full128)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full128)) == "fa3"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full128)) == "fa3"
     with pytest.raises(ValueError, match="unknown schedule"):

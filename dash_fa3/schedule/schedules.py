@@ -37,18 +37,17 @@ def resolve_schedule_name(name: str, geometry: Geometry) -> str:
     """Map ``auto`` to a concrete schedule; check the name.
 
     ``auto`` is the best measured deterministic schedule on the bench grid
-    (H200, 2026-11-21, benchmarks/RESULTS.md):
-    causal: ``symmetric_shift`` with square tiles (head dim 64: best or within
-    1% at every length), else ``spt`` (best or within 1% at every length but 16k);
-    full: ``shift`` with square tiles or 9..32 KV tiles, else ``fa3`` (at 512
-    and >= 8k tokens with head dim 128, ``shift`` lost 5-15% to ``fa3``).
+    (H200, 2026-11-21, commit ed7f5f7; benchmarks/RESULTS.md):
+    causal: ``spt`` (best, or within 6% of the best, at every grid point);
+    full: ``shift`` for 5..64 KV tiles with square tiles (head dim 64) and 5..32
+    with head dim 128's 64x128 tiles, else ``fa3`` (shift lost 2-15% there).
     """
     if name == "auto":
         g = geometry
-        square = g.block_m == g.block_n
         if g.causal:
-            return "symmetric_shift" if square else "spt"
-        return "shift" if square or 8 < g.n_kv <= 32 else "fa3"
+            return "spt"
+        shift_max_kv = 64 if g.block_m == g.block_n else 32
+        return "shift" if 4 < g.n_kv <= shift_max_kv else "fa3"
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
     return name
