@@ -33,7 +33,6 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.contiguous()
 
 
-@functools.lru_cache(maxsize=256)
 def usable_sms(device: torch.device, sm_margin: int) -> int:
     """The persistent grid size: the device's SMs less ``sm_margin`` (read here,
     inside the op, so torch.compile never traces the device query)."""
