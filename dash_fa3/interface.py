@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from . import ops, reference, validation
 
 

@@ -1,8 +1,9 @@
 """Shared helpers of the attention tests: the low-precision baseline and error checks."""
 
+import pytest
 import torch
 
-from dash_fa3 import reference
+from dash_fa3 import _ext, reference
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,3 +38,24 @@ def assert_close_to_ref(name, ours, lowp, ref):
     e_ours = max_abs_err(ours[finite], ref[finite])
     e_lowp = max_abs_err(lowp[finite], ref[finite])
     assert e_ours <= ERR_FACTOR * e_lowp + ERR_FLOOR, f"{name}: error {e_ours:.3g} > {ERR_FACTOR} x baseline {e_lowp:.3g}"
+
+
+def require_built(v, direction):
+    """Skip unless the extension has the ``direction`` ("fwd"/"bwd") kernel of variant ``v``."""
+    built = _ext.built_fwd_variants() if direction == "fwd" else _ext.built_bwd_variants()
+    if v.name not in built:
+        pytest.skip(f"no {direction} kernel for {v.name} in this build")
+
+
+def make_inputs(v, shape, seed):
+    """Fresh random q, k, v and dout on the GPU for variant ``v`` and
+    shape (batch, seqlen_q, seqlen_k, heads, heads_kv)."""
+    b, sq, sk, h, hkv = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = TORCH_DTYPES[v.dtype]
+    return (
+        torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g),
+        torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g),
+        torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g),
+        torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g),
+    )

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from attn_utils import TORCH_DTYPES, assert_close_to_ref, attention_lowp
+from attn_utils import assert_close_to_ref, attention_lowp, make_inputs, require_built
 from conftest import poison_cuda_allocator
 import dash_fa3
-from dash_fa3 import _ext, reference, variants
+from dash_fa3 import reference, variants
 from dash_fa3.schedule import SCHEDULES
 
 pytestmark = pytest.mark.gpu
@@ -26,22 +26,6 @@ SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
     (2, 1100, 333, 2, 1),   # seqlen_q > seqlen_k (causal: empty rows), MQA
     (1, 1, 77, 3, 3),
 ]
-
-
-def require_built(v):
-    if v.name not in _ext.built_bwd_variants():
-        pytest.skip(f"no backward kernel for {v.name} in this build")
-
-
-def make(v, shape, seed):
-    b, sq, sk, h, hkv = shape
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dt = TORCH_DTYPES[v.dtype]
-    q = torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g)
-    k = torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g)
-    vv = torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g)
-    dout = torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g)
-    return q, k, vv, dout
 
 
 def grads(q, k, v, dout, causal, scale=None, **kw):
@@ -58,7 +42,7 @@ def lowp_grads(q, k, v, dout, causal, scale):
 
 
 def check_case(v, shape, seed, schedule, deterministic):
-    q, k, vv, dout = make(v, shape, seed)
+    q, k, vv, dout = make_inputs(v, shape, seed)
     scale = 1.0 / math.sqrt(v.hdim) * (0.75 + 0.25 * (seed % 3))
     out, dq, dk, dv = grads(q, k, vv, dout, v.causal, scale, deterministic=deterministic, schedule=schedule)
     ref = reference.attention_bwd_ref(dout, q, k, vv, out, scale, v.causal)
@@ -71,7 +55,7 @@ def check_case(v, shape, seed, schedule, deterministic):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
 def test_gradients_match_reference(v, shape):
-    require_built(v)
+    require_built(v, "bwd")
     check_case(v, shape, seed=sum(shape), schedule="auto", deterministic=True)
     check_case(v, shape, seed=sum(shape) + 1, schedule="auto", deterministic=False)
 
@@ -80,13 +64,13 @@ def test_gradients_match_reference(v, shape):
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_schedule_is_correct(schedule, causal):
     v = variants.Variant(128, "bf16", "causal" if causal else "full")
-    require_built(v)
+    require_built(v, "bwd")
     check_case(v, (2, 1000, 1000, 4, 2), seed=3, schedule=schedule, deterministic=True)
 
 
 @pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
 def test_random_shapes(v):
-    require_built(v)
+    require_built(v, "bwd")
     rng = random.Random(v.name)
     for i in range(3):
         hkv = rng.choice([1, 2])
@@ -96,8 +80,8 @@ def test_random_shapes(v):
 
 def test_schedules_agree_within_rounding():
     v = variants.Variant(128, "bf16", "causal")
-    require_built(v)
-    q, k, vv, dout = make(v, (2, 1536, 1536, 4, 2), 11)
+    require_built(v, "bwd")
+    q, k, vv, dout = make_inputs(v, (2, 1536, 1536, 4, 2), 11)
     results = {s: grads(q, k, vv, dout, True, deterministic=True, schedule=s)[1:] for s in SCHEDULES}
     base = results["fa3"]
     for s, gs in results.items():
@@ -109,8 +93,8 @@ def test_schedules_agree_within_rounding():
 @pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift"])
 def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     v = variants.Variant(128, "bf16", "causal")
-    require_built(v)
-    q, k, vv, dout = make(v, (2, 2048, 2048, 8, 4), 5)
+    require_built(v, "bwd")
+    q, k, vv, dout = make_inputs(v, (2, 2048, 2048, 8, 4), 5)
     first = grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:]
     for _ in range(99):
         again = grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:]
@@ -124,8 +108,8 @@ def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
 
 def test_nondeterministic_mode_runs_and_is_close():
     v = variants.Variant(128, "bf16", "full")
-    require_built(v)
-    q, k, vv, dout = make(v, (2, 2048, 2048, 8, 8), 7)
+    require_built(v, "bwd")
+    q, k, vv, dout = make_inputs(v, (2, 2048, 2048, 8, 8), 7)
     det = grads(q, k, vv, dout, False, deterministic=True)[1:]
     nondet = grads(q, k, vv, dout, False, deterministic=False)[1:]
     for a, b in zip(nondet, det):
@@ -149,7 +133,7 @@ print(h.hexdigest())
 
 
 def test_deterministic_across_processes():
-    require_built(variants.Variant(128, "bf16", "causal"))
+    require_built(variants.Variant(128, "bf16", "causal"), "bwd")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digests = {
         subprocess.run([sys.executable, "-c", CHILD, root], capture_output=True, text=True, check=True).stdout.strip()

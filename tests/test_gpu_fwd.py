@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from attn_utils import TORCH_DTYPES, assert_close_to_ref, attention_lowp
+from attn_utils import assert_close_to_ref, attention_lowp, make_inputs, require_built
 from conftest import poison_cuda_allocator
 import dash_fa3
-from dash_fa3 import _ext, reference, variants
+from dash_fa3 import reference, variants
 
 pytestmark = pytest.mark.gpu
 
@@ -24,18 +24,9 @@ SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
 ]
 
 
-def require_built(v):
-    if v.name not in _ext.built_fwd_variants():
-        pytest.skip(f"{v.name} is not in this build")
-
-
 def run_case(v, shape, seed):
     b, sq, sk, h, hkv = shape
-    torch.manual_seed(seed)
-    dt = TORCH_DTYPES[v.dtype]
-    q = torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt)
-    k = torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt)
-    vv = torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt)
+    q, k, vv, _ = make_inputs(v, shape, seed)
     scale = 1.0 / math.sqrt(v.hdim) * (0.5 + seed % 3 * 0.5)
     poison_cuda_allocator(1 << 28)
     out, lse = dash_fa3.flash_attn_func(q, k, vv, softmax_scale=scale, causal=v.causal, return_attn_probs=True)
@@ -50,13 +41,13 @@ def run_case(v, shape, seed):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("v", variants.ALL_VARIANTS, ids=lambda v: v.name)
 def test_forward_matches_reference(v, shape):
-    require_built(v)
+    require_built(v, "fwd")
     run_case(v, shape, seed=hash((v.name, shape)) % 1000)
 
 
 @pytest.mark.parametrize("v", variants.ALL_VARIANTS, ids=lambda v: v.name)
 def test_forward_random_shapes(v):
-    require_built(v)
+    require_built(v, "fwd")
     rng = random.Random(v.name)
     for i in range(4):
         hkv = rng.choice([1, 2, 3])
@@ -66,7 +57,7 @@ def test_forward_random_shapes(v):
 
 def test_forward_arbitrary_strides():
     v = variants.Variant(128, "bf16", "causal")
-    require_built(v)
+    require_built(v, "fwd")
     base = torch.randn(2, 300, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
     q, k, vv = base[:, :, 0], base[:, :, 1, :4], base[:, :, 2, :4]  # interleaved qkv, GQA 8/4
     out = dash_fa3.flash_attn_func(q, k, vv, causal=True)

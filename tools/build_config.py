@@ -9,7 +9,6 @@ code with the same flags.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 

@@ -33,4 +33,13 @@ std::vector<std::string> built_bwd_variants();
 DType dtype_of(const at::Tensor& t, const char* name);
 TensorStrides bshd_strides(const at::Tensor& t, const char* name);
 
+// q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_kv, d): one
+// dtype and device, kernel-addressable strides, heads % heads_kv == 0.
+struct QkvShape {
+  DType dtype;
+  TensorStrides q_stride, k_stride, v_stride;
+  int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, hdim;
+};
+QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
 }  // namespace dash_fa3

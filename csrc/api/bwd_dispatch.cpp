@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "api.h"
+#include "common/constants.h"
 #include "message.h"
+#include "variant_registry.h"
 #include "common/launch.h"
 #include "schedules/schedule_metadata.h"
 #include "variant_table.h"
@@ -21,29 +23,11 @@
 namespace dash_fa3 {
 namespace {
 
-using BwdLauncher = void (*)(const BwdParams&, cudaStream_t);
-
-struct BwdVariant {
-  int hdim;
-  DType dtype;
-  bool causal;
-  const char* name;
-  BwdLauncher launch;
-};
-
 #define DASH_FA3_BWD_ENTRY(HDIM, DTYPE, CAUSAL, NAME) \
-  BwdVariant{HDIM, DType::DTYPE, CAUSAL, NAME, &run_bwd<HDIM, DType::DTYPE, CAUSAL>},
+  KernelVariant<BwdParams>{HDIM, DType::DTYPE, CAUSAL, NAME, &run_bwd<HDIM, DType::DTYPE, CAUSAL>},
 // A vector, not an array: a build may select no variant of this direction.
-const std::vector<BwdVariant> kBwdVariants = {DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_FA3_BWD_ENTRY)};
+const std::vector<KernelVariant<BwdParams>> kBwdVariants = {DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_FA3_BWD_ENTRY)};
 #undef DASH_FA3_BWD_ENTRY
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-std::string built_list() {
-  std::string names;
-  for (const auto& v : kBwdVariants) names += (names.empty() ? "" : ", ") + std::string(v.name);
-  return names;
-}
 
 void check_f32_cuda(const at::Tensor& t, const char* name, at::IntArrayRef sizes, const at::Device& dev) {
   TORCH_CHECK(t.is_cuda() && t.device() == dev && t.scalar_type() == at::kFloat && t.is_contiguous() &&
@@ -54,11 +38,7 @@ void check_f32_cuda(const at::Tensor& t, const char* name, at::IntArrayRef sizes
 
 }  // namespace
 
-std::vector<std::string> built_bwd_variants() {
-  std::vector<std::string> names;
-  for (const auto& v : kBwdVariants) names.emplace_back(v.name);
-  return names;
-}
+std::vector<std::string> built_bwd_variants() { return variant_names(kBwdVariants); }
 
 // Main backward kernel. dq_accum and dq_semaphore come from bwd_preprocess
 // (zeroed there) and are updated in place; returns (dk, dv) in q's dtype and
@@ -70,33 +50,15 @@ std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor&
                                        at::Tensor& dq_accum, at::Tensor& dq_semaphore, const at::Tensor& schedule,
                                        const at::Tensor& schedule_header, double softmax_scale, bool causal,
                                        bool deterministic) {
-  const DType dtype = dtype_of(q, "q");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-                  dout.scalar_type() == q.scalar_type(),
-              "dash_fa3: q, k, v and dout must share a dtype");
+  const QkvShape sh = check_qkv(q, k, v);
   const at::Device dev = q.device();
-  TORCH_CHECK(k.device() == dev && v.device() == dev && dout.device() == dev,
-              "dash_fa3: q, k, v and dout must be on one device");
-  const TensorStrides q_stride = bshd_strides(q, "q");
-  const TensorStrides k_stride = bshd_strides(k, "k");
-  const TensorStrides v_stride = bshd_strides(v, "v");
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && dout.device() == dev,
+              "dash_fa3: dout must have q's dtype and device");
   const TensorStrides do_stride = bshd_strides(dout, "dout");
-  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), hdim = q.size(3);
-  const int64_t seqlen_k = k.size(1), heads_kv = k.size(2);
   TORCH_CHECK(dout.sizes() == q.sizes(), msg("dash_fa3: dout must have q's shape ", q.sizes(), ", got ", dout.sizes()));
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == hdim, msg("dash_fa3: k must be (", batch, ", seqlen_k, heads_kv, ",
-              hdim, "), got ", k.sizes()));
-  TORCH_CHECK(v.sizes() == k.sizes(), msg("dash_fa3: v must have k's shape ", k.sizes(), ", got ", v.sizes()));
-  TORCH_CHECK(heads_kv >= 1 && heads % heads_kv == 0, msg("dash_fa3: heads (", heads,
-              ") must be a multiple of heads_kv (", heads_kv, ")"));
-
-  const BwdVariant* chosen = nullptr;
-  for (const auto& var : kBwdVariants) {
-    if (var.hdim == hdim && var.dtype == dtype && var.causal == causal) chosen = &var;
-  }
-  TORCH_CHECK(chosen != nullptr, msg("dash_fa3: no backward kernel for hdim", hdim, "-",
-              dtype == DType::kBF16 ? "bf16" : "fp16", "-", causal ? "causal" : "full",
-              " in this build (built: ", built_list(), "); rebuild with DASH_FA3_VARIANTS naming it"));
+  const auto& chosen = find_variant(kBwdVariants, "backward", sh.hdim, sh.dtype, causal);
+  const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads,
+                heads_kv = sh.heads_kv, hdim = sh.hdim;
 
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));
   const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
@@ -139,9 +101,9 @@ std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor&
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.dout = dout.data_ptr();
-  p.q_stride = q_stride;
-  p.k_stride = k_stride;
-  p.v_stride = v_stride;
+  p.q_stride = sh.q_stride;
+  p.k_stride = sh.k_stride;
+  p.v_stride = sh.v_stride;
   p.do_stride = do_stride;
   p.lse_log2 = lse_log2.data_ptr<float>();
   p.dpsum = dpsum.data_ptr<float>();
@@ -167,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor&
   p.softmax_scale_log2 = static_cast<float>(softmax_scale) * kLog2e;
   p.deterministic = deterministic;
   try {
-    chosen->launch(p, c10::cuda::getCurrentCUDAStream().stream());
+    chosen.launch(p, c10::cuda::getCurrentCUDAStream().stream());
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }

@@ -27,4 +27,24 @@ TensorStrides bshd_strides(const at::Tensor& t, const char* name) {
   return TensorStrides{t.stride(0), t.stride(1), t.stride(2)};
 }
 
+QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  QkvShape s{};
+  s.dtype = dtype_of(q, "q");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "dash_fa3: q, k and v must share a dtype");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), "dash_fa3: q, k and v must be on one device");
+  s.q_stride = bshd_strides(q, "q");
+  s.k_stride = bshd_strides(k, "k");
+  s.v_stride = bshd_strides(v, "v");
+  s.batch = q.size(0), s.seqlen_q = q.size(1), s.heads = q.size(2), s.hdim = q.size(3);
+  s.seqlen_k = k.size(1), s.heads_kv = k.size(2);
+  TORCH_CHECK(k.size(0) == s.batch && k.size(3) == s.hdim,
+              msg("dash_fa3: k must be (", s.batch, ", seqlen_k, heads_kv, ", s.hdim, "), got ", k.sizes()));
+  TORCH_CHECK(v.sizes() == k.sizes(), msg("dash_fa3: v must have k's shape ", k.sizes(), ", got ", v.sizes()));
+  TORCH_CHECK(s.seqlen_q >= 1 && s.seqlen_k >= 1, "dash_fa3: sequence lengths must be >= 1");
+  TORCH_CHECK(s.heads_kv >= 1 && s.heads % s.heads_kv == 0,
+              msg("dash_fa3: heads (", s.heads, ") must be a multiple of heads_kv (", s.heads_kv, ")"));
+  return s;
+}
+
 }  // namespace dash_fa3

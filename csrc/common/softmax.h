@@ -12,8 +12,6 @@
 
 namespace dash_fa3 {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // Number of 8-column blocks (v) in an accumulator fragment.
 template <class Frag>
 CUTE_HOST_DEVICE constexpr int fragment_col_blocks() {

@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "common/constants.h"
 #include "common/cuda_check.h"
 #include "common/dtype.h"
 #include "common/launch.h"
@@ -15,7 +16,6 @@
 namespace dash_fa3 {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kThreads = 256;
 // Each thread loads 16 bytes (8 elements) at a time; kLanesPerRow lanes share a
 // row, so a warp covers 8 rows and every head dim that is a multiple of 8 works.
