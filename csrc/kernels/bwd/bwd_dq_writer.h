@@ -1,19 +1,25 @@
-// dQ-writer role of the backward kernel: one warp (warp 1 of warpgroup 0)
-// moves each step's fp32 partial dQ from sdQ into the fp32 dQ accumulator
-// (batch, heads, seqlen_q_rounded, d) with one TMA reduce-add
-// (cp.reduce.async.bulk.tensor ... .add, f32 elements).
+// dQ-writer role of the backward kernel: one warp per sdQ buffer (warps
+// 1 .. kStagesDq of warpgroup 0). Writer b moves the fp32 partial dQ of every
+// step whose CTA-wide step index is = b (mod kStagesDq) from sdQ buffer b into
+// the fp32 dQ accumulator (batch, heads, seqlen_q_rounded, d) with one TMA
+// reduce-add (cp.reduce.async.bulk.tensor ... .add, f32 elements).
 //
-// Per step, in the schedule's order:
-//   wait kDqFull+b (the MMA warpgroups wrote sdQ buffer b = step % 2)
-//   deterministic: wait until sem[b, h, q] == rank (the schedule's rank of this
+// Per step of writer b, in the schedule's order:
+//   wait kDqFull+b (the MMA warpgroups wrote sdQ buffer b)
+//   deterministic: wait until sem[batch, h, q] == rank (the schedule's rank of this
 //                  (KV tile, Q tile) contribution)
 //   issue the reduce-add, commit
 //   wait until sdQ[b] has been READ -> arrive kDqEmpty+b (the MMA warpgroups
 //                  may write buffer b again while the add is still landing)
-//   deterministic: wait until the add has COMPLETED, then sem[b, h, q] += 1
-// The ordering argument is in bwd_semaphore.h. Non-deterministic mode runs the
-// same code without the semaphore wait and release: the adds of different
-// CTAs then land in any order.
+//   deterministic: wait until the add has COMPLETED, then sem[batch, h, q] += 1
+// Why one warp per buffer: in deterministic mode one step's hand-off is a
+// serial chain (acquire spin, add, completion wait, release) about as long as
+// a whole MMA step; with a single writer that chain, not the tensor cores,
+// set the pace. Two writers overlap the chains of consecutive steps. A
+// writer's release still waits only for its own add, so the ordering
+// argument (bwd_semaphore.h) is unchanged and no new wait is introduced.
+// Non-deterministic mode runs the same code without the semaphore wait and
+// release: the adds of different CTAs then land in any order.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -36,17 +42,19 @@ struct BwdDqWriter {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kDqHandoffThreads = Traits::kNumMmaThreads + Traits::kWarpThreads;
 
-  // Run by all 32 lanes of the writer warp; lane 0 issues and waits.
-  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem) {
+  // Run by all 32 lanes of writer warp `buffer`; lane 0 issues and waits.
+  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int buffer) {
     bool const leader = (threadIdx.x % 32) == 0;
     Tensor sDq = make_tensor(make_smem_ptr(smem.dq.data()), typename Traits::SmemLayoutDq{});
     auto tma_dq = p.tma_dq.get_slice(_0{});
     Tensor tDqsDq = tma_dq.partition_S(sDq);
     int32_t const* header = p.schedule;
 
-    // Both sdQ buffers start out empty.
-    for (int b = 0; b < Traits::kStagesDq; ++b) { named_barrier_arrive(Mainloop::dq_empty(b), kDqHandoffThreads); }
-    int dq_stage = 0;
+    // sdQ[buffer] starts out empty.
+    named_barrier_arrive(Mainloop::dq_empty(buffer), kDqHandoffThreads);
+    // Index of the next step among all steps of this CTA; the MMA warpgroups
+    // write step i into sdQ[i % kStagesDq].
+    int cta_step = 0;
 
     CtaTasks const tasks = CtaTasks::of(p.schedule);
     for (int task = tasks.begin; task < tasks.end; ++task) {
@@ -60,24 +68,26 @@ struct BwdDqWriter {
       Tensor tDqgDq = tma_dq.partition_D(gDq);
       int* sem_bh = p.dq_semaphore + (int64_t(b) * p.heads + h) * p.n_q;
 
-      for (int s = 0; s < n_steps; ++s) {
+      // First step of this task that falls on our buffer.
+      int const first = (buffer - cta_step % Traits::kStagesDq + Traits::kStagesDq) % Traits::kStagesDq;
+      cta_step += n_steps;
+      for (int s = first; s < n_steps; s += Traits::kStagesDq) {
         schedule::StepInfo const st = schedule::decode_step(header, row, s);
-        // Wait until the MMA warpgroups have written this step's partial dQ to sdQ[dq_stage].
-        named_barrier_sync(Mainloop::dq_full(dq_stage), kDqHandoffThreads);
+        // Wait until the MMA warpgroups have written this step's partial dQ to sdQ[buffer].
+        named_barrier_sync(Mainloop::dq_full(buffer), kDqHandoffThreads);
         if (leader) {
           if (p.deterministic) {
             // Our turn: every contribution of lower rank has completed its add.
             semaphore_wait_for(sem_bh + st.q_tile, st.rank);
             fence_proxy_async_global();
           }
-          copy(p.tma_dq, tDqsDq(_, _, _, dq_stage), tDqgDq(_, _, _, st.q_tile));
+          copy(p.tma_dq, tDqsDq(_, _, _, buffer), tDqgDq(_, _, _, st.q_tile));
           tma_store_arrive();
           bulk_wait_all_read();
         }
         __syncwarp();
-        // sdQ[dq_stage] has been read: the MMA warpgroups may overwrite it.
-        named_barrier_arrive(Mainloop::dq_empty(dq_stage), kDqHandoffThreads);
-        dq_stage ^= 1;
+        // sdQ[buffer] has been read: the MMA warpgroups may overwrite it.
+        named_barrier_arrive(Mainloop::dq_empty(buffer), kDqHandoffThreads);
         if (leader && p.deterministic) {
           bulk_wait_all_complete();  // the add itself has landed in global memory
           fence_proxy_async_global();

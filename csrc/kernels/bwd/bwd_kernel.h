@@ -1,7 +1,7 @@
 // The backward main kernel: sets up barriers and pipelines, then dispatches
 // warp roles. All work lives in the role files:
 //   bwd_producer.h   TMA loads of K, V per task; Q+LSE, dO+dPsum per step   (warpgroup 0, warp 0)
-//   bwd_dq_writer.h  partial dQ -> dQ accumulator, TMA reduce-add, ordered  (warpgroup 0, warp 1)
+//   bwd_dq_writer.h  partial dQ -> dQ accumulator, TMA reduce-add, ordered  (warpgroup 0, warps 1-2)
 //   bwd_mainloop.h   S, P, dP, dS, dV, dK, partial dQ with WGMMA           (warpgroups 1 and 2)
 //   bwd_epilogue.h   dK, dV stores (GQA: ordered fp32 adds)                (warpgroups 1 and 2)
 //   bwd_tasks.h      which schedule rows a CTA runs                        (all roles)
@@ -34,8 +34,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
   int const warpgroup = cutlass::canonical_warp_group_idx();
   WarpRole const role = warpgroup > 0 ? WarpRole::kMma
                         : warp_idx == 0 ? WarpRole::kProducer
-                        : warp_idx == 1 ? WarpRole::kDqWriter
-                                        : WarpRole::kIdle;
+                        : warp_idx <= Traits::kStagesDq ? WarpRole::kDqWriter
+                                                        : WarpRole::kIdle;
 
   if (warp_idx == 0 && cute::elect_one_sync()) {
     BwdProducer<Traits>::prefetch_descriptors(p);
@@ -58,7 +58,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     if (role == WarpRole::kProducer) {
       BwdProducer<Traits>::run(p, smem, pipeline_q, pipeline_do);
     } else if (role == WarpRole::kDqWriter) {
-      BwdDqWriter<Traits>::run(p, smem);
+      BwdDqWriter<Traits>::run(p, smem, /*buffer=*/warp_idx - 1);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();

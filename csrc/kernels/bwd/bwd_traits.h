@@ -31,8 +31,9 @@ namespace dash_fa3::bwd {
 
 using namespace cute;
 
-// Warp roles. Warpgroup 0: warp 0 issues the TMA loads, warp 1 is the dQ
-// writer, warps 2-3 only give their registers back. Warpgroups 1-2: MMA.
+// Warp roles. Warpgroup 0: warp 0 issues the TMA loads, warps 1 and 2 are
+// the dQ writers (one per sdQ buffer), warp 3 only gives its registers back.
+// Warpgroups 1-2: MMA.
 enum class WarpRole : int { kProducer = 0, kDqWriter = 1, kIdle = 2, kMma = 3 };
 
 // Named barriers of the backward kernel (ids are offset past CUTLASS's
@@ -47,11 +48,11 @@ enum class BwdBarrier : uint32_t {
   // GQA dK/dV: the MMA warpgroups wait for their turn (deterministic mode)
   // and, after their adds, for each other before releasing the turn.
   kDkvTurn = 2,
-  // kDqEmpty + b: the dQ writer has finished reading sdQ buffer b; the MMA
+  // kDqEmpty + b: dQ writer b has finished reading sdQ buffer b; the MMA
   // warpgroups wait on it before writing their next partial dQ into b.
   kDqEmpty = 3,  // and 4
   // kDqFull + b: the MMA warpgroups have written a partial dQ into sdQ buffer
-  // b; the dQ writer waits on it before issuing the reduce-add.
+  // b; dQ writer b waits on it before issuing the reduce-add.
   kDqFull = 5,  // and 6
 };
 
@@ -77,6 +78,7 @@ struct BwdTraits {
   // sdQ double buffer: the MMA warpgroups run one step ahead of a dQ writer
   // that waits for its turn (deterministic mode).
   static constexpr int kStagesDq = 2;
+  static_assert(kStagesDq <= 3, "one dQ-writer warp per sdQ buffer: warps 1..kStagesDq of warpgroup 0");
   static_assert(kBlockN == 64 * kNumMmaWarpgroups, "each MMA warpgroup owns 64 KV rows");
   static_assert(kBlockM % 64 == 0 && kHeadDim % 32 == 0);
 

@@ -67,10 +67,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     typename Traits::PipelineState read_state;
     typename Traits::PipelineStateQ q_state;
     CUTE_NO_UNROLL
-    for (int round = 0;; ++round) {
-      int const tile = FwdTileScheduler<Traits>::tile_of_round(round);
-      if (tile >= p.num_tiles) { break; }
-      FwdTile const t = FwdTileScheduler<Traits>::decode(p, tile);
+    for (int k = 0;; ++k) {
+      FwdTile t;
+      if (!FwdTileScheduler<Traits>::slot(p, k, t)) { break; }
+      if (t.m_block < 0) { continue; }
       int const n_end = Blocks::end(t.m_block, p.seqlen_q, p.seqlen_k);
       if (n_end <= 0) {
         Epilogue::store_empty(p, t, mma_tid);

@@ -84,9 +84,10 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   p.softmax_scale = a.softmax_scale;
   p.softmax_scale_log2 = a.softmax_scale_log2;
   p.num_m_blocks = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  int64_t const tiles = int64_t(p.num_m_blocks) * a.heads * a.batch;
-  require(tiles < (int64_t(1) << 31), "too many tiles (batch * heads * seqlen_q / 128 >= 2^31)");
-  p.num_tiles = int(tiles);
+  int64_t const units =
+      int64_t(FwdTileScheduler<Traits>::units_per_head(p.num_m_blocks)) * a.heads * a.batch;
+  require(units < (int64_t(1) << 30), "too many tiles (batch * heads * seqlen_q / 128 >= 2^30)");
+  p.num_units = int(units);
   int64_t const kv_bytes_per_head = 2 * int64_t(a.seqlen_k) * a.headdim * int64_t(sizeof(Element));
   // Heads that share a KV head read the same K/V: count KV bytes per KV head.
   int const pairs = FwdTileScheduler<Traits>::heads_per_section(kv_bytes_per_head, kL2SectionBudgetBytes) *
@@ -125,7 +126,7 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
     check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
                "cudaDeviceGetAttribute(multiProcessorCount)");
   }
-  int const grid = p.num_tiles < num_sms ? p.num_tiles : num_sms;
+  int const grid = p.num_units < num_sms ? p.num_units : num_sms;
 
   auto kernel = fwd::fwd_kernel<Traits>;
   constexpr int kSmemBytes = Traits::kSharedStorageBytes;

@@ -58,10 +58,10 @@ struct FwdProducer {
     PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
     typename Traits::PipelineStateQ q_write_state = cutlass::make_producer_start_state<PipelineQ>();
 
-    for (int round = 0;; ++round) {
-      int const tile = FwdTileScheduler<Traits>::tile_of_round(round);
-      if (tile >= p.num_tiles) { break; }
-      FwdTile const t = FwdTileScheduler<Traits>::decode(p, tile);
+    for (int k = 0;; ++k) {
+      FwdTile t;
+      if (!FwdTileScheduler<Traits>::slot(p, k, t)) { break; }
+      if (t.m_block < 0) { continue; }
       int const n_end = Blocks::end(t.m_block, p.seqlen_q, p.seqlen_k);
       // The MMA warpgroups skip such a tile too (they write O = 0, LSE = -inf).
       if (n_end <= 0) { continue; }

@@ -1,19 +1,27 @@
 // Static persistent tile scheduler of the forward kernel.
 //
-// The grid has min(num_sms, num_tiles) CTAs (G). In round r, CTA c processes
-// tile r * G + c for even r and r * G + (G - 1 - c) for odd r (a snake), so
-// with tiles sorted longest first the CTA that got the longest tile of one
-// round gets the shortest of the next, which evens out the per-CTA totals.
-// The producer warp and the MMA warpgroups walk the same sequence
-// independently, so no tile index has to be passed between them.
+// Work is cut into units. Full mask: a unit is one query tile. Causal: a unit
+// is the PAIR of query blocks (n_m - 1 - j, j), the longest tile with the
+// shortest, so that every unit costs about n_m + 1 key blocks (the causal
+// profile is linear in the block index). The grid has min(num_sms,
+// num_units) CTAs (G); in round r, CTA c takes unit r * G + c (r even) or
+// r * G + (G - 1 - c) (r odd, a snake that evens out what unequal units
+// remain, e.g. with seqlen_q != seqlen_k). Equal-cost units leave only the
+// last round's quantisation as imbalance. Assigning single causal tiles
+// longest-first by snake instead left the busiest CTA 11-20% above the mean
+// in a unit-cost model of the benchmark grid (a greedy dynamic assignment:
+// 0-4%; pairs: 3%).
 //
-// Tile order. The (batch, head) pairs are cut into sections of
+// A CTA visits slots k = 0, 1, 2, ...: slot k is half k % kTilesPerUnit of
+// the unit of round k / kTilesPerUnit. The producer warp and the MMA
+// warpgroups walk the same slots independently, so no tile index has to be
+// passed between them.
+//
+// Unit order. The (batch, head) pairs are cut into sections of
 // heads_per_section consecutive pairs, chosen on the host so that the K and V
-// of one section fit in about half of L2. Within a section the order is query
-// block major, (batch, head) minor; for causal masks the query blocks go from
-// the last (longest: most key blocks) to the first, so that the round-robin
-// assignment hands out the longest tiles first and the short ones fill in at
-// the end. Heads sharing a KV head (GQA) are adjacent, so they share K/V in L2.
+// of one section fit in about half of L2. Within a section the order is unit
+// major (query block, or block pair j), (batch, head) minor. Heads sharing a
+// KV head (GQA) are adjacent, so they share K/V in L2.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -21,7 +29,7 @@
 namespace dash_fa3::fwd {
 
 struct FwdTile {
-  int m_block;
+  int m_block;  // -1: this slot holds no tile (the middle block of an odd causal pair)
   int head;
   int batch;
 };
@@ -29,28 +37,39 @@ struct FwdTile {
 template <class Traits>
 struct FwdTileScheduler {
   using Params = typename Traits::Params;
+  static constexpr int kTilesPerUnit = Traits::kCausal ? 2 : 1;
 
-  // Tile index of this CTA in round r; >= num_tiles once the CTA is done
-  // (and for every later round).
-  CUTE_DEVICE static int tile_of_round(int round) {
-    int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    return round * int(gridDim.x) + lane;
+  // Host and device: units per (batch, head) pair.
+  CUTE_HOST_DEVICE static int units_per_head(int num_m_blocks) {
+    return Traits::kCausal ? (num_m_blocks + 1) / 2 : num_m_blocks;
   }
 
-  CUTE_DEVICE static FwdTile decode(Params const& p, int tile) {
+  // Decodes slot k of this CTA into t. Returns false once the CTA has no
+  // unit left (for slot k and every later slot).
+  CUTE_DEVICE static bool slot(Params const& p, int k, FwdTile& t) {
+    int const round = k / kTilesPerUnit;
+    int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    int const unit = round * int(gridDim.x) + lane;
+    if (unit >= p.num_units) { return false; }
+
     int const pairs = p.batch * p.heads;
-    int const tiles_per_section = p.heads_per_section * p.num_m_blocks;
-    int const section = tile / tiles_per_section;
+    int const per_head = units_per_head(p.num_m_blocks);
+    int const units_per_section = p.heads_per_section * per_head;
+    int const section = unit / units_per_section;
     int const first_pair = section * p.heads_per_section;
     int const pairs_here = cute::min(p.heads_per_section, pairs - first_pair);
-    int const in_section = tile - section * tiles_per_section;
-    int const m_index = in_section / pairs_here;
-    int const pair = first_pair + (in_section - m_index * pairs_here);
-    FwdTile t;
-    t.m_block = Traits::kCausal ? p.num_m_blocks - 1 - m_index : m_index;
+    int const in_section = unit - section * units_per_section;
+    int const j = in_section / pairs_here;
+    int const pair = first_pair + (in_section - j * pairs_here);
     t.batch = pair / p.heads;
     t.head = pair - t.batch * p.heads;
-    return t;
+    if constexpr (Traits::kCausal) {
+      int const hi = p.num_m_blocks - 1 - j;
+      t.m_block = (k % kTilesPerUnit == 0) ? hi : (j == hi ? -1 : j);
+    } else {
+      t.m_block = j;
+    }
+    return true;
   }
 
   // Host: (batch, head) pairs per section, for K+V of kv_bytes_per_head each.

@@ -166,7 +166,7 @@ struct FwdTraits {
     float softmax_scale, softmax_scale_log2;
     // Tile scheduler.
     int num_m_blocks;
-    int num_tiles;
+    int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h
     int heads_per_section;  // (batch, head) pairs per L2 section, see fwd_tile_scheduler.h
   };
 };
