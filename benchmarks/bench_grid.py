@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     det = [f"det-{x}" for x in args.schedules.split(",") if x] if args.direction == "bwd" else []
     cols = ["dash_fa3"] + det + peers
     print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16"
-          + ("; dash_fa3 = non-deterministic, det-X = deterministic with schedule X" if det else ""))
+          + ("; dash_fa3 = non-deterministic (task order auto = lpt), det-X = deterministic with schedule X" if det else ""))
     print("| hdim | mask | seqlen | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     rows = []

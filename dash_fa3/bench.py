@@ -81,7 +81,8 @@ def run_gpu(args) -> None:
         elif deterministic:
             impl = f"dash_fa3 Hopper kernel, deterministic, schedule {resolve_schedule_name('auto', geometry)}"
         else:
-            impl = "dash_fa3 Hopper kernel, non-deterministic (adds in any order)"
+            impl = ("dash_fa3 Hopper kernel, non-deterministic (adds in any order), task order "
+                    f"{resolve_schedule_name('auto', geometry, deterministic=False)}")
         rows.append(("backward", impl, ms, f"{tf:.0f} TFLOP/s"))
     _print_rows(rows)
 

@@ -44,7 +44,9 @@ def flash_attn_func(
     softmax_scale defaults to 1/sqrt(headdim). causal aligns the mask to the
     bottom-right corner when seqlen_q != seqlen_k.
     deterministic: the backward is bitwise reproducible; schedule names its
-    accumulation order ("auto", or one of dash_fa3.schedule's names).
+    accumulation order ("auto", or one of dash_fa3.schedule's names). With
+    deterministic=False the backward's adds land in any order and the schedule
+    only fixes the task order; "auto" then picks "lpt" (longest task first).
     sm_margin: SMs to leave free (e.g. for overlapped communication).
     Returns out, or (out, softmax_lse) with return_attn_probs; softmax_lse is
     (batch, heads, seqlen_q) fp32, natural log.

@@ -55,7 +55,7 @@ def _schedule_tensors(schedule: str, geometry, num_sms: int, device: torch.devic
 
 
 def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, num_sms):
-    from .schedule import Geometry, bwd_block_sizes
+    from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
 
     c = _ext.ops()
     batch, seqlen_q, heads, hdim = q.shape
@@ -63,7 +63,9 @@ def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, sch
     dpsum, lse_log2, dq_accum, dq_semaphore = c.bwd_preprocess(out, dout, lse, block_m)
     geometry = Geometry(batch=batch, heads=heads, heads_kv=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1],
                         block_m=block_m, block_n=block_n, mask="causal" if causal else "full")
-    flat, header = _schedule_tensors(schedule, geometry, num_sms, q.device)
+    # "auto" depends on the mode: without ordering constraints the best-balanced order wins.
+    name = resolve_schedule_name(schedule, geometry, deterministic)
+    flat, header = _schedule_tensors(name, geometry, num_sms, q.device)
     dk, dv = c.bwd(dout, q, k, v, dpsum, lse_log2, dq_accum, dq_semaphore, flat, header, softmax_scale, causal,
                    deterministic)
     dq = c.bwd_postprocess(dq_accum, seqlen_q, softmax_scale, q.dtype)
@@ -118,7 +120,8 @@ def bwd(
     """Attention backward: (dq, dk, dv) in the inputs' dtype.
 
     On CUDA the Hopper kernel runs the validated ``schedule``; ``deterministic``
-    orders every dQ (and, for GQA, dK/dV) accumulation by it. Head dims without a
+    orders every dQ (and, for GQA, dK/dV) accumulation by it. ``auto`` resolves
+    per mode (``resolve_schedule_name``: ``lpt`` when not deterministic). Head dims without a
     backward kernel run the fp32 reference and warn.
     """
     if dout.is_cuda:

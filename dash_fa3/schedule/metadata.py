@@ -16,7 +16,7 @@ Header (int32, ``HEADER_LEN`` = 24 entries), by index::
 
      0 magic          0x44415348 ('DASH')
      1 version        METADATA_VERSION
-     2 schedule       index into SCHEDULES (fa3, spt, descending, shift, symmetric_shift)
+     2 schedule       index into SCHEDULES (fa3, spt, descending, shift, symmetric_shift, lpt)
      3 dispatch       0 = static (CTA i runs rows [offsets[i], offsets[i+1])),
                       1 = dynamic (CTAs claim rows in order from an atomic counter)
      4 rank_kind      0 = ASC, 1 = DESC, 2 = SHIFT (see decode_step)
