@@ -15,25 +15,14 @@ can always run. Validation checks it again on the lowered schedule.
 
 from __future__ import annotations
 
-import heapq
 from functools import lru_cache
 
 import numpy as np
 
 from . import metadata as M
 from .geometry import Geometry
-from .schedules import Schedule, _check_num_sms, _i32, get_schedule, resolve_schedule_name
-
-
-def greedy_assignment(task_cost: np.ndarray, num_ctas: int) -> np.ndarray:
-    """CTA of each task when tasks, in order, go to the CTA that frees first."""
-    free = [(0, cta) for cta in range(num_ctas)]
-    cta_of = np.empty(task_cost.size, dtype=np.int64)
-    for t, cost in enumerate(task_cost.tolist()):
-        when, cta = heapq.heappop(free)
-        cta_of[t] = cta
-        heapq.heappush(free, (when + cost, cta))
-    return cta_of
+from .schedules import (Schedule, _check_num_sms, _i32, get_schedule, greedy_assignment,  # noqa: F401
+                        resolve_schedule_name)
 
 
 def lower_to_static(s: Schedule, *, validate: bool = True) -> Schedule:

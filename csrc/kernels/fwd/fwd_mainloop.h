@@ -11,10 +11,7 @@
 //
 // Ping-pong: the two warpgroups take turns issuing their GEMMs of one step
 // (kMmaTurn0/kMmaTurn1), so the tensor cores run one warpgroup's GEMMs while
-// the other one does its softmax. Every GEMM issue of a tile (first S, the
-// steps, last PV) takes a turn; both warpgroups run the same tiles with the
-// same number of blocks, so they take the same number of turns per tile and
-// the alternation carries over from one tile to the next.
+// the other one does its softmax.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -109,21 +106,13 @@ struct FwdMainloop {
     };
 
     // First block: S, mask (it may hold keys past seqlen_k and the diagonal),
-    // softmax. No PV GEMM of this tile to overlap with yet, but the GEMM is
-    // issued in turn like every other, so the two warpgroups stay staggered
-    // across tiles: this softmax runs under the other warpgroup's GEMMs.
+    // softmax. No PV GEMM to overlap with yet.
     int n = n_end - 1;
     {
       FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
       consumer_wait(pipeline_q, q_state);
       consumer_wait(pipeline_k, read_state);
-      // kMmaTurn<wg>: wait until the other warpgroup has issued its GEMMs.
-      wait_turn(wg);
-      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-      // kMmaTurn<other>: our GEMM is queued, the other warpgroup may issue.
-      pass_turn(wg);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
+      warpgroup_gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
       pipeline_k.consumer_release(read_state);
       mask(tSrS, n);
       softmax.template update<true, true>(tSrS, o_scale);
@@ -171,14 +160,9 @@ struct FwdMainloop {
     pipeline_q.consumer_release(q_state);
     ++q_state;
 
-    // Last PV GEMM, in turn: the other warpgroup's next GEMMs (possibly of
-    // its next tile) queue behind it while this one finishes the tile.
+    // Last PV GEMM.
     consumer_wait(pipeline_v, read_state);
-    wait_turn(wg);  // kMmaTurn<wg>: the other warpgroup has issued its GEMMs
-    warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_state.index()), tOrO);
-    pass_turn(wg);  // kMmaTurn<other>: ours are queued
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
+    warpgroup_gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, read_state.index()), tOrO);
     pipeline_v.consumer_release(read_state);
     ++read_state;
 
