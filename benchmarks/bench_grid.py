@@ -70,7 +70,9 @@ def main(argv=None) -> int:
 
     peers = [p for p in args.peers.split(",") if p]
     device = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # DASH_FA3_COMMIT names the commit where git cannot (a copied tree whose .git is stale).
+    commit = os.environ.get("DASH_FA3_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     date = datetime.date.today().isoformat()
     det = [f"det-{x}" for x in args.schedules.split(",") if x] if args.direction == "bwd" else []
     cols = ["dash_fa3"] + det + peers
