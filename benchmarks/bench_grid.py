@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--schedules", default="fa3,spt,descending,shift,symmetric_shift",
                     help="bwd: deterministic schedules to time besides the non-deterministic kernel")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--inner", type=int, default=1,
+                    help="calls per timed sample (back to back; 1 = each sample also counts the call's host time)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
 
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     det = [f"det-{x}" for x in args.schedules.split(",") if x] if args.direction == "bwd" else []
     cols = ["dash_fa3"] + det + peers
-    print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16"
+    print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16, "
+          f"{args.inner} call(s) per timed sample"
           + ("; dash_fa3 = non-deterministic (task order auto = lpt), det-X = deterministic with schedule X" if det else ""))
     print("| hdim | mask | seqlen | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
                 fns.update({p: (lambda p=p: peer_fn(PEERS[p], q, k, v, causal, args.direction)) for p in peers})
                 for name, make in fns.items():
                     try:
-                        ms = median_ms(make(), warmup=5, iters=args.iters)
+                        ms = median_ms(make(), warmup=5, iters=args.iters, inner=args.inner)
                         row[name] = flops / ms / 1e9
                     except Exception as exc:  # a peer backend may not support a shape
                         row[name] = None

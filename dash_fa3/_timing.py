@@ -14,8 +14,13 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, headdim, causal, direction
     return fwd * (2.5 if direction == "bwd" else 1.0)
 
 
-def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
-    """Median wall time of fn() in ms: CUDA events on the GPU, perf_counter on the CPU."""
+def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda", inner: int = 1) -> float:
+    """Median wall time of fn() in ms: CUDA events on the GPU, perf_counter on the CPU.
+
+    inner > 1 (GPU): each timed sample is `inner` back-to-back calls between one
+    pair of events, divided by `inner`, so the host work of a call overlaps the
+    previous call's kernels as in a training step; inner = 1 also counts the
+    host time of the call, since nothing is queued before it."""
     for _ in range(warmup):
         fn()
     times = []
@@ -24,10 +29,11 @@ def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda") -> flo
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / inner)
     else:
         for _ in range(iters):
             t0 = time.perf_counter()
