@@ -21,8 +21,7 @@ import numpy as np
 
 from . import metadata as M
 from .geometry import Geometry
-from .schedules import (Schedule, _check_num_sms, _i32, get_schedule, greedy_assignment,  # noqa: F401
-                        resolve_schedule_name)
+from .schedules import Schedule, _check_num_sms, _i32, get_schedule, greedy_assignment, resolve_schedule_name
 
 
 def lower_to_static(s: Schedule, *, validate: bool = True) -> Schedule:

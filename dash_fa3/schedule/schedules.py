@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .geometry import Geometry
+from .geometry import Geometry, _cdiv
 from . import metadata as M
 
 SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
@@ -271,13 +271,18 @@ def greedy_assignment(task_cost: np.ndarray, num_ctas: int) -> np.ndarray:
     return cta_of
 
 
+def claim_loads(task_cost: np.ndarray, num_ctas: int) -> np.ndarray:
+    """Total cost each CTA ends up with under :func:`greedy_assignment`."""
+    return np.bincount(greedy_assignment(task_cost, num_ctas), weights=task_cost, minlength=num_ctas)
+
+
 # Rows of Q plus K whose Q, dO, K and V fill about 24 MiB at head dim 128 in
 # 16-bit: half of an H100's L2. An lpt section holds at most this many.
 LPT_SECTION_ROWS = 49152
 
 
 def lpt_order(g: Geometry, hidx: np.ndarray, kv: np.ndarray, num_sms: int) -> tuple[np.ndarray, int]:
-    """The lpt queue: (permutation of the head-major tasks, heads per section).
+    """The lpt queue: (permutation of the head-major tasks hidx, kv, heads per section).
 
     Sections of consecutive (batch, head) pairs run one after another; within a
     section, longest task first (ties: head, then kv). The section bounds the
@@ -291,18 +296,16 @@ def lpt_order(g: Geometry, hidx: np.ndarray, kv: np.ndarray, num_sms: int) -> tu
     """
     lens = g.task_len[kv]
     H = g.num_heads_total
-    head_major = np.lexsort((kv, hidx))
     if lens.size == 0 or lens.min() == lens.max():
-        return head_major, H
+        return np.arange(lens.size), H  # every order is longest-first: keep head-major
     bound = max(1, min(H, LPT_SECTION_ROWS // (g.seqlen_q + g.seqlen_k)))
-    sizes = {bound, -(-H // -(-H // bound))}
+    sizes = {bound, _cdiv(H, _cdiv(H, bound))}
     sizes.update(1 << i for i in range(bound.bit_length()) if (1 << i) <= bound)
     num_ctas = max(1, min(num_sms, lens.size))
     best = None
     for sec in sorted(sizes):
         order = np.lexsort((kv, hidx, -lens, hidx // sec))
-        cost = lens[order]
-        load = np.bincount(greedy_assignment(cost, num_ctas), weights=cost, minlength=num_ctas)
+        load = claim_loads(lens[order], num_ctas)
         if best is None or load.max() < best[0]:
             best = (load.max(), order, sec)
     return best[1], best[2]
