@@ -4,7 +4,11 @@ cuDNN backends in the same process.
 
     python benchmarks/bench_grid.py --direction fwd [--hdims 64 128] [--seqlens ...] [--json out.json]
 
-Method: bf16 random normal inputs, CUDA-event medians after warm-up. Each grid
+Method: bf16 random normal inputs, CUDA-event medians after warm-up. With
+--timer gpu (the default) a device-side wait is queued before each sample, so
+a sample is the GPU time of one call (its kernels and the gaps between them);
+--timer eager leaves it out, so a sample also counts the host time spent
+before the first kernel starts. --host adds each call's host time (us). Each grid
 point holds 16384 tokens x hidden 2048, so q, k, v are 64 MiB each, larger than
 L2: no input rotation is needed. FLOPs: fwd = 4*b*h*s^2*d (halved when causal),
 bwd = 2.5x fwd. The backward timing covers preprocess + main + postprocess.
@@ -25,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dash_fa3 import ops  # noqa: E402
-from dash_fa3._timing import attention_flops, median_ms  # noqa: E402
+from dash_fa3._timing import attention_flops, host_us, median_ms  # noqa: E402
 
 GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_grid.json")
 PEERS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -67,6 +71,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--inner", type=int, default=1,
                     help="calls per timed sample (back to back; 1 = each sample also counts the call's host time)")
+    ap.add_argument("--timer", choices=["gpu", "eager"], default="gpu",
+                    help="gpu: a queued device wait hides the call's host time; eager: samples count it")
+    ap.add_argument("--host", action="store_true", help="also print each call's host time in us")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
 
@@ -78,11 +85,12 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     det = [f"det-{x}" for x in args.schedules.split(",") if x] if args.direction == "bwd" else []
     cols = ["dash_fa3"] + det + peers
+    shown = cols + ([c + " host us" for c in cols] if args.host else [])
     print(f"# {args.direction} TFLOP/s, {device}, {date}, commit {commit or 'unknown'}, bf16, "
-          f"{args.inner} call(s) per timed sample"
+          f"{args.inner} call(s) per timed sample, timer {args.timer}"
           + ("; dash_fa3 = non-deterministic (task order auto = lpt), det-X = deterministic with schedule X" if det else ""))
-    print("| hdim | mask | seqlen | " + " | ".join(cols) + " |")
-    print("|---|---|---|" + "---|" * len(cols))
+    print("| hdim | mask | seqlen | " + " | ".join(shown) + " |")
+    print("|---|---|---|" + "---|" * len(shown))
     rows = []
     for d in args.hdims:
         for mask in args.masks:
@@ -98,18 +106,23 @@ def main(argv=None) -> int:
                 fns.update({p: (lambda p=p: peer_fn(PEERS[p], q, k, v, causal, args.direction)) for p in peers})
                 for name, make in fns.items():
                     try:
-                        ms = median_ms(make(), warmup=5, iters=args.iters, inner=args.inner)
+                        fn = make()
+                        ms = median_ms(fn, warmup=5, iters=args.iters, inner=args.inner,
+                                       hide_host=args.timer == "gpu")
                         row[name] = flops / ms / 1e9
+                        if args.host:
+                            row[name + " host us"] = host_us(fn)
                     except Exception as exc:  # a peer backend may not support a shape
-                        row[name] = None
+                        row[name] = row[name + " host us"] = None
                         row[name + "_error"] = str(exc).splitlines()[0][:200]
                 rows.append(row)
-                cells = [f"{row[c]:.0f}" if row[c] is not None else "n/a" for c in cols]
+                cells = [f"{row[c]:.0f}" if row.get(c) is not None else "n/a" for c in shown]
                 print(f"| {d} | {mask} | {s} | " + " | ".join(cells) + " |", flush=True)
                 del q, k, v
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "date": date, "commit": commit, "direction": args.direction, "rows": rows}, f, indent=1)
+            json.dump({"device": device, "date": date, "commit": commit, "direction": args.direction,
+                       "timer": args.timer, "inner": args.inner, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -14,13 +14,23 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, headdim, causal, direction
     return fwd * (2.5 if direction == "bwd" else 1.0)
 
 
-def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda", inner: int = 1) -> float:
+# A device-side wait queued ahead of a timed sample (`hide_host`): long enough
+# (about 2 ms at Hopper clocks) to cover the host work of one attention call,
+# so the start event fires only once the call's kernels are already queued.
+_HIDE_HOST_CYCLES = 4_000_000
+
+
+def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda", inner: int = 1,
+              hide_host: bool = False) -> float:
     """Median wall time of fn() in ms: CUDA events on the GPU, perf_counter on the CPU.
 
     inner > 1 (GPU): each timed sample is `inner` back-to-back calls between one
     pair of events, divided by `inner`, so the host work of a call overlaps the
     previous call's kernels as in a training step; inner = 1 also counts the
-    host time of the call, since nothing is queued before it."""
+    host time of the call, since nothing is queued before it.
+    hide_host (GPU): queue a device-side wait before each sample's start event,
+    so the sample measures the GPU time of the call's kernels (and the gaps
+    between them) but not the host time spent before the first launch."""
     for _ in range(warmup):
         fn()
     times = []
@@ -28,6 +38,8 @@ def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda", inner:
         torch.cuda.synchronize()
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if hide_host:
+                torch.cuda._sleep(_HIDE_HOST_CYCLES)
             start.record()
             for _ in range(inner):
                 fn()
@@ -39,4 +51,20 @@ def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda", inner:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def host_us(fn, iters: int = 20) -> float:
+    """Median host time of one fn() call in microseconds, measured while the GPU
+    is busy with a queued wait, so the call never blocks on the device: the
+    cost a training step pays on the CPU before the call's kernels are queued."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        torch.cuda._sleep(_HIDE_HOST_CYCLES)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
     return statistics.median(times)

@@ -2,8 +2,10 @@
 
 Compiles the .cu translation units of the selected variants (DASH_FA3_VARIANTS)
 with the extension's own nvcc flags plus -Xptxas -v, without a GPU, and prints
-one row per kernel. Exit status 1 if a kernel fails to compile or spills
-(except kernels matched by --allow-spills, whose spills are known and reported).
+one row per kernel. Exit status 1 if a kernel fails to compile, spills or
+uses a stack frame (except kernels matched by --allow-spills, whose spills are
+known and reported), or if ptxas serialised its WGMMAs (C75xx "Potential
+Performance Loss").
 
     python tools/ptxas_report.py [--sources PATTERN ...] [--jobs N] [--allow-spills GLOB ...]
 """
@@ -27,6 +29,16 @@ import build_config  # noqa: E402
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")
 PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 USED = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?")
+# --warn-on-spills / --warn-on-local-memory-usage name the function; the -v
+# property lines of a kernel are not always next to its entry line, so these
+# warnings are folded into the kernel's row as well.
+WARN_STACK = re.compile(r"Local memory used for function '(\S+)', size of stack frame: (\d+) bytes")
+# ptxas falls back to serialised WGMMAs (one in flight) when it cannot keep the
+# asynchronous pipeline, e.g. under register pressure: a silent large slowdown.
+WGMMA_SERIAL = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                          r"due to (.*) in the function '(\S+)'")
+WARN_SPILL = re.compile(r"Registers are spilled to local memory in function '(\S+)', (\d+) bytes spill stores, "
+                        r"(\d+) bytes spill loads")
 
 
 def nvcc() -> str:
@@ -64,6 +76,17 @@ def parse(log: str) -> list[dict]:
             cur.update(stack=int(m.group(1)), spill_st=int(m.group(2)), spill_ld=int(m.group(3)))
         elif cur is not None and (m := USED.search(line)):
             cur.update(regs=int(m.group(1)), smem=int(m.group(2) or 0))
+    by_name = {r["kernel"]: r for r in rows}
+    for line in log.splitlines():
+        if (m := WARN_STACK.search(line)) and m.group(1) in by_name:
+            row = by_name[m.group(1)]
+            row["stack"] = max(row.get("stack", 0), int(m.group(2)))
+        elif (m := WARN_SPILL.search(line)) and m.group(1) in by_name:
+            row = by_name[m.group(1)]
+            row["spill_st"] = max(row.get("spill_st", 0), int(m.group(2)))
+            row["spill_ld"] = max(row.get("spill_ld", 0), int(m.group(3)))
+        elif (m := WGMMA_SERIAL.search(line)) and m.group(3) in by_name:
+            by_name[m.group(3)]["wgmma_serialized"] = f"{m.group(1)}: {m.group(2).strip()}"
     return rows
 
 
@@ -85,6 +108,7 @@ def main(argv=None) -> int:
     print(f"variants: {', '.join(v.name for v in selected)}\ncompiling {len(sources)} translation units, {args.jobs} jobs")
     failed = False
     spilled = False
+    serialized = False
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for src, secs, rc, log in pool.map(lambda s: compile_one(s, tmp), sources):
             print(f"\n== {src}  ({secs:.0f} s)")
@@ -94,21 +118,27 @@ def main(argv=None) -> int:
                 continue
             rows = parse(log)
             for row, name in zip(rows, demangle([r["kernel"] for r in rows])):
-                spill = row.get("spill_st", 0) + row.get("spill_ld", 0)
+                # A stack frame in these kernels means a register array went to local memory.
+                spill = row.get("spill_st", 0) + row.get("spill_ld", 0) + row.get("stack", 0)
                 allowed = any(fnmatch.fnmatch(name, p) for p in args.allow_spills)
                 spilled |= spill > 0 and not allowed
+                serialized |= "wgmma_serialized" in row
                 print(
                     f"  regs {row.get('regs', '?'):>3}  smem {row.get('smem', 0):>6} B  stack {row.get('stack', 0):>4} B  "
                     f"spill st/ld {row.get('spill_st', 0)}/{row.get('spill_ld', 0)}{('  <-- SPILLS (known)' if allowed else '  <-- SPILLS') if spill else ''}  {name[:150]}"
                 )
+                if "wgmma_serialized" in row:
+                    print(f"    <-- WGMMA SERIALIZED ({row['wgmma_serialized']})")
             for line in log.splitlines():
                 if "warning" in line.lower():
                     print("  " + line.strip())
     if failed:
         print("\nFAILED: a translation unit did not compile")
+    if serialized:
+        print("\nWGMMA SERIALIZED: ptxas serialised the WGMMAs of at least one kernel")
     if spilled:
-        print("\nSPILLS: at least one kernel spills registers")
-    return 1 if failed or spilled else 0
+        print("\nSPILLS: at least one kernel spills registers or uses a stack frame")
+    return 1 if failed or spilled or serialized else 0
 
 
 if __name__ == "__main__":
