@@ -201,7 +201,7 @@ struct FwdMainloop {
       // One step: S_n = Q K[n]^T and O += P_{n+1} V[n+1] issued together; the
       // softmax of S_n is written between the two waits, but ptxas moves it
       // after the PV wait (see the file header).
-      auto step = [&](int n, auto masked) CUTLASS_LAMBDA_FUNC_INLINE {
+      auto step = [&](int n, auto masked) {
         constexpr bool kMasked = decltype(masked)::value;
         PipelineState const v_state = read_state;
         ++read_state;

@@ -49,12 +49,13 @@ enum class FwdBarrier : uint32_t {
 // softmax runs while the PV GEMM does (fwd_mainloop.h). It costs kBlockN/4
 // registers per MMA thread: at hdim 128 it fits next to kBlockN = 128 (causal,
 // measured +9-14% at 512-4k on H100) but not next to 176 (ptxas spills and
-// serialises the WGMMAs). Off where it has not been measured (hdim 96, 192, 256).
+// serialises the WGMMAs). Off where it has not been run on a GPU (hdim 64, 96,
+// 192, 256).
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
 template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
-  static constexpr bool kDoubleBufferP = true;
+  static constexpr bool kDoubleBufferP = false;  // fits (ptxas: no spills), not yet run on a GPU
 };
 template <bool kCausal> struct FwdTileConfig<96, kCausal> {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
