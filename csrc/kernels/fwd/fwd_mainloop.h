@@ -125,6 +125,27 @@ struct FwdMainloop {
     }
     clear(tOrO);
 
+    // The part of a step both P schemes share: S_n = Q K[n]^T and O += p_in
+    // V[n+1] issued in this warpgroup's turn, the wait for S_n, and the
+    // softmax of S_n. read_state is K[n]'s stage, v_state V[n+1]'s.
+    auto issue_and_softmax = [&](int n, auto masked, auto const& p_in, PipelineState const& v_state,
+                                 auto& tSrS) CUTLASS_LAMBDA_FUNC_INLINE {
+      constexpr bool kMasked = decltype(masked)::value;
+      consumer_wait(pipeline_k, read_state);
+      // kMmaTurn<wg>: wait until the other warpgroup has issued its GEMMs.
+      wait_turn(wg);
+      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
+      consumer_wait(pipeline_v, v_state);
+      warpgroup_gemm<false, -1>(mma_pv, p_in, tOrV(_, _, _, v_state.index()), tOrO);
+      // kMmaTurn<other>: our GEMMs are queued, the other warpgroup may issue.
+      pass_turn(wg);
+      warpgroup_wait<1>();  // S_n is ready; the PV GEMM may still run
+      warpgroup_fence_operand(tSrS);
+      pipeline_k.consumer_release(read_state);
+      if constexpr (kMasked) { mask(tSrS, n); }
+      softmax.template update<false, kMasked>(tSrS, o_scale);
+    };
+
     if constexpr (Traits::kDoubleBufferP) {
       Tensor tOrP1 = make_tensor<Element>(LayoutP{});
       bool pv_pending = false;  // a PV GEMM is in flight, not yet waited for
@@ -141,25 +162,12 @@ struct FwdMainloop {
       };
       // One step: multiplies p_in (P_{n+1}) and writes P_n into p_out.
       auto step = [&](int n, auto masked, auto& p_in, auto& p_out) CUTLASS_LAMBDA_FUNC_INLINE {
-        constexpr bool kMasked = decltype(masked)::value;
         PipelineState const v_state = read_state;
         ++read_state;
         FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         retire_pv();
         scale_rows(tOrO, o_scale);  // the previous softmax's factor, before this PV adds into O
-        consumer_wait(pipeline_k, read_state);
-        // kMmaTurn<wg>: wait until the other warpgroup has issued its GEMMs.
-        wait_turn(wg);
-        warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-        consumer_wait(pipeline_v, v_state);
-        warpgroup_gemm<false, -1>(mma_pv, p_in, tOrV(_, _, _, v_state.index()), tOrO);
-        // kMmaTurn<other>: our GEMMs are queued, the other warpgroup may issue.
-        pass_turn(wg);
-        warpgroup_wait<1>();  // S_n is ready; the PV GEMM may still run
-        warpgroup_fence_operand(tSrS);
-        pipeline_k.consumer_release(read_state);
-        if constexpr (kMasked) { mask(tSrS, n); }
-        softmax.template update<false, kMasked>(tSrS, o_scale);
+        issue_and_softmax(n, masked, p_in, v_state, tSrS);
         convert_fragment(make_tensor(tSrS.data(), LayoutP{}), p_out);  // not the PV's operand
         pv_pending = true;
         pending_v = v_state;
@@ -202,23 +210,10 @@ struct FwdMainloop {
       // softmax of S_n is written between the two waits, but ptxas moves it
       // after the PV wait (see the file header).
       auto step = [&](int n, auto masked) {
-        constexpr bool kMasked = decltype(masked)::value;
         PipelineState const v_state = read_state;
         ++read_state;
         FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        consumer_wait(pipeline_k, read_state);
-        // kMmaTurn<wg>: wait until the other warpgroup has issued its GEMMs.
-        wait_turn(wg);
-        warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-        consumer_wait(pipeline_v, v_state);
-        warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-        // kMmaTurn<other>: our GEMMs are queued, the other warpgroup may issue.
-        pass_turn(wg);
-        warpgroup_wait<1>();  // S_n is ready; the PV GEMM may still run
-        warpgroup_fence_operand(tSrS);
-        pipeline_k.consumer_release(read_state);
-        if constexpr (kMasked) { mask(tSrS, n); }
-        softmax.template update<false, kMasked>(tSrS, o_scale);
+        issue_and_softmax(n, masked, tOrP, v_state, tSrS);
         warpgroup_wait<0>();  // PV retired: tOrP may be overwritten, V released
         warpgroup_fence_operand(tOrO);
         pipeline_v.consumer_release(v_state);
