@@ -1,4 +1,4 @@
-"""Build configuration shared by setup.py and tools/ptxas_report.py.
+"""Build configuration shared by setup.py, tools/ptxas_report.py and benchmarks/cpp/build.py.
 
 It turns the variant list (dash_fa3/variants.py) into instantiation files, a
 generated C++ variant table and the list of translation units, and holds the
@@ -9,6 +9,7 @@ code with the same flags.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,14 @@ def _load(name: str, path: Path):
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
+
+
+def nvcc() -> str:
+    """$CUDA_HOME/bin/nvcc (default /usr/local/cuda); exits with a message if it is missing."""
+    path = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(path):
+        sys.exit(f"nvcc not found at {path}; set CUDA_HOME")
+    return path
 
 
 variants = _load("dash_fa3_variants_build", ROOT / "dash_fa3" / "variants.py")

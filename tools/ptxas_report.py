@@ -41,16 +41,8 @@ WARN_SPILL = re.compile(r"Registers are spilled to local memory in function '(\S
                         r"(\d+) bytes spill loads")
 
 
-def nvcc() -> str:
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    path = os.path.join(cuda_home, "bin", "nvcc")
-    if not os.path.exists(path):
-        sys.exit(f"nvcc not found at {path}; set CUDA_HOME")
-    return path
-
-
 def compile_one(src: str, outdir: str) -> tuple[str, float, int, str]:
-    cmd = [nvcc(), *build_config.NVCC_FLAGS, "-Xptxas=-v"]
+    cmd = [build_config.nvcc(), *build_config.NVCC_FLAGS, "-Xptxas=-v"]
     cmd += [f"-I{d}" for d in build_config.include_dirs()]
     cmd += ["-c", str(build_config.ROOT / src), "-o", os.path.join(outdir, os.path.basename(src) + ".o")]
     start = time.perf_counter()

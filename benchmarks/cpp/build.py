@@ -35,8 +35,7 @@ def newest_header() -> float:
 def compile_one(src: Path, obj: Path, includes: list[str], headers_mtime: float) -> str:
     if obj.exists() and obj.stat().st_mtime > max(src.stat().st_mtime, headers_mtime):
         return f"up to date: {obj.name}"
-    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    cmd = [nvcc, *build_config.NVCC_FLAGS, *(f"-I{d}" for d in includes), "-c", str(src), "-o", str(obj)]
+    cmd = [build_config.nvcc(), *build_config.NVCC_FLAGS, *(f"-I{d}" for d in includes), "-c", str(src), "-o", str(obj)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -69,8 +68,7 @@ def main(argv=None) -> int:
         for line in pool.map(lambda so: compile_one(so[0], so[1], includes, headers), zip(sources, objs)):
             print(line, flush=True)
     exe = out / f"{args.direction}_bench"
-    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-o", str(exe), *map(str, objs)],
+    subprocess.run([build_config.nvcc(), "-gencode=arch=compute_90a,code=sm_90a", "-o", str(exe), *map(str, objs)],
                    check=True)
     print(f"{exe}: {len(pairs)} variants ({', '.join(v.name for v in pairs)})")
     return 0

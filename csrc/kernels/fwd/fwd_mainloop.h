@@ -239,7 +239,6 @@ struct FwdMainloop {
       warpgroup_gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, read_state.index()), tOrO);
       pipeline_v.consumer_release(read_state);
       ++read_state;
-
     }
 
     softmax.finalize(p.softmax_scale, o_scale, lse);
