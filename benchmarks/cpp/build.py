@@ -40,7 +40,9 @@ def compile_one(src: Path, obj: Path, includes: list[str], headers_mtime: float)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed on {src}:\n{proc.stdout}{proc.stderr}")
-    return f"built {obj.name} ({time.perf_counter() - start:.0f} s)"
+    # ptxas spill and local-memory warnings would otherwise be lost on success.
+    warnings = "".join(f"\n  {ln}" for ln in (proc.stdout + proc.stderr).splitlines() if "warning" in ln.lower())
+    return f"built {obj.name} ({time.perf_counter() - start:.0f} s){warnings}"
 
 
 def main(argv=None) -> int:
