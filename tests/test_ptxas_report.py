@@ -47,3 +47,22 @@ def test_serialized_wgmma_is_flagged():
     a, b = ptxas_report.parse(log)
     assert a["wgmma_serialized"].startswith("C7511: insufficient register resources")
     assert "wgmma_serialized" not in b
+
+
+def test_serialized_wgmma_for_the_function_and_injected_wait_are_flagged():
+    # Wordings of a CUDA 13.0 build whose forward kernel ran 30% slower.
+    log = _log(
+        ENTRY.format(k="_Za"),
+        "ptxas info    : (C7517) warpgroup.wait is injected in around line 1790 by compiler to allow use of "
+        "registers defined by GMMA in function '_Za'",
+        PROPS.format(k="_Za", stack=0, st=0, ld=0), USED,
+        ENTRY.format(k="_Zb"),
+        "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "insufficient register resources for the function '_Zb'",
+        PROPS.format(k="_Zb", stack=0, st=0, ld=0), USED,
+        ENTRY.format(k="_Zc"), PROPS.format(k="_Zc", stack=0, st=0, ld=0), USED,
+    )
+    a, b, c = ptxas_report.parse(log)
+    assert a["wgmma_serialized"] == "C7517: wait injected near PTX line 1790"
+    assert b["wgmma_serialized"] == "C7512: insufficient register resources"
+    assert "wgmma_serialized" not in c

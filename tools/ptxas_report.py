@@ -5,7 +5,7 @@ with the extension's own nvcc flags plus -Xptxas -v, without a GPU, and prints
 one row per kernel. Exit status 1 if a kernel fails to compile, spills or
 uses a stack frame (except kernels matched by --allow-spills, whose spills are
 known and reported), or if ptxas serialised its WGMMAs (C75xx "Potential
-Performance Loss").
+Performance Loss") or injected a WGMMA wait of its own (C7517).
 
     python tools/ptxas_report.py [--sources PATTERN ...] [--jobs N] [--allow-spills GLOB ...]
 """
@@ -35,8 +35,13 @@ USED = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes
 WARN_STACK = re.compile(r"Local memory used for function '(\S+)', size of stack frame: (\d+) bytes")
 # ptxas falls back to serialised WGMMAs (one in flight) when it cannot keep the
 # asynchronous pipeline, e.g. under register pressure: a silent large slowdown.
+# Two wordings seen: "... due to <reason> in the function '<k>'" (C7511) and
+# "... due to <reason> for the function '<k>'" (C7512).
 WGMMA_SERIAL = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma.mma_async instructions are serialized "
-                          r"due to (.*) in the function '(\S+)'")
+                          r"due to (.*) (?:in|for) the function '(\S+)'")
+# ptxas waits for a WGMMA earlier than the code does when a register the WGMMA
+# writes is used before the code's wait (seen next to C7512, with a 30% loss).
+WGMMA_WAIT = re.compile(r"\((C75\d\d)\) warpgroup.wait is injected in around line (\d+) by compiler .* in function '(\S+)'")
 WARN_SPILL = re.compile(r"Registers are spilled to local memory in function '(\S+)', (\d+) bytes spill stores, "
                         r"(\d+) bytes spill loads")
 
@@ -79,6 +84,8 @@ def parse(log: str) -> list[dict]:
             row["spill_ld"] = max(row.get("spill_ld", 0), int(m.group(3)))
         elif (m := WGMMA_SERIAL.search(line)) and m.group(3) in by_name:
             by_name[m.group(3)]["wgmma_serialized"] = f"{m.group(1)}: {m.group(2).strip()}"
+        elif (m := WGMMA_WAIT.search(line)) and m.group(3) in by_name:
+            by_name[m.group(3)]["wgmma_serialized"] = f"{m.group(1)}: wait injected near PTX line {m.group(2)}"
     return rows
 
 
