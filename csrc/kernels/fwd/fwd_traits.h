@@ -45,34 +45,23 @@ enum class FwdBarrier : uint32_t {
 // single masked block. kQStages = 2 lets the producer load the next tile's Q
 // while the current tile runs (no bubble between tiles); it does not fit in
 // shared memory at hdim >= 192, nor next to kBlockN = 176 at hdim 128.
-// kDoubleBufferP: P alternates between two register fragments so that the
-// softmax runs while the PV GEMM does (fwd_mainloop.h). It costs kBlockN/4
-// registers per MMA thread: at hdim 128 it fits next to kBlockN = 128 (causal,
-// measured +9-14% at 512-4k on H100) but not next to 176 (ptxas spills and
-// serialises the WGMMAs). Off where it has not been run on a GPU (hdim 64, 96,
-// 192, 256).
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
 template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
-  static constexpr bool kDoubleBufferP = false;  // fits (ptxas: no spills), not yet run on a GPU
 };
 template <bool kCausal> struct FwdTileConfig<96, kCausal> {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
-  static constexpr bool kDoubleBufferP = false;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   // Full: 128 x 176 with one Q stage measured faster than 128 x 160 with two.
   static constexpr int kBlockN = kCausal ? 128 : 176, kStages = 2, kQStages = kCausal ? 2 : 1;
-  static constexpr bool kDoubleBufferP = kCausal;
 };
 template <bool kCausal> struct FwdTileConfig<192, kCausal> {
   static constexpr int kBlockN = 112, kStages = 2, kQStages = 1;
-  static constexpr bool kDoubleBufferP = false;
 };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> {
   static constexpr int kBlockN = 80, kStages = 2, kQStages = 1;
-  static constexpr bool kDoubleBufferP = false;
 };
 
 template <int kHeadDim_, class Element_, bool kCausal_>
@@ -86,7 +75,6 @@ struct FwdTraits {
   static constexpr int kBlockN = FwdTileConfig<kHeadDim, kCausal_>::kBlockN;
   static constexpr int kStages = FwdTileConfig<kHeadDim, kCausal_>::kStages;
   static constexpr int kQStages = FwdTileConfig<kHeadDim, kCausal_>::kQStages;
-  static constexpr bool kDoubleBufferP = FwdTileConfig<kHeadDim, kCausal_>::kDoubleBufferP;
   static_assert(kBlockN % 16 == 0, "kBlockN is the K extent of the PV GEMM");
 
   static constexpr int kThreadsPerWarpgroup = 128;
