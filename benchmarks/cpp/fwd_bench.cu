@@ -1,5 +1,5 @@
 // Forward-kernel harness without Python: correctness against a naive fp32
-// reference, and timing with CUDA events.
+// reference, and timing with CUDA events (GPU time only: see hide_host_time).
 //
 //   fwd_bench [--hdim 128] [--dtype bf16|fp16] [--causal 0|1] [--batch 2]
 //             [--seqlen_q 1024] [--seqlen_k SQ] [--heads 16] [--heads_kv H]
@@ -320,6 +320,7 @@ static Result run_one(const Config& c) {
     for (int i = 0; i < c.warmup; ++i) dispatch_fwd(d, c.dtype, c.causal, p, 0);
     std::vector<float> times;
     for (int i = 0; i < c.iters; ++i) {
+      hide_host_time();
       CHECK_CUDA(cudaEventRecord(e0));
       dispatch_fwd(d, c.dtype, c.causal, p, 0);
       CHECK_CUDA(cudaEventRecord(e1));
