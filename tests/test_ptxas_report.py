@@ -17,8 +17,13 @@ def _log(*parts: str) -> str:
     return "\n".join(parts)
 
 
+def _kernel(k: str, *notes: str, stack: int = 0, st: int = 0, ld: int = 0) -> str:
+    """ptxas -v output for kernel k: entry line, notes, properties, register line."""
+    return _log(ENTRY.format(k=k), *notes, PROPS.format(k=k, stack=stack, st=st, ld=ld), USED)
+
+
 def test_clean_kernel_row():
-    rows = ptxas_report.parse(_log(ENTRY.format(k="_Za"), PROPS.format(k="_Za", stack=0, st=0, ld=0), USED))
+    rows = ptxas_report.parse(_kernel("_Za"))
     assert rows == [{"kernel": "_Za", "arch": "sm_90a", "stack": 0, "spill_st": 0, "spill_ld": 0, "regs": 168, "smem": 0}]
 
 
@@ -26,8 +31,8 @@ def test_warnings_are_folded_into_their_kernel():
     # The -v property line said 0 bytes while the warnings named a stack frame
     # and spills (seen with a kernel whose register array went to local memory).
     log = _log(
-        ENTRY.format(k="_Za"), PROPS.format(k="_Za", stack=0, st=0, ld=0), USED,
-        ENTRY.format(k="_Zb"), PROPS.format(k="_Zb", stack=0, st=0, ld=0), USED,
+        _kernel("_Za"),
+        _kernel("_Zb"),
         "ptxas warning : Local memory used for function '_Zb', size of stack frame: 896 bytes",
         "ptxas warning : Registers are spilled to local memory in function '_Zb', 40 bytes spill stores, 24 bytes spill loads",
     )
@@ -38,11 +43,9 @@ def test_warnings_are_folded_into_their_kernel():
 
 def test_serialized_wgmma_is_flagged():
     log = _log(
-        ENTRY.format(k="_Za"),
-        "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
-        "insufficient register resources for the wgmma pipeline in the function '_Za'",
-        PROPS.format(k="_Za", stack=0, st=0, ld=0), USED,
-        ENTRY.format(k="_Zb"), PROPS.format(k="_Zb", stack=0, st=0, ld=0), USED,
+        _kernel("_Za", "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are "
+                "serialized due to insufficient register resources for the wgmma pipeline in the function '_Za'"),
+        _kernel("_Zb"),
     )
     a, b = ptxas_report.parse(log)
     assert a["wgmma_serialized"].startswith("C7511: insufficient register resources")
@@ -52,15 +55,11 @@ def test_serialized_wgmma_is_flagged():
 def test_serialized_wgmma_for_the_function_and_injected_wait_are_flagged():
     # Wordings of a CUDA 13.0 build whose forward kernel ran 30% slower.
     log = _log(
-        ENTRY.format(k="_Za"),
-        "ptxas info    : (C7517) warpgroup.wait is injected in around line 1790 by compiler to allow use of "
-        "registers defined by GMMA in function '_Za'",
-        PROPS.format(k="_Za", stack=0, st=0, ld=0), USED,
-        ENTRY.format(k="_Zb"),
-        "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
-        "insufficient register resources for the function '_Zb'",
-        PROPS.format(k="_Zb", stack=0, st=0, ld=0), USED,
-        ENTRY.format(k="_Zc"), PROPS.format(k="_Zc", stack=0, st=0, ld=0), USED,
+        _kernel("_Za", "ptxas info    : (C7517) warpgroup.wait is injected in around line 1790 by compiler to "
+                "allow use of registers defined by GMMA in function '_Za'"),
+        _kernel("_Zb", "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
+                "serialized due to insufficient register resources for the function '_Zb'"),
+        _kernel("_Zc"),
     )
     a, b, c = ptxas_report.parse(log)
     assert a["wgmma_serialized"] == "C7517: wait injected near PTX line 1790"
