@@ -10,7 +10,7 @@
 // cores. O is rescaled after the PV GEMM has retired. In the SASS (CUDA 13.0)
 // only the row max of S_n sits between the two waits: ptxas moves the exp2s
 // after the PV wait, as P_n overwrites the registers that PV GEMM reads. A
-// second P fragment moves them before it, but measured 1.5-2.7% slower
+// second P fragment moves them before it, but measured 1.4-2.7% slower
 // (hdim 128 causal, kernel time) and does not fit next to kBlockN = 176; see
 // docs/fwd_kernel.md.
 //
