@@ -38,8 +38,8 @@ PEERS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATT
 def dash_fn(q, k, v, causal, direction, deterministic=False, schedule="auto"):
     scale = q.shape[-1] ** -0.5
     if direction == "fwd":
-        return lambda: ops.fwd(q, k, v, scale, causal, 0, False, "auto")
-    out, lse = ops.fwd(q, k, v, scale, causal, 0, False, "auto")
+        return lambda: ops.fwd(q, k, v, scale, causal, 0)
+    out, lse = ops.fwd(q, k, v, scale, causal, 0)
     dout = torch.randn_like(out)
     return lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, deterministic, schedule, 0)
 

@@ -26,6 +26,8 @@ def _load() -> str | None:
         )
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a CPU-only build; the extension needs a CUDA build of torch"
+    from . import _schemas  # noqa: F401  (the extension registers kernels for these schemas)
+
     try:
         torch.ops.load_library(candidates[0])
     except OSError as exc:

@@ -59,19 +59,24 @@ def flash_attn_func(
         raise _unsupported(f"local attention (window_size={tuple(window_size)})")
     if attention_chunk not in (0, None):
         raise _unsupported(f"attention_chunk={attention_chunk}")
-    if softcap != 0.0:
+    if softcap not in (0, 0.0, None):
         raise _unsupported(f"softcap={softcap}")
-    if num_splits != 1:
+    # FA3's callers pass num_splits=0 (its heuristic) or 1 and pack_gqa=None/False: both mean one split, no packing.
+    if num_splits not in (0, 1):
         raise _unsupported(f"num_splits={num_splits}")
-    if pack_gqa:
-        raise _unsupported("pack_gqa=True")
-    if not isinstance(sm_margin, int) or sm_margin < 0:
+    if pack_gqa not in (None, False):
+        raise _unsupported(f"pack_gqa={pack_gqa!r}")
+    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
         raise ValueError(f"sm_margin must be a non-negative int, got {sm_margin!r}")
 
     validation.check_attention_inputs(q, k, v, causal=causal, schedule=schedule)
     if softmax_scale is None:
         softmax_scale = reference.default_softmax_scale(q.shape[-1])
-    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+            math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal), sm_margin, bool(deterministic), schedule)
+    out, lse = ops.attention(q, k, v, float(softmax_scale), causal, sm_margin, deterministic, schedule)
     return (out, lse) if return_attn_probs else out

@@ -1,9 +1,21 @@
-"""The public custom ops, ``torch.ops.dash_fa3.fwd`` / ``bwd``, and their autograd.
+"""The public ops ``torch.ops.dash_fa3.fwd`` / ``bwd`` and the autograd function over them.
 
-CUDA tensors go to the compiled kernels (torch.ops.dash_fa3_C); CPU tensors go
-to the fp32 reference, so the API works, slowly, on machines without a GPU.
-Being torch custom ops with fake (meta) implementations, they trace under
-torch.compile and replay under CUDA graphs.
+One eager call crosses into Python as little as possible, because host time
+per call is what a training step pays for small shapes:
+
+* ``dash_fa3::fwd`` on CUDA is the C++ dispatch function itself (registered by
+  the extension, csrc/api/binding.cpp): no Python runs between the dispatcher
+  and the kernel launch.
+* ``dash_fa3::bwd`` on CUDA is one Python function: a cache lookup of the
+  validated schedule for the shape, then one C++ call that runs the
+  preprocess, the main kernel and the postprocess with one workspace
+  allocation.
+* Autograd is a plain ``torch.autograd.Function`` (``attention``) around the
+  two ops; ``torch.compile`` traces it and the ops' fake implementations, and
+  the ops never read device data on the host, so CUDA graphs capture them.
+
+CPU tensors go to the fp32 reference, so the API works, slowly, on machines
+without a GPU.
 """
 
 from __future__ import annotations
@@ -13,160 +25,123 @@ import warnings
 
 import torch
 
-from . import _ext, reference, variants
+from . import _ext, _schemas, reference, variants
 
 
 class ReferenceBackwardWarning(UserWarning):
     """The GPU backward ran the fp32 reference: no backward kernel exists for this head dim."""
 
 
-def kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if the kernels can address it through TMA (16-byte aligned base
-    and strides, contiguous last dim), else a contiguous copy. Called inside the
-    op bodies: data pointers are not traceable by torch.compile."""
-    elems = 16 // t.element_size()
-    aligned = (
-        t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all(s % elems == 0 or n == 1 for s, n in zip(t.stride()[:-1], t.shape[:-1]))
-    )
-    return t if aligned else t.contiguous()
+_lib = _schemas.LIB
 
 
-def usable_sms(device: torch.device, sm_margin: int) -> int:
-    """The persistent grid size: the device's SMs less ``sm_margin`` (read here,
-    inside the op, so torch.compile never traces the device query)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = _ext.num_sms(index)
-    if total - sm_margin < 1:
-        raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
-    return total - sm_margin
+# ---------------------------------------------------------------- forward
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule_tensors(schedule: str, geometry, num_sms: int, device: torch.device):
-    """The validated static schedule metadata on ``device`` and its header on the
-    host, cached per shape: a repeated shape costs one lookup, no host work and no
-    copy (so the backward can be captured in a CUDA graph after one eager call)."""
+def _fwd_cpu(q, k, v, softmax_scale, causal, sm_margin):
+    out, lse = reference.attention_ref(q, k, v, softmax_scale, causal)
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+
+
+@torch.library.register_fake("dash_fa3::fwd")
+def _fwd_fake(q, k, v, softmax_scale, causal, sm_margin):
+    b, sq, h, _ = q.shape
+    return q.new_empty((b, sq, h, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+_lib.impl("fwd", _fwd_cpu, "CPU")
+
+
+# ---------------------------------------------------------------- backward
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(q_shape, k_shape, dtype, causal, deterministic, schedule, sm_margin, device):
+    """What one backward call of this shape runs, built once per shape:
+    (schedule on the device, its header on the host, the C++ op), or None when
+    no backward kernel is built for the head dim (the fp32 reference runs, with
+    a warning)."""
+    from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
     from .schedule.lowering import get_kernel_metadata
 
-    flat = torch.from_numpy(get_kernel_metadata(schedule, geometry, num_sms).as_int32_array())
-    return flat.to(device), flat.clone()
-
-
-def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, num_sms):
-    from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
-
-    c = _ext.ops()
-    batch, seqlen_q, heads, hdim = q.shape
+    batch, seqlen_q, heads, hdim = q_shape
+    variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", "causal" if causal else "full")
+    if variant.name not in _ext.built_bwd_variants():
+        return None
+    total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if total - sm_margin < 1:
+        raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
     block_m, block_n = bwd_block_sizes(hdim)
-    dpsum, lse_log2, dq_accum, dq_semaphore = c.bwd_preprocess(out, dout, lse, block_m)
-    geometry = Geometry(batch=batch, heads=heads, heads_kv=k.shape[2], seqlen_q=seqlen_q, seqlen_k=k.shape[1],
+    geometry = Geometry(batch=batch, heads=heads, heads_kv=k_shape[2], seqlen_q=seqlen_q, seqlen_k=k_shape[1],
                         block_m=block_m, block_n=block_n, mask="causal" if causal else "full")
     # "auto" depends on the mode: without ordering constraints the best-balanced order wins.
     name = resolve_schedule_name(schedule, geometry, deterministic)
-    flat, header = _schedule_tensors(name, geometry, num_sms, q.device)
-    dk, dv = c.bwd(dout, q, k, v, dpsum, lse_log2, dq_accum, dq_semaphore, flat, header, softmax_scale, causal,
-                   deterministic)
-    dq = c.bwd_postprocess(dq_accum, seqlen_q, softmax_scale, q.dtype)
-    return dq, dk, dv
+    flat = torch.from_numpy(get_kernel_metadata(name, geometry, total - sm_margin).as_int32_array())
+    return flat.to(device), flat.clone(), _ext.ops().bwd.default
 
 
-@torch.library.custom_op("dash_fa3::fwd", mutates_args=())
-def fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    sm_margin: int,
-    deterministic: bool,
-    schedule: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward: (out (b, sq, h, d) in q's dtype, lse (b, h, sq) fp32, natural log).
-
-    ``sm_margin`` SMs are left free. ``deterministic`` and ``schedule`` only
-    matter to the backward; they are arguments here so autograd can hand them to it.
-    """
-    if q.is_cuda:
-        q, k, v = (kernel_layout(t) for t in (q, k, v))
-        return _ext.ops().fwd(q, k, v, softmax_scale, causal, usable_sms(q.device, sm_margin))
-    out, lse = reference.attention_ref(q, k, v, softmax_scale, causal)
-    return out.to(q.dtype), lse.float()
-
-
-@fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, sm_margin, deterministic, schedule):
-    b, sq, h, _ = q.shape
-    out = q.new_empty((b, sq, h, v.shape[-1]))
-    lse = q.new_empty((b, h, sq), dtype=torch.float32)
-    return out, lse
-
-
-@torch.library.custom_op("dash_fa3::bwd", mutates_args=())
-def bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    deterministic: bool,
-    schedule: str,
-    sm_margin: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward: (dq, dk, dv) in the inputs' dtype.
-
-    On CUDA the Hopper kernel runs the validated ``schedule``; ``deterministic``
-    orders every dQ (and, for GQA, dK/dV) accumulation by it. ``auto`` resolves
-    per mode (``resolve_schedule_name``: ``lpt`` when not deterministic). Head dims without a
-    backward kernel run the fp32 reference and warn.
-    """
-    if dout.is_cuda:
-        variant = variants.Variant(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
-                                   "causal" if causal else "full")
-        if variant.name in _ext.built_bwd_variants():
-            dout, q, k, v = (kernel_layout(t) for t in (dout, q, k, v))
-            return _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                             schedule, usable_sms(q.device, sm_margin))
-        warnings.warn(
-            f"dash_fa3: no Hopper backward kernel for {variant.name} (kernels exist for head dims "
-            f"{', '.join(map(str, variants.BWD_HEADDIMS))}), so the GPU backward runs the fp32 reference: "
-            f"correct and deterministic, but slow and O(seqlen_q * seqlen_k) in memory",
-            ReferenceBackwardWarning,
-            stacklevel=2,
-        )
-    dq, dk, dv = reference.attention_bwd_ref(dout, q, k, v, out, softmax_scale, causal)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-@bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, sm_margin, deterministic, schedule = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.sm_margin = sm_margin
-    ctx.deterministic = deterministic
-    ctx.schedule = schedule
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    dq, dk, dv = bwd(
-        dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.schedule, ctx.sm_margin
+def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
+    plan = _bwd_plan(q.shape, k.shape, q.dtype, causal, deterministic, schedule, sm_margin, q.device)
+    if plan is not None:
+        schedule_flat, schedule_header, run = plan
+        return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, causal, deterministic)
+    warnings.warn(
+        f"dash_fa3: no Hopper backward kernel for head dim {q.shape[-1]} (kernels exist for head dims "
+        f"{', '.join(map(str, variants.BWD_HEADDIMS))}), so the GPU backward runs the fp32 reference: "
+        f"correct and deterministic, but slow and O(seqlen_q * seqlen_k) in memory",
+        ReferenceBackwardWarning,
+        stacklevel=2,
     )
-    return dq, dk, dv, None, None, None, None, None
+    return _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin)
 
 
-fwd.register_autograd(_backward, setup_context=_setup_context)
+def _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
+    dq, dk, dv = reference.attention_bwd_ref(dout, q, k, v, out, softmax_scale, causal)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+@torch.library.register_fake("dash_fa3::bwd")
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_lib.impl("bwd", _bwd_cpu, "CPU")
+_lib.impl("bwd", _bwd_cuda, "CUDA")
+
+if not _ext.available():
+    # Without the extension, CUDA tensors get this error instead of the
+    # dispatcher's "no kernel for the CUDA backend".
+    def _fwd_no_extension(q, k, v, softmax_scale, causal, sm_margin):
+        raise RuntimeError(f"dash_fa3: {_ext.ext_error()}")
+
+    _lib.impl("fwd", _fwd_no_extension, "CUDA")
+
+fwd = torch.ops.dash_fa3.fwd.default
+bwd = torch.ops.dash_fa3.bwd.default
+
+
+# ---------------------------------------------------------------- autograd
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, sm_margin, deterministic, schedule):
+        out, lse = fwd(q, k, v, softmax_scale, causal, sm_margin)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bwd_args = (softmax_scale, causal, deterministic, schedule, sm_margin)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero tensor for lse's (always absent) gradient
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 8
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.bwd_args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention(q, k, v, softmax_scale: float, causal: bool, sm_margin: int, deterministic: bool, schedule: str):
+    """(out, lse), differentiable in q, k, v; arguments already validated (``flash_attn_func``)."""
+    return _Attention.apply(q, k, v, softmax_scale, causal, sm_margin, deterministic, schedule)

@@ -7,10 +7,12 @@ cover it on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from . import variants
+from .schedule import SCHEDULE_NAMES
 
 SUPPORTED_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 HOPPER_CAPABILITY = (9, 0)
@@ -31,15 +33,12 @@ class AttnShape:
 
 
 def schedule_names() -> tuple[str, ...]:
-    from .schedule import SCHEDULE_NAMES
-
     return tuple(SCHEDULE_NAMES)
 
 
 def check_schedule(schedule: str) -> None:
-    names = schedule_names()
-    if schedule not in names:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(names)}")
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
 
 
 def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> AttnShape:
@@ -92,13 +91,15 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> 
         # torch.compile cannot trace; under compilation the C++ op re-checks at run time.
         if not torch.compiler.is_compiling():
             check_cuda_device(q.device)
-            check_built(shape.variant(causal))
+            check_built(shape.variant(causal).name)
     elif q.device.type != "cpu":
         raise ValueError(f"dash_fa3 runs on CUDA (Hopper) or, slowly, on the CPU; got device {q.device}")
     return shape
 
 
+@functools.lru_cache(maxsize=None)
 def check_cuda_device(device: torch.device) -> None:
+    """Raises unless ``device`` is a Hopper GPU (cached: a device's kind never changes)."""
     cap = torch.cuda.get_device_capability(device)
     if cap != HOPPER_CAPABILITY:
         name = torch.cuda.get_device_name(device)
@@ -108,12 +109,15 @@ def check_cuda_device(device: torch.device) -> None:
         )
 
 
-def check_built(variant: variants.Variant) -> None:
+@functools.lru_cache(maxsize=None)
+def check_built(variant_name: str) -> None:
+    """Raises unless the forward of ``variant_name`` is in this build (cached per name)."""
     from . import _ext
 
     built = _ext.built_fwd_variants()  # raises with the reason when the extension is missing
-    if variant.name not in built:
+    if variant_name not in built:
+        hdim = variant_name.split("-")[0]
         raise ValueError(
-            f"variant {variant.name} was not compiled into this build (built: {', '.join(built)}); "
-            f"rebuild with {variants.ENV_VAR} selecting it, e.g. {variants.ENV_VAR}=hdim{variant.hdim}"
+            f"variant {variant_name} was not compiled into this build (built: {', '.join(built)}); "
+            f"rebuild with {variants.ENV_VAR} selecting it, e.g. {variants.ENV_VAR}={hdim}"
         )

@@ -60,10 +60,53 @@ def test_gradient_through_expanded_dout():
 
 def test_opcheck_fwd_and_bwd():
     q, k, v = (rand((1, 5, 2, 64), seed=s) for s in range(3))
-    torch.library.opcheck(ops.fwd, (q, k, v, 0.125, True, 0, False, "auto"), test_utils=("test_schema", "test_faketensor"))
-    out, lse = ops.fwd(q, k, v, 0.125, True, 0, False, "auto")
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(ops.fwd, (q, k, v, 0.125, True, 0), test_utils=checks)
+    out, lse = ops.fwd(q, k, v, 0.125, True, 0)
     torch.library.opcheck(ops.bwd, (rand(out.shape, seed=9), q, k, v, out, lse, 0.125, True, True, "auto", 0),
-                          test_utils=("test_schema", "test_faketensor"))
+                          test_utils=checks)
+    # The transposed view transformers passes: outputs stay contiguous, as the fake implementations say.
+    qt, kt, vt = (rand((1, 2, 5, 64), seed=s).transpose(1, 2) for s in range(3))
+    torch.library.opcheck(ops.fwd, (qt, kt, vt, 0.125, False, 0), test_utils=checks)
+    out, lse = ops.fwd(qt, kt, vt, 0.125, False, 0)
+    assert out.is_contiguous() and lse.is_contiguous()
+    torch.library.opcheck(ops.bwd, (rand(out.shape, seed=9), qt, kt, vt, out, lse, 0.125, False, False, "auto", 0),
+                          test_utils=checks)
+
+
+def test_api_rejects_wrong_argument_types():
+    q, k, v = (rand((1, 4, 2, 64), seed=s) for s in range(3))
+    for kwargs, err, pattern in (
+        ({"causal": "False"}, TypeError, "causal must be a bool"),
+        ({"causal": 1}, TypeError, "causal must be a bool"),
+        ({"deterministic": None}, TypeError, "deterministic must be a bool"),
+        ({"softmax_scale": True}, ValueError, "softmax_scale"),
+        ({"softmax_scale": "0.1"}, ValueError, "softmax_scale"),
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+        ({"sm_margin": True}, ValueError, "sm_margin"),
+        ({"num_splits": 4}, NotImplementedError, "num_splits=4"),
+        ({"pack_gqa": True}, NotImplementedError, "pack_gqa=True"),
+        ({"softcap": 30.0}, NotImplementedError, "softcap=30.0"),
+    ):
+        with pytest.raises(err, match=pattern):
+            dash_fa3.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_fa3_harmless_defaults_are_accepted():
+    q, k, v = (rand((1, 4, 2, 64), seed=s) for s in range(3))
+    want = dash_fa3.flash_attn_func(q, k, v, causal=True)
+    for kwargs in ({"num_splits": 0}, {"num_splits": 1}, {"pack_gqa": None}, {"pack_gqa": False},
+                   {"softcap": 0.0}, {"softcap": 0}):
+        assert torch.equal(dash_fa3.flash_attn_func(q, k, v, causal=True, **kwargs), want)
+
+
+def test_unused_output_needs_no_backward():
+    # lse's gradient is never materialised, and an output that reaches no loss asks for no backward.
+    q, k, v = (rand((1, 6, 2, 64), seed=s).requires_grad_() for s in range(3))
+    out, lse = dash_fa3.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert not lse.requires_grad
+    (out.float().sum() + lse.sum()).backward()
+    assert all(t.grad is not None for t in (q, k, v))
 
 
 def test_torch_compile_traces_the_ops():

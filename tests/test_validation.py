@@ -99,18 +99,28 @@ def test_bad_sm_margin():
         dash_fa3.flash_attn_func(q, k, v, sm_margin=-1)
 
 
-def test_non_hopper_gpu_is_refused(monkeypatch):
+@pytest.fixture
+def uncached_checks():
+    """The device and build checks cache their verdicts; start and end each test with empty caches."""
+    for check in (validation.check_cuda_device, validation.check_built):
+        check.cache_clear()
+    yield
+    for check in (validation.check_cuda_device, validation.check_built):
+        check.cache_clear()
+
+
+def test_non_hopper_gpu_is_refused(monkeypatch, uncached_checks):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(RuntimeError, match=r"need a Hopper GPU.*A100.*sm_80"):
         validation.check_cuda_device(torch.device("cuda:0"))
 
 
-def test_variant_not_built_names_the_rebuild(monkeypatch):
+def test_variant_not_built_names_the_rebuild(monkeypatch, uncached_checks):
     monkeypatch.setattr(_ext, "built_fwd_variants", lambda: ("hdim128-bf16-causal", "hdim128-bf16-full"))
     with pytest.raises(ValueError, match=r"hdim64-fp16-full was not compiled.*DASH_FA3_VARIANTS=hdim64"):
-        validation.check_built(dash_fa3.variants.Variant(64, "fp16", "full"))
-    validation.check_built(dash_fa3.variants.Variant(128, "bf16", "full"))
+        validation.check_built(dash_fa3.variants.Variant(64, "fp16", "full").name)
+    validation.check_built(dash_fa3.variants.Variant(128, "bf16", "full").name)
 
 
 def test_missing_extension_reason_is_actionable(monkeypatch):

@@ -47,6 +47,7 @@ COMMON_SOURCES = [
     "csrc/api/fwd_dispatch.cpp",
     "csrc/api/bwd_dispatch.cpp",
     "csrc/api/bwd_pre_post.cpp",
+    "csrc/api/bwd_workspace.cpp",
     "csrc/kernels/bwd/bwd_preprocess.cu",
     "csrc/kernels/bwd/bwd_postprocess.cu",
 ]

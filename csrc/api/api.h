@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <cuda_runtime.h>
 
 #include <string>
 #include <tuple>
@@ -11,20 +12,21 @@
 
 namespace dash_fa3 {
 
+// Forward: (out, lse). sm_margin SMs of q's device are left free.
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       double softmax_scale, bool causal, int64_t num_sms);
+                                       double softmax_scale, bool causal, int64_t sm_margin);
 
+// The whole backward (preprocess, main kernel, postprocess): (dq, dk, dv).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                                   const at::Tensor& schedule, const at::Tensor& schedule_header,
+                                                   double softmax_scale, bool causal, bool deterministic);
+
+// The preprocess and postprocess steps alone (tests, benchmarks).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(
     const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse, int64_t block_m);
-
 at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double softmax_scale,
                            at::ScalarType dtype);
-
-std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, const at::Tensor& dpsum, const at::Tensor& lse_log2,
-                                       at::Tensor& dq_accum, at::Tensor& dq_semaphore, const at::Tensor& schedule,
-                                       const at::Tensor& schedule_header, double softmax_scale, bool causal,
-                                       bool deterministic);
 
 std::vector<std::string> built_fwd_variants();
 std::vector<std::string> built_bwd_variants();
@@ -41,5 +43,21 @@ struct QkvShape {
   int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, hdim;
 };
 QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// The SM count of a CUDA device (queried once per device).
+int64_t device_sm_count(const at::Device& device);
+
+// t itself when the kernels can address it through TMA (16-byte aligned base
+// and strides, contiguous last dim), else a contiguous copy.
+at::Tensor kernel_view(const at::Tensor& t);
+
+// Steps of the backward shared by bwd() and the step ops (bwd_pre_post.cpp).
+struct BwdWorkspace;
+void check_preprocess_inputs(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse);
+void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
+                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream);
+at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,
+                                  int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
+                                  at::ScalarType dtype, const at::Device& device, cudaStream_t stream);
 
 }  // namespace dash_fa3

@@ -1,30 +1,34 @@
 // Op registration. TORCH_LIBRARY (not pybind11) keeps the .so free of the
 // Python ABI, so one build loads under every CPython via torch.ops.load_library.
-// The Python package wraps these in the public dash_fa3:: custom ops.
+// The Python package builds the public dash_fa3:: ops on these.
 #include <torch/library.h>
 
 #include "api.h"
 
 TORCH_LIBRARY(dash_fa3_C, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int num_sms) -> (Tensor, Tensor)");
+  m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int sm_margin) -> (Tensor, Tensor)");
+  // The whole backward in one call; schedule is dash_fa3.schedule's flat int32
+  // metadata on the device, schedule_header its first entries on the host
+  // (checked before launch).
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor schedule,"
+      " Tensor schedule_header, float softmax_scale, bool causal, bool deterministic) -> (Tensor, Tensor, Tensor)");
   m.def(
       "bwd_preprocess(Tensor out, Tensor dout, Tensor lse, int block_m)"
       " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("bwd_postprocess(Tensor dq_accum, int seqlen_q, float softmax_scale, ScalarType dtype) -> Tensor");
-  // dq_accum and dq_semaphore come from bwd_preprocess and are updated in place;
-  // schedule is dash_fa3.schedule's flat int32 metadata on the device,
-  // schedule_header its first entries on the host (checked before launch).
-  m.def(
-      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor dpsum, Tensor lse_log2, Tensor(a!) dq_accum,"
-      " Tensor(b!) dq_semaphore, Tensor schedule, Tensor schedule_header, float softmax_scale, bool causal,"
-      " bool deterministic) -> (Tensor, Tensor)");
   m.def("built_fwd_variants() -> str[]", &dash_fa3::built_fwd_variants);
   m.def("built_bwd_variants() -> str[]", &dash_fa3::built_bwd_variants);
 }
 
 TORCH_LIBRARY_IMPL(dash_fa3_C, CUDA, m) {
   m.impl("fwd", &dash_fa3::fwd);
+  m.impl("bwd", &dash_fa3::bwd);
   m.impl("bwd_preprocess", &dash_fa3::bwd_preprocess);
   m.impl("bwd_postprocess", &dash_fa3::bwd_postprocess);
-  m.impl("bwd", &dash_fa3::bwd);
 }
+
+// The public forward op, dash_fa3::fwd, is defined in Python (dash_fa3/ops.py,
+// so the CPU reference serves it without this library); its CUDA kernel is
+// this function directly, so an eager call crosses into Python only once.
+TORCH_LIBRARY_IMPL(dash_fa3, CUDA, m) { m.impl("fwd", &dash_fa3::fwd); }

@@ -1,6 +1,6 @@
 // The backward's one dispatch function: runtime arguments -> compiled variant
-// of the main kernel. The preprocess (bwd_preprocess) and the postprocess
-// (bwd_postprocess) are separate ops; the schedule is a runtime input.
+// of the main kernel, run between the preprocess and the postprocess in one
+// op call; the schedule is a runtime input.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "api.h"
+#include "bwd_workspace.h"
 #include "common/constants.h"
 #include "message.h"
 #include "variant_registry.h"
@@ -29,49 +30,36 @@ namespace {
 const std::vector<KernelVariant<BwdParams>> kBwdVariants = {DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_FA3_BWD_ENTRY)};
 #undef DASH_FA3_BWD_ENTRY
 
-void check_f32_cuda(const at::Tensor& t, const char* name, at::IntArrayRef sizes, const at::Device& dev) {
-  TORCH_CHECK(t.is_cuda() && t.device() == dev && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                  t.sizes() == sizes, msg(
-              "dash_fa3: ", name, " must be a contiguous fp32 tensor of shape ", sizes, " on ", dev, ", got ",
-              t.scalar_type(), " ", t.sizes()));
-}
-
 }  // namespace
 
 std::vector<std::string> built_bwd_variants() { return variant_names(kBwdVariants); }
 
-// Main backward kernel. dq_accum and dq_semaphore come from bwd_preprocess
-// (zeroed there) and are updated in place; returns (dk, dv) in q's dtype and
-// k's layout. schedule: the flat int32 metadata of dash_fa3.schedule on q's
-// device; schedule_header: the same buffer's first 24 entries (or all of it)
-// as a CPU int32 tensor, checked against this call before launch.
-std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, const at::Tensor& dpsum, const at::Tensor& lse_log2,
-                                       at::Tensor& dq_accum, at::Tensor& dq_semaphore, const at::Tensor& schedule,
-                                       const at::Tensor& schedule_header, double softmax_scale, bool causal,
-                                       bool deterministic) {
+// The whole backward in one call: preprocess, main kernel, postprocess, with
+// one workspace allocation. schedule: the flat int32 metadata of
+// dash_fa3.schedule on q's device; schedule_header: the same buffer's first
+// entries (or all of it) as a CPU int32 tensor, checked against this call
+// before launch. Returns (dq, dk, dv) in q's dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                   const at::Tensor& k_in, const at::Tensor& v_in,
+                                                   const at::Tensor& out_in, const at::Tensor& lse,
+                                                   const at::Tensor& schedule, const at::Tensor& schedule_header,
+                                                   double softmax_scale, bool causal, bool deterministic) {
+  const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
+  const at::Tensor dout = kernel_view(dout_in), out = kernel_view(out_in);
   const QkvShape sh = check_qkv(q, k, v);
   const at::Device dev = q.device();
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && dout.device() == dev,
-              "dash_fa3: dout must have q's dtype and device");
-  const TensorStrides do_stride = bshd_strides(dout, "dout");
-  TORCH_CHECK(dout.sizes() == q.sizes(), msg("dash_fa3: dout must have q's shape ", q.sizes(), ", got ", dout.sizes()));
+  TORCH_CHECK(dout.device() == dev && out.device() == dev, "dash_fa3: dout and out must be on q's device");
+  TORCH_CHECK(out.sizes() == q.sizes(), msg("dash_fa3: out must have q's shape ", q.sizes(), ", got ", out.sizes()));
+  check_preprocess_inputs(out, dout, lse);
   const auto& chosen = find_variant(kBwdVariants, "backward", sh.hdim, sh.dtype, causal);
   const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads,
                 heads_kv = sh.heads_kv, hdim = sh.hdim;
-
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));
   const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
   const int64_t rounded = n_q * block_m;
   const int64_t block_n = bwd_block_n(static_cast<int>(hdim));
   const int64_t n_kv = (seqlen_k + block_n - 1) / block_n;
-  check_f32_cuda(dpsum, "dpsum", {batch, heads, rounded}, dev);
-  check_f32_cuda(lse_log2, "lse_log2", {batch, heads, rounded}, dev);
-  check_f32_cuda(dq_accum, "dq_accum", {batch, heads, rounded, hdim}, dev);
-  TORCH_CHECK(dq_semaphore.is_cuda() && dq_semaphore.device() == dev && dq_semaphore.scalar_type() == at::kInt &&
-                  dq_semaphore.is_contiguous() && dq_semaphore.sizes() == at::IntArrayRef({batch, heads, n_q}), msg(
-              "dash_fa3: dq_semaphore must be a contiguous int32 tensor of shape (", batch, ", ", heads, ", ", n_q,
-              ") (bwd_preprocess with block_m = ", block_m, ")"));
+
   TORCH_CHECK(schedule.is_cuda() && schedule.device() == dev && schedule.scalar_type() == at::kInt &&
                   schedule.is_contiguous() && schedule.dim() == 1,
               "dash_fa3: schedule must be a 1-D contiguous int32 tensor on q's device");
@@ -86,16 +74,14 @@ std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor&
               " entries, its header says ", expected_len));
 
   c10::cuda::CUDAGuard guard(dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const bool gqa = heads != heads_kv;
+  const BwdWorkspace ws =
+      make_bwd_workspace({batch, heads, heads_kv, rounded, seqlen_k, hdim, n_q, n_kv, gqa}, dev);
+  launch_bwd_preprocess(out, dout, lse, ws, rounded, stream);
+
   at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dv = at::empty_like(v, v.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dk_accum, dv_accum, dkv_semaphore;
-  const bool gqa = heads != heads_kv;
-  if (gqa) {
-    dk_accum = at::zeros({batch, heads_kv, seqlen_k, hdim}, q.options().dtype(at::kFloat));
-    dv_accum = at::zeros({batch, heads_kv, seqlen_k, hdim}, q.options().dtype(at::kFloat));
-    dkv_semaphore = at::zeros({batch, heads_kv, n_kv}, q.options().dtype(at::kInt));
-  }
-
   BwdParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -104,18 +90,18 @@ std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor&
   p.q_stride = sh.q_stride;
   p.k_stride = sh.k_stride;
   p.v_stride = sh.v_stride;
-  p.do_stride = do_stride;
-  p.lse_log2 = lse_log2.data_ptr<float>();
-  p.dpsum = dpsum.data_ptr<float>();
-  p.dq_accum = dq_accum.data_ptr<float>();
-  p.dq_semaphore = dq_semaphore.data_ptr<int>();
+  p.do_stride = bshd_strides(dout, "dout");
+  p.lse_log2 = ws.lse_log2;
+  p.dpsum = ws.dpsum;
+  p.dq_accum = ws.dq_accum;
+  p.dq_semaphore = ws.dq_semaphore;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   p.dk_stride = bshd_strides(dk, "dk");
   p.dv_stride = bshd_strides(dv, "dv");
-  p.dk_accum = gqa ? dk_accum.data_ptr<float>() : nullptr;
-  p.dv_accum = gqa ? dv_accum.data_ptr<float>() : nullptr;
-  p.dkv_semaphore = gqa ? dkv_semaphore.data_ptr<int>() : nullptr;
+  p.dk_accum = ws.dk_accum;
+  p.dv_accum = ws.dv_accum;
+  p.dkv_semaphore = ws.dkv_semaphore;
   p.schedule = schedule.data_ptr<int32_t>();
   p.schedule_header_host = hdr;
   p.batch = static_cast<int>(batch);
@@ -129,11 +115,13 @@ std::tuple<at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor&
   p.softmax_scale_log2 = static_cast<float>(softmax_scale) * kLog2e;
   p.deterministic = deterministic;
   try {
-    chosen.launch(p, c10::cuda::getCurrentCUDAStream().stream());
+    chosen.launch(p, stream);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
-  return {dk, dv};
+  at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, batch, heads, seqlen_q, rounded, hdim, softmax_scale,
+                                         q.scalar_type(), dev, stream);
+  return {dq, dk, dv};
 }
 
 }  // namespace dash_fa3

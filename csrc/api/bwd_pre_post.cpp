@@ -1,14 +1,68 @@
-// Bindings of the backward preprocess and postprocess kernels.
+// The backward's preprocess and postprocess steps, shared by the one backward
+// op (bwd_dispatch.cpp) and the ops that expose each step alone for tests and
+// benchmarks.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "api.h"
+#include "bwd_workspace.h"
 #include "message.h"
 #include "common/launch.h"
 
 namespace dash_fa3 {
 
-// Returns (dPsum, lse_log2, dq_accum, dq_semaphore):
+void check_preprocess_inputs(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse) {
+  dtype_of(out, "out");
+  TORCH_CHECK(dout.scalar_type() == out.scalar_type(), "dash_fa3: dout must have out's dtype");
+  TORCH_CHECK(dout.sizes() == out.sizes(), msg("dash_fa3: dout must have out's shape ", out.sizes(), ", got ",
+              dout.sizes()));
+  const int64_t batch = out.size(0), seqlen_q = out.size(1), heads = out.size(2), hdim = out.size(3);
+  TORCH_CHECK(hdim % 8 == 0, msg("dash_fa3: headdim must be a multiple of 8, got ", hdim));
+  TORCH_CHECK(lse.is_cuda() && lse.device() == out.device() && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.sizes() == at::IntArrayRef({batch, heads, seqlen_q}), msg(
+              "dash_fa3: lse must be a contiguous fp32 tensor of shape (", batch, ", ", heads, ", ", seqlen_q,
+              ") on out's device"));
+}
+
+void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
+                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream) {
+  BwdPreprocessParams p{};
+  p.o = out.data_ptr();
+  p.dout = dout.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.o_stride = bshd_strides(out, "out");
+  p.dout_stride = bshd_strides(dout, "dout");
+  p.dpsum = ws.dpsum;
+  p.lse_log2 = ws.lse_log2;
+  p.zero_begin = ws.zero_begin;
+  p.zero_vec16 = ws.zero_bytes / 16;
+  p.batch = static_cast<int>(out.size(0));
+  p.seqlen_q = static_cast<int>(out.size(1));
+  p.seqlen_q_rounded = static_cast<int>(seqlen_q_rounded);
+  p.heads = static_cast<int>(out.size(2));
+  p.headdim = static_cast<int>(out.size(3));
+  run_bwd_preprocess(p, dtype_of(out, "out"), stream);
+}
+
+at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,
+                                  int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
+                                  at::ScalarType dtype, const at::Device& device, cudaStream_t stream) {
+  at::Tensor dq = at::empty({batch, seqlen_q, heads, hdim}, at::TensorOptions().dtype(dtype).device(device));
+  BwdPostprocessParams p{};
+  p.dq_accum = dq_accum;
+  p.dq = dq.data_ptr();
+  p.dq_stride = bshd_strides(dq, "dq");
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.batch = static_cast<int>(batch);
+  p.seqlen_q = static_cast<int>(seqlen_q);
+  p.seqlen_q_rounded = static_cast<int>(seqlen_q_rounded);
+  p.heads = static_cast<int>(heads);
+  p.headdim = static_cast<int>(hdim);
+  run_bwd_postprocess(p, dtype_of(dq, "dq"), stream);
+  return dq;
+}
+
+// Returns (dPsum, lse_log2, dq_accum, dq_semaphore), views of one workspace:
 //   dPsum, lse_log2: (batch, heads, seqlen_q_rounded) fp32
 //   dq_accum:        (batch, heads, seqlen_q_rounded, headdim) fp32, zeroed
 //   dq_semaphore:    (batch, heads, seqlen_q_rounded / block_m) int32, zeroed; one per dQ tile
@@ -16,47 +70,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(const 
                                                                           const at::Tensor& dout,
                                                                           const at::Tensor& lse,
                                                                           int64_t block_m) {
-  const DType dtype = dtype_of(out, "out");
-  TORCH_CHECK(dout.scalar_type() == out.scalar_type(), "dash_fa3: dout must have out's dtype");
-  TORCH_CHECK(dout.sizes() == out.sizes(), msg("dash_fa3: dout must have out's shape ", out.sizes(), ", got ",
-              dout.sizes()));
-  const TensorStrides o_stride = bshd_strides(out, "out");
-  const TensorStrides do_stride = bshd_strides(dout, "dout");
-  const int64_t batch = out.size(0), seqlen_q = out.size(1), heads = out.size(2), hdim = out.size(3);
-  TORCH_CHECK(hdim % 8 == 0, msg("dash_fa3: headdim must be a multiple of 8, got ", hdim));
+  check_preprocess_inputs(out, dout, lse);
   TORCH_CHECK(block_m >= 1, "dash_fa3: block_m must be >= 1");
-  TORCH_CHECK(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-                  lse.sizes() == at::IntArrayRef({batch, heads, seqlen_q}), msg(
-              "dash_fa3: lse must be a contiguous fp32 CUDA tensor of shape (", batch, ", ", heads, ", ", seqlen_q,
-              ")"));
-
+  const int64_t batch = out.size(0), seqlen_q = out.size(1), heads = out.size(2), hdim = out.size(3);
   c10::cuda::CUDAGuard guard(out.device());
-  const int64_t num_q_tiles = (seqlen_q + block_m - 1) / block_m;
-  const int64_t seqlen_q_rounded = num_q_tiles * block_m;
-  auto f32 = out.options().dtype(at::kFloat);
-  at::Tensor dpsum = at::empty({batch, heads, seqlen_q_rounded}, f32);
-  at::Tensor lse_log2 = at::empty({batch, heads, seqlen_q_rounded}, f32);
-  at::Tensor dq_accum = at::empty({batch, heads, seqlen_q_rounded, hdim}, f32);
-  at::Tensor dq_semaphore = at::empty({batch, heads, num_q_tiles}, out.options().dtype(at::kInt));
-
-  BwdPreprocessParams p{};
-  p.o = out.data_ptr();
-  p.dout = dout.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.o_stride = o_stride;
-  p.dout_stride = do_stride;
-  p.dpsum = dpsum.data_ptr<float>();
-  p.lse_log2 = lse_log2.data_ptr<float>();
-  p.dq_accum = dq_accum.data_ptr<float>();
-  p.dq_semaphore = dq_semaphore.data_ptr<int>();
-  p.dq_semaphore_numel = dq_semaphore.numel();
-  p.batch = static_cast<int>(batch);
-  p.seqlen_q = static_cast<int>(seqlen_q);
-  p.seqlen_q_rounded = static_cast<int>(seqlen_q_rounded);
-  p.heads = static_cast<int>(heads);
-  p.headdim = static_cast<int>(hdim);
-  run_bwd_preprocess(p, dtype, c10::cuda::getCurrentCUDAStream().stream());
-  return {dpsum, lse_log2, dq_accum, dq_semaphore};
+  const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
+  const int64_t rounded = n_q * block_m;
+  const BwdWorkspace ws =
+      make_bwd_workspace({batch, heads, heads, rounded, 0, hdim, n_q, 0, false}, out.device());
+  launch_bwd_preprocess(out, dout, lse, ws, rounded, c10::cuda::getCurrentCUDAStream().stream());
+  auto region = [&](int64_t offset, at::ScalarType type, at::IntArrayRef sizes) {
+    int64_t numel = 1;
+    for (int64_t n : sizes) numel *= n;
+    return ws.buffer.narrow(0, offset, numel * int64_t(at::elementSize(type))).view(type).view(sizes);
+  };
+  return {region(ws.dpsum_offset, at::kFloat, {batch, heads, rounded}),
+          region(ws.lse_log2_offset, at::kFloat, {batch, heads, rounded}),
+          region(ws.dq_accum_offset, at::kFloat, {batch, heads, rounded, hdim}),
+          region(ws.dq_semaphore_offset, at::kInt, {batch, heads, n_q})};
 }
 
 at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double softmax_scale,
@@ -69,21 +100,9 @@ at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double 
   TORCH_CHECK(seqlen_q >= 1 && seqlen_q <= rounded, msg("dash_fa3: seqlen_q must be in [1, ", rounded, "], got ",
               seqlen_q));
   TORCH_CHECK(hdim % 8 == 0, msg("dash_fa3: headdim must be a multiple of 8, got ", hdim));
-
   c10::cuda::CUDAGuard guard(dq_accum.device());
-  at::Tensor dq = at::empty({batch, seqlen_q, heads, hdim}, dq_accum.options().dtype(dtype));
-  BwdPostprocessParams p{};
-  p.dq_accum = dq_accum.data_ptr<float>();
-  p.dq = dq.data_ptr();
-  p.dq_stride = bshd_strides(dq, "dq");
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.batch = static_cast<int>(batch);
-  p.seqlen_q = static_cast<int>(seqlen_q);
-  p.seqlen_q_rounded = static_cast<int>(rounded);
-  p.heads = static_cast<int>(heads);
-  p.headdim = static_cast<int>(hdim);
-  run_bwd_postprocess(p, dtype_of(dq, "dq"), c10::cuda::getCurrentCUDAStream().stream());
-  return dq;
+  return launch_bwd_postprocess(dq_accum.data_ptr<float>(), batch, heads, seqlen_q, rounded, hdim, softmax_scale,
+                                dtype, dq_accum.device(), c10::cuda::getCurrentCUDAStream().stream());
 }
 
 }  // namespace dash_fa3

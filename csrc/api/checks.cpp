@@ -3,6 +3,11 @@
 
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <atomic>
+
+#include "common/cuda_check.h"
+
 namespace dash_fa3 {
 
 DType dtype_of(const at::Tensor& t, const char* name) {
@@ -45,6 +50,31 @@ QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   TORCH_CHECK(s.heads_kv >= 1 && s.heads % s.heads_kv == 0,
               msg("dash_fa3: heads (", s.heads, ") must be a multiple of heads_kv (", s.heads_kv, ")"));
   return s;
+}
+
+int64_t device_sm_count(const at::Device& device) {
+  TORCH_CHECK(device.is_cuda(), "dash_fa3: device_sm_count needs a CUDA device");
+  int index = device.has_index() ? device.index() : -1;
+  if (index < 0) check_cuda(cudaGetDevice(&index), "cudaGetDevice");
+  // A device's SM count never changes: query it once per device.
+  static std::array<std::atomic<int>, 64> cache{};
+  if (index < 64) {
+    if (const int cached = cache[index].load(std::memory_order_relaxed)) return cached;
+  }
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, index),
+             "cudaDeviceGetAttribute(multiProcessorCount)");
+  if (index < 64) cache[index].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+at::Tensor kernel_view(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1, "dash_fa3: tensor arguments must have at least one dim");
+  // TMA needs a 16-byte aligned base and 16-byte multiples for every stride.
+  const int64_t elems = 16 / int64_t(t.element_size());
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; ok && d + 1 < t.dim(); ++d) ok = t.stride(d) % elems == 0 || t.size(d) == 1;
+  return ok ? t : t.contiguous();
 }
 
 }  // namespace dash_fa3

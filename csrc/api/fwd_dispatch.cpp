@@ -8,6 +8,7 @@
 #include "api.h"
 #include "common/constants.h"
 #include "common/launch.h"
+#include "message.h"
 #include "variant_registry.h"
 #include "variant_table.h"
 
@@ -24,10 +25,13 @@ const std::vector<KernelVariant<FwdParams>> kFwdVariants = {DASH_FA3_FOR_EACH_FW
 
 std::vector<std::string> built_fwd_variants() { return variant_names(kFwdVariants); }
 
-std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       double softmax_scale, bool causal, int64_t num_sms) {
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                       double softmax_scale, bool causal, int64_t sm_margin) {
+  const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const QkvShape sh = check_qkv(q, k, v);
-  TORCH_CHECK(num_sms >= 1, "dash_fa3: num_sms must be >= 1");
+  const int64_t num_sms = device_sm_count(q.device()) - sm_margin;
+  TORCH_CHECK(sm_margin >= 0 && num_sms >= 1, msg("dash_fa3: sm_margin=", sm_margin, " must be >= 0 and leave at "
+              "least one SM of the device's ", num_sms + sm_margin));
   const auto& chosen = find_variant(kFwdVariants, "forward", sh.hdim, sh.dtype, causal);
   const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, heads = sh.heads, hdim = sh.hdim;
 

@@ -44,7 +44,10 @@ struct FwdParams {
 };
 
 // Backward preprocess: dPsum = rowsum(dO * O) in fp32, LSE in the log2 domain,
-// and the dQ accumulator and semaphores zeroed for the main kernel.
+// and every buffer the main kernel only adds into (dQ accumulator, GQA dK/dV
+// accumulators, semaphores) zeroed. Those buffers are laid out as one
+// contiguous span of the backward workspace (csrc/api/bwd_workspace.h), so
+// zeroing them costs no launch of its own.
 struct BwdPreprocessParams {
   const void* o;
   const void* dout;
@@ -53,9 +56,8 @@ struct BwdPreprocessParams {
 
   float* dpsum;     // (batch, heads, seqlen_q_rounded)
   float* lse_log2;  // (batch, heads, seqlen_q_rounded); padding rows hold +inf-free zeros
-  float* dq_accum;  // (batch, heads, seqlen_q_rounded, headdim), zeroed
-  int* dq_semaphore;  // zeroed
-  int64_t dq_semaphore_numel;
+  void* zero_begin;     // 16-byte aligned
+  int64_t zero_vec16;   // bytes to zero from zero_begin, in 16-byte units
 
   int batch;
   int seqlen_q;

@@ -169,8 +169,8 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
 
   auto kernel = bwd::bwd_kernel<Traits>;
   constexpr int kSmemBytes = Traits::kSharedStorageBytes;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
-             "cudaFuncSetAttribute(bwd_kernel, max dynamic shared memory)");
+  set_max_dynamic_smem_once<bwd::bwd_kernel<Traits>>(kSmemBytes,
+                                             "cudaFuncSetAttribute(bwd_kernel, max dynamic shared memory)");
   kernel<<<grid, Traits::kNumThreads, kSmemBytes, stream>>>(p);
   check_cuda(cudaGetLastError(), "bwd_kernel launch");
 

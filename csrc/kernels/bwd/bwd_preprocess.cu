@@ -1,7 +1,7 @@
 // Backward preprocess, one launch before the main backward kernel:
 //   dPsum[b,h,s]   = sum_d dO[b,s,h,d] * O[b,s,h,d]   (fp32)
 //   lse_log2[b,h,s] = lse[b,h,s] * log2(e)             (the main kernel uses exp2)
-//   dq_accum, dq_semaphore = 0
+//   the accumulators and semaphores of the main kernel = 0 (one span)
 // Rows s in [seqlen_q, seqlen_q_rounded) are padding for the main kernel's
 // last Q tile and get 0 in both outputs.
 #include <cuda_runtime.h>
@@ -69,14 +69,12 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessP
     }
   }
 
-  // Zero the fp32 dQ accumulator (its size is a multiple of 8 floats) and the
-  // semaphores with a grid-stride loop; the main kernel only ever adds into them.
+  // Zero the accumulators and semaphores (one span) with a grid-stride loop;
+  // the main kernel only ever adds into them.
   const int64_t tid = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
-  const int64_t accum_vecs = int64_t(p.batch) * p.heads * p.seqlen_q_rounded * p.headdim / 4;
-  float4* accum = reinterpret_cast<float4*>(p.dq_accum);
-  for (int64_t i = tid; i < accum_vecs; i += stride) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int64_t i = tid; i < p.dq_semaphore_numel; i += stride) p.dq_semaphore[i] = 0;
+  uint4* zero = static_cast<uint4*>(p.zero_begin);
+  for (int64_t i = tid; i < p.zero_vec16; i += stride) zero[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 }  // namespace

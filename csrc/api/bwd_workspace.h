@@ -1,0 +1,41 @@
+// The backward's scratch memory, one allocation per call:
+//
+//   dpsum | lse_log2 | dq_accum | dk_accum | dv_accum | dq_semaphore | dkv_semaphore
+//                    '------------------ zeroed by the preprocess ------------------'
+//
+// One allocation instead of seven keeps the caching allocator off the host
+// path, and the buffers the main kernel only adds into form one contiguous
+// span, so the preprocess zeroes them in its own launch. GQA's dK/dV
+// accumulators and their semaphores are empty (size 0) without GQA.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace dash_fa3 {
+
+struct BwdWorkspace {
+  at::Tensor buffer;  // uint8, owns every region below
+  float* dpsum;
+  float* lse_log2;
+  float* dq_accum;
+  float* dk_accum;  // nullptr without GQA
+  float* dv_accum;  // nullptr without GQA
+  int* dq_semaphore;
+  int* dkv_semaphore;  // nullptr without GQA
+  void* zero_begin;
+  int64_t zero_bytes;  // a multiple of 16
+
+  // Byte offsets of the regions, for callers that want tensor views.
+  int64_t dpsum_offset, lse_log2_offset, dq_accum_offset, dq_semaphore_offset;
+};
+
+struct BwdWorkspaceShape {
+  int64_t batch, heads, heads_kv, seqlen_q_rounded, seqlen_k, headdim, n_q, n_kv;
+  bool gqa;
+};
+
+BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& device);
+
+}  // namespace dash_fa3
