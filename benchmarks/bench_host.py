@@ -4,11 +4,16 @@ torch SDPA (cuDNN and flash backends), in one process.
     python benchmarks/bench_host.py [--shapes default] [--layouts bshd,bhsd] [--profile] [--json out.json]
 
 Per shape, layout and implementation it prints:
-  * host us: the CPU time to issue fwd, bwd and fwd+bwd while the GPU is kept
-    busy by a queued wait, so no call ever blocks on the device (median);
-  * wall us: the per-call time of `--calls` back-to-back fwd+bwd calls ended by
-    one synchronize, i.e. what a step sees when host and GPU work overlap as
-    far as they can (median of `--iters` samples).
+  * host us: the CPU time to issue one fwd, bwd or fwd+bwd, averaged over
+    `--calls` back-to-back calls queued behind one long device wait, so no
+    call ever blocks on the GPU (this VM's host timings jitter by 2x from
+    call to call; the average over a burst is the stable figure);
+  * wall us: the per-call time of `--calls` back-to-back fwd+bwd calls ended
+    by one synchronize, i.e. what a step sees when host and GPU work overlap
+    as far as they can.
+Every figure is the median over `--rounds` rounds; within a round the
+implementations run one after another (interleaved), so slow drifts of the
+machine hit all of them alike.
 Implementations: dash_fa3 non-deterministic (`nd`) and deterministic
 (`det`, schedule auto), SDPA with the cuDNN and flash backends. Layout `bshd`
 passes (batch, seqlen, heads, dim) contiguous tensors; `bhsd` passes the
@@ -43,7 +48,7 @@ import dash_fa3  # noqa: E402
 
 # (batch, seqlen, heads, heads_kv, headdim): the host-path issue's table.
 DEFAULT_SHAPES = ((4, 2048, 16, 4, 64), (2, 1024, 16, 4, 64), (1, 512, 8, 8, 128), (8, 4096, 32, 8, 128))
-_BUSY_CYCLES = 20_000_000  # ~10 ms queued device wait: longer than any host path measured here
+_BUSY_CYCLES = 4_000_000  # ~2 ms of queued device wait per call: longer than any host path measured here
 
 
 def _inputs(shape, layout, seed):
@@ -93,46 +98,32 @@ def _impls(q, k, v, causal):
             "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION)}, dout
 
 
-def _host_us(fn, iters):
-    times = []
-    for _ in range(iters):
-        torch.cuda._sleep(_BUSY_CYCLES)
-        t0 = time.perf_counter()
+def _host_us(fn, calls, prepare=None):
+    """Mean host time of one call over `calls` calls issued behind one device wait."""
+    args = [prepare() for _ in range(calls)] if prepare else [()] * calls
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_BUSY_CYCLES * calls)
+    t0 = time.perf_counter()
+    for a in args:
+        fn(*a)
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed * 1e6 / calls
+
+
+def _wall_us(fn, calls):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def _host_bwd_us(fwd, dout, inputs, iters):
-    times = []
-    for _ in range(iters):
-        out = fwd()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(_BUSY_CYCLES)
-        t0 = time.perf_counter()
-        torch.autograd.grad(out, inputs, dout if out.shape == dout.shape else dout.transpose(1, 2))
-        times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def _wall_us(fn, calls, iters):
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(samples)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
 
 
 def _profile(fn, top):
     prof = cProfile.Profile()
     for _ in range(3):
-        torch.cuda._sleep(_BUSY_CYCLES)
+        torch.cuda._sleep(_BUSY_CYCLES * 10)  # profiling slows the host path several times
         prof.enable()
         fn()
         prof.disable()
@@ -157,8 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", type=_shape, nargs="+", default=list(DEFAULT_SHAPES), metavar="B,S,H,HKV,D")
     ap.add_argument("--layouts", default="bshd,bhsd")
     ap.add_argument("--causal", type=int, choices=[0, 1], default=1)
-    ap.add_argument("--calls", type=int, default=20, help="back-to-back fwd+bwd calls per wall sample")
-    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per sample")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds; figures are medians over rounds")
     ap.add_argument("--profile", action="store_true", help="cProfile dash_fa3's fwd+bwd host path")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -172,7 +163,8 @@ def main(argv=None) -> int:
     commit = os.environ.get("DASH_FA3_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# host cost per call, {torch.cuda.get_device_name()}, {datetime.date.today()}, commit {commit}, "
-          f"torch {torch.__version__}, causal={bool(args.causal)}, bf16; us")
+          f"torch {torch.__version__}, causal={bool(args.causal)}, bf16; us; median of {args.rounds} rounds "
+          f"of {args.calls} back-to-back calls")
     cols = ["host fwd", "host bwd", "host fwd+bwd", "wall fwd+bwd"]
     print("| shape (b,s,h/hkv,d) | layout | impl | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
@@ -181,21 +173,36 @@ def main(argv=None) -> int:
         for layout in layouts:
             q, k, v = _inputs(shape, layout, seed=sum(shape))
             impls, dout = _impls(q, k, v, bool(args.causal))
-            for name, (fwd, fwdbwd) in impls.items():
-                row = {"shape": shape, "layout": layout, "impl": name}
+            samples = {name: {c: [] for c in cols} for name in impls}
+            errors = {}
+            for name, (_, fwdbwd) in impls.items():  # warm-up; a peer backend may not support a shape
                 try:
                     for _ in range(3):
                         fwdbwd()
-                    torch.cuda.synchronize()
-                    row["host fwd"] = _host_us(fwd, args.iters)
-                    row["host bwd"] = _host_bwd_us(fwd, dout, (q, k, v), args.iters)
-                    row["host fwd+bwd"] = _host_us(fwdbwd, args.iters)
-                    row["wall fwd+bwd"] = _wall_us(fwdbwd, args.calls, args.iters)
-                except Exception as exc:  # a peer backend may not support a shape
-                    row["error"] = str(exc).splitlines()[0][:160]
+                except Exception as exc:
+                    errors[name] = str(exc).splitlines()[0][:160]
+            torch.cuda.synchronize()
+            for _ in range(args.rounds):
+                for name, (fwd, fwdbwd) in impls.items():
+                    if name in errors:
+                        continue
+                    grad_of = (q, k, v)
+                    samples[name]["host fwd"].append(_host_us(fwd, args.calls))
+                    samples[name]["host bwd"].append(_host_us(
+                        lambda out: torch.autograd.grad(out, grad_of, dout if out.shape == dout.shape
+                                                        else dout.transpose(1, 2)),
+                        args.calls, prepare=lambda: (fwd(),)))
+                    samples[name]["host fwd+bwd"].append(_host_us(fwdbwd, args.calls))
+                    samples[name]["wall fwd+bwd"].append(_wall_us(fwdbwd, args.calls))
+            b, s, h, hkv, d = shape
+            for name in impls:
+                row = {"shape": shape, "layout": layout, "impl": name, "samples": samples[name]}
+                if name in errors:
+                    row["error"] = errors[name]
+                else:
+                    row.update({c: statistics.median(samples[name][c]) for c in cols})
                 rows.append(row)
                 cells = [f"{row[c]:.0f}" if c in row else "n/a" for c in cols]
-                b, s, h, hkv, d = shape
                 print(f"| {b},{s},{h}/{hkv},{d} | {layout} | {name} | " + " | ".join(cells) + " |"
                       + (f" {row['error']}" if "error" in row else ""), flush=True)
             if args.profile and layout == layouts[0]:
