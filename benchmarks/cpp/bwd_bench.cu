@@ -295,6 +295,8 @@ struct Problem {
   void *q, *k, *v, *dout, *o, *dq, *dk, *dv;
   float *lse, *dpsum, *lse_log2, *dq_accum, *dk_accum = nullptr, *dv_accum = nullptr;
   int *dq_sem, *dkv_sem = nullptr;
+  void* zero_span = nullptr;
+  int64_t zero_bytes = 0;
   int32_t* sched_dev = nullptr;
   std::vector<int32_t> sched_host;
   float *ref_dq = nullptr, *ref_dk = nullptr, *ref_dv = nullptr;  // fp32 reference
@@ -319,12 +321,22 @@ struct Problem {
     CHECK_CUDA(cudaMalloc(&lse, rows * 4));
     CHECK_CUDA(cudaMalloc(&dpsum, rows_r * 4));
     CHECK_CUDA(cudaMalloc(&lse_log2, rows_r * 4));
-    CHECK_CUDA(cudaMalloc(&dq_accum, rows_r * g.d * 4));
-    CHECK_CUDA(cudaMalloc(&dq_sem, int64_t(g.b) * g.h * n_q * 4));
-    if (g.h != g.hkv) {
-      CHECK_CUDA(cudaMalloc(&dk_accum, nk() * 4));
-      CHECK_CUDA(cudaMalloc(&dv_accum, nk() * 4));
-      CHECK_CUDA(cudaMalloc(&dkv_sem, int64_t(g.b) * g.hkv * n_kv * 4));
+    // What the kernel only adds into lies in one span, zeroed by the preprocess
+    // (as csrc/api/bwd_workspace.h lays it out): dq_accum | dk_accum | dv_accum | dq_sem | dkv_sem.
+    const bool gqa = g.h != g.hkv;
+    auto align = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
+    const int64_t dq_bytes = align(rows_r * g.d * 4), kv_bytes = gqa ? align(nk() * 4) : 0;
+    const int64_t sem_bytes = align(int64_t(g.b) * g.h * n_q * 4);
+    const int64_t dkv_sem_bytes = gqa ? align(int64_t(g.b) * g.hkv * n_kv * 4) : 0;
+    zero_bytes = dq_bytes + 2 * kv_bytes + sem_bytes + dkv_sem_bytes;
+    CHECK_CUDA(cudaMalloc(&zero_span, zero_bytes));
+    char* z = static_cast<char*>(zero_span);
+    dq_accum = reinterpret_cast<float*>(z);
+    dq_sem = reinterpret_cast<int*>(z + dq_bytes + 2 * kv_bytes);
+    if (gqa) {
+      dk_accum = reinterpret_cast<float*>(z + dq_bytes);
+      dv_accum = reinterpret_cast<float*>(z + dq_bytes + kv_bytes);
+      dkv_sem = reinterpret_cast<int*>(z + dq_bytes + 2 * kv_bytes + sem_bytes);
     }
     auto fill = [&](void* p, int64_t n, uint64_t s) {
       if (dtype == DType::kBF16) fill_normal<<<grid_for(n), 256>>>((__nv_bfloat16*)p, n, s);
@@ -400,15 +412,9 @@ struct Problem {
     dash_fa3::BwdPreprocessParams pre{};
     pre.o = o; pre.dout = dout; pre.lse = lse;
     pre.o_stride = pre.dout_stride = {int64_t(g.sq) * g.h * g.d, int64_t(g.h) * g.d, g.d};
-    pre.dpsum = dpsum; pre.lse_log2 = lse_log2; pre.dq_accum = dq_accum; pre.dq_semaphore = dq_sem;
-    pre.dq_semaphore_numel = int64_t(g.b) * g.h * n_q;
+    pre.dpsum = dpsum; pre.lse_log2 = lse_log2; pre.zero_begin = zero_span; pre.zero_vec16 = zero_bytes / 16;
     pre.batch = g.b; pre.seqlen_q = g.sq; pre.seqlen_q_rounded = sq_rounded; pre.heads = g.h; pre.headdim = g.d;
     dash_fa3::run_bwd_preprocess(pre, dtype, stream);
-    if (dk_accum) {
-      CHECK_CUDA(cudaMemsetAsync(dk_accum, 0, nk() * 4, stream));
-      CHECK_CUDA(cudaMemsetAsync(dv_accum, 0, nk() * 4, stream));
-      CHECK_CUDA(cudaMemsetAsync(dkv_sem, 0, int64_t(g.b) * g.hkv * n_kv * 4, stream));
-    }
     dash_fa3::BwdParams p{};
     p.q = q; p.k = k; p.v = v; p.dout = dout;
     p.q_stride = p.do_stride = {int64_t(g.sq) * g.h * g.d, int64_t(g.h) * g.d, g.d};
@@ -427,6 +433,9 @@ struct Problem {
     post.dq_stride = {int64_t(g.sq) * g.h * g.d, int64_t(g.h) * g.d, g.d};
     post.softmax_scale = g.scale; post.batch = g.b; post.seqlen_q = g.sq; post.seqlen_q_rounded = sq_rounded;
     post.heads = g.h; post.headdim = g.d;
+    post.dk_accum = dk_accum; post.dv_accum = dv_accum; post.dk = dk; post.dv = dv;
+    post.dk_stride = post.dv_stride = p.dk_stride;
+    post.heads_kv = g.hkv; post.seqlen_k = g.sk;
     dash_fa3::run_bwd_postprocess(post, dtype, stream);
   }
 

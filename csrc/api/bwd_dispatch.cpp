@@ -119,8 +119,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
+  const DkvCast dkv{ws.dk_accum, ws.dv_accum, dk, dv};
   at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, batch, heads, seqlen_q, rounded, hdim, softmax_scale,
-                                         q.scalar_type(), dev, stream);
+                                         q.scalar_type(), dev, stream, gqa ? &dkv : nullptr);
   return {dq, dk, dv};
 }
 

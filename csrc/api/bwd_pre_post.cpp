@@ -46,7 +46,8 @@ void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const 
 
 at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,
                                   int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
-                                  at::ScalarType dtype, const at::Device& device, cudaStream_t stream) {
+                                  at::ScalarType dtype, const at::Device& device, cudaStream_t stream,
+                                  const DkvCast* dkv) {
   at::Tensor dq = at::empty({batch, seqlen_q, heads, hdim}, at::TensorOptions().dtype(dtype).device(device));
   BwdPostprocessParams p{};
   p.dq_accum = dq_accum;
@@ -58,6 +59,16 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
   p.seqlen_q_rounded = static_cast<int>(seqlen_q_rounded);
   p.heads = static_cast<int>(heads);
   p.headdim = static_cast<int>(hdim);
+  if (dkv != nullptr) {
+    p.dk_accum = dkv->dk_accum;
+    p.dv_accum = dkv->dv_accum;
+    p.dk = dkv->dk.data_ptr();
+    p.dv = dkv->dv.data_ptr();
+    p.dk_stride = bshd_strides(dkv->dk, "dk");
+    p.dv_stride = bshd_strides(dkv->dv, "dv");
+    p.heads_kv = static_cast<int>(dkv->dk.size(2));
+    p.seqlen_k = static_cast<int>(dkv->dk.size(1));
+  }
   run_bwd_postprocess(p, dtype_of(dq, "dq"), stream);
   return dq;
 }

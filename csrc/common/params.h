@@ -66,12 +66,24 @@ struct BwdPreprocessParams {
   int headdim;
 };
 
-// Backward postprocess: dQ = softmax_scale * dQaccum, cast to the input dtype.
+// Backward postprocess: dQ = softmax_scale * dQaccum, cast to the input dtype;
+// with GQA also dK, dV cast from their fp32 accumulators (one launch for both).
 struct BwdPostprocessParams {
   const float* dq_accum;  // (batch, heads, seqlen_q_rounded, headdim)
   void* dq;               // (batch, seqlen_q, heads, headdim), FA3 layout
   TensorStrides dq_stride;
   float softmax_scale;
+
+  // GQA only, else nullptr: (batch, heads_kv, seqlen_k, headdim) fp32
+  // accumulators that already hold the scale, cast into dk/dv (batch,
+  // seqlen_k, heads_kv, headdim).
+  const float* dk_accum;
+  const float* dv_accum;
+  void* dk;
+  void* dv;
+  TensorStrides dk_stride, dv_stride;
+  int heads_kv;
+  int seqlen_k;
 
   int batch;
   int seqlen_q;
@@ -105,7 +117,7 @@ struct BwdParams {
   TensorStrides dk_stride, dv_stride;
   // GQA/MQA only (heads != heads_kv), else nullptr: fp32 (batch, heads_kv,
   // seqlen_k, headdim) accumulators and int32 (batch, heads_kv, n_kv)
-  // semaphores, all zeroed by the caller; run_bwd casts into dk/dv at the end.
+  // semaphores, all zeroed by the caller; the postprocess casts into dk/dv.
   float* dk_accum;
   float* dv_accum;
   int* dkv_semaphore;

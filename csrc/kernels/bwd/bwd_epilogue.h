@@ -8,7 +8,7 @@
 //
 // GQA/MQA: the q heads of a group all add into the same dK/dV rows, so the
 // task adds its fp32 registers into fp32 accumulators (batch, heads_kv,
-// seqlen_k, d) with red.add; dkv_convert_kernel casts them afterwards. In
+// seqlen_k, d) with red.add; the postprocess casts them afterwards. In
 // deterministic mode the q heads of a group take turns in the schedule's fixed
 // order (task column rank_dkv), through one semaphore per (batch, head_kv, KV
 // tile); the ordering argument is the one of bwd_semaphore.h, with every add
@@ -107,33 +107,5 @@ struct BwdEpilogue {
     }
   }
 };
-
-// GQA: dK, dV (batch, seqlen_k, heads_kv, d) in the input type from the fp32
-// accumulators (batch, heads_kv, seqlen_k, d), which already hold the scale.
-template <class Element>
-__global__ void dkv_convert_kernel(float const* dk_accum, float const* dv_accum, Element* dk, Element* dv,
-                                   int64_t dk_batch_stride, int64_t dk_row_stride, int64_t dk_head_stride,
-                                   int64_t dv_batch_stride, int64_t dv_row_stride, int64_t dv_head_stride,
-                                   int batch, int heads_kv, int seqlen_k, int headdim) {
-  int64_t const total = int64_t(batch) * heads_kv * seqlen_k * headdim / 2;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    int64_t const e = 2 * i;  // (b, h, n, d) with d fastest; pairs of columns
-    int const d = int(e % headdim);
-    int64_t rest = e / headdim;
-    int const n = int(rest % seqlen_k);
-    rest /= seqlen_k;
-    int const h = int(rest % heads_kv);
-    int const b = int(rest / heads_kv);
-    float2 const k2 = *reinterpret_cast<float2 const*>(dk_accum + e);
-    float2 const v2 = *reinterpret_cast<float2 const*>(dv_accum + e);
-    Element* dk_p = dk + b * dk_batch_stride + n * dk_row_stride + h * dk_head_stride + d;
-    Element* dv_p = dv + b * dv_batch_stride + n * dv_row_stride + h * dv_head_stride + d;
-    dk_p[0] = Element(k2.x);
-    dk_p[1] = Element(k2.y);
-    dv_p[0] = Element(v2.x);
-    dv_p[1] = Element(v2.y);
-  }
-}
 
 }  // namespace dash_fa3::bwd

@@ -11,7 +11,9 @@
 //     and uses static dispatch; its CTA count is the grid size. The schedule
 //     must have been validated (every needed pair once, ranks a permutation,
 //     no wait cycle for this grid) by dash_fa3.schedule before launch;
-//   - GQA (heads != heads_kv): dk_accum, dv_accum, dkv_semaphore given and zeroed.
+//   - GQA (heads != heads_kv): dk_accum, dv_accum, dkv_semaphore given and
+//     zeroed; the kernel leaves dK/dV in the fp32 accumulators and the
+//     postprocess (run_bwd_postprocess) casts them into dk/dv.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -132,7 +134,6 @@ template <int kHeadDim, DType kDType, bool kCausal>
 void run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kCausal>;
   using bwd::require;
-  using Elem = Element<kDType>;
   require(params.headdim == kHeadDim, "headdim does not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
   require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
@@ -169,21 +170,10 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
 
   auto kernel = bwd::bwd_kernel<Traits>;
   constexpr int kSmemBytes = Traits::kSharedStorageBytes;
-  set_max_dynamic_smem_once<bwd::bwd_kernel<Traits>>(kSmemBytes,
-                                             "cudaFuncSetAttribute(bwd_kernel, max dynamic shared memory)");
+  set_max_dynamic_smem_once<bwd::bwd_kernel<Traits>>(
+      kSmemBytes, "cudaFuncSetAttribute(bwd_kernel, max dynamic shared memory)");
   kernel<<<grid, Traits::kNumThreads, kSmemBytes, stream>>>(p);
   check_cuda(cudaGetLastError(), "bwd_kernel launch");
-
-  if (gqa) {
-    int64_t const pairs = int64_t(params.batch) * params.heads_kv * params.seqlen_k * kHeadDim / 2;
-    int const threads = 256;
-    int64_t const blocks = std::min<int64_t>((pairs + threads - 1) / threads, int64_t(num_sms) * 8);
-    bwd::dkv_convert_kernel<Elem><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        params.dk_accum, params.dv_accum, static_cast<Elem*>(params.dk), static_cast<Elem*>(params.dv),
-        params.dk_stride.batch, params.dk_stride.row, params.dk_stride.head, params.dv_stride.batch,
-        params.dv_stride.row, params.dv_stride.head, params.batch, params.heads_kv, params.seqlen_k, kHeadDim);
-    check_cuda(cudaGetLastError(), "dkv_convert_kernel launch");
-  }
 }
 
 }  // namespace dash_fa3

@@ -1,5 +1,6 @@
 // Backward postprocess: dQ[b,s,h,:] = softmax_scale * dQaccum[b,h,s,:], cast to
-// the input dtype and written in FA3's (batch, seqlen, heads, headdim) layout.
+// the input dtype and written in FA3's (batch, seqlen, heads, headdim) layout;
+// with GQA, in the same launch, dK/dV cast from their fp32 accumulators.
 #include <cuda_runtime.h>
 
 #include "common/cuda_check.h"
@@ -13,28 +14,47 @@ constexpr int kThreads = 256;
 constexpr int kVec = 8;  // 8 outputs per thread: two float4 loads, one 16-byte store
 
 template <class Elem>
+__device__ void store_vec(void* dst, const float* src, float scale) {
+  const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
+  const float vals[kVec] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  uint4 packed;
+  Elem* out = reinterpret_cast<Elem*>(&packed);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) out[j] = static_cast<Elem>(vals[j] * scale);
+  *reinterpret_cast<uint4*>(dst) = packed;
+}
+
+// One grid-stride loop over the dQ chunks and then, with GQA, the dK/dV
+// chunks (both accumulators of a chunk in one step).
+template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p) {
   const int chunks_per_row = p.headdim / kVec;
-  const int64_t total = int64_t(p.batch) * p.heads * p.seqlen_q * chunks_per_row;
+  const int64_t total_q = int64_t(p.batch) * p.heads * p.seqlen_q * chunks_per_row;
+  const int64_t total_kv = p.dk_accum != nullptr ? int64_t(p.batch) * p.heads_kv * p.seqlen_k * chunks_per_row : 0;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += stride) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total_q + total_kv; i += stride) {
     // (b, h, s, chunk) with chunk fastest: consecutive threads read consecutive accumulator bytes.
-    const int c = static_cast<int>(i % chunks_per_row);
-    int64_t rest = i / chunks_per_row;
-    const int s = static_cast<int>(rest % p.seqlen_q);
-    rest /= p.seqlen_q;
-    const int h = static_cast<int>(rest % p.heads);
-    const int b = static_cast<int>(rest / p.heads);
-    const float4* src = reinterpret_cast<const float4*>(
-        p.dq_accum + ((int64_t(b) * p.heads + h) * p.seqlen_q_rounded + s) * p.headdim + c * kVec);
-    const float4 lo = src[0], hi = src[1];
-    const float vals[kVec] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    uint4 packed;
-    Elem* out = reinterpret_cast<Elem*>(&packed);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = static_cast<Elem>(vals[j] * p.softmax_scale);
-    Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + s * p.dq_stride.row + h * p.dq_stride.head;
-    reinterpret_cast<uint4*>(dst)[c] = packed;
+    const bool is_q = i < total_q;
+    const int64_t e = is_q ? i : i - total_q;
+    const int seqlen = is_q ? p.seqlen_q : p.seqlen_k;
+    const int heads = is_q ? p.heads : p.heads_kv;
+    const int c = static_cast<int>(e % chunks_per_row);
+    int64_t rest = e / chunks_per_row;
+    const int s = static_cast<int>(rest % seqlen);
+    rest /= seqlen;
+    const int h = static_cast<int>(rest % heads);
+    const int b = static_cast<int>(rest / heads);
+    if (is_q) {
+      const float* src = p.dq_accum + ((int64_t(b) * p.heads + h) * p.seqlen_q_rounded + s) * p.headdim + c * kVec;
+      Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + s * p.dq_stride.row + h * p.dq_stride.head;
+      store_vec<Elem>(dst + c * kVec, src, p.softmax_scale);
+    } else {
+      const int64_t src = e * kVec;  // the accumulators are contiguous (b, h_kv, s, d)
+      Elem* dk = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head;
+      Elem* dv = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head;
+      store_vec<Elem>(dk + c * kVec, p.dk_accum + src, 1.f);
+      store_vec<Elem>(dv + c * kVec, p.dv_accum + src, 1.f);
+    }
   }
 }
 
@@ -42,7 +62,9 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
 
 void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaStream_t stream) {
   if (params.headdim % kVec != 0) throw std::invalid_argument("dash_fa3: postprocess needs headdim % 8 == 0");
-  const int64_t total = int64_t(params.batch) * params.heads * params.seqlen_q * (params.headdim / kVec);
+  const int64_t total_kv =
+      params.dk_accum != nullptr ? int64_t(params.batch) * params.heads_kv * params.seqlen_k : 0;
+  const int64_t total = (int64_t(params.batch) * params.heads * params.seqlen_q + total_kv) * (params.headdim / kVec);
   if (total == 0) return;
   int device = 0, sms = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");

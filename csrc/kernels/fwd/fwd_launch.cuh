@@ -130,8 +130,8 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
 
   auto kernel = fwd::fwd_kernel<Traits>;
   constexpr int kSmemBytes = Traits::kSharedStorageBytes;
-  set_max_dynamic_smem_once<fwd::fwd_kernel<Traits>>(kSmemBytes,
-                                             "cudaFuncSetAttribute(fwd_kernel, max dynamic shared memory)");
+  set_max_dynamic_smem_once<fwd::fwd_kernel<Traits>>(
+      kSmemBytes, "cudaFuncSetAttribute(fwd_kernel, max dynamic shared memory)");
   kernel<<<grid, Traits::kNumThreads, kSmemBytes, stream>>>(p);
   check_cuda(cudaGetLastError(), "fwd_kernel launch");
 }
