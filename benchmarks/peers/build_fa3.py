@@ -291,6 +291,8 @@ def build(p: dict) -> float:
     hopper = prepare(p)
     log_path = Path(p["build_dir"]) / "build.log"
     env = dict(os.environ, **p["env"])
+    print("(FA3's setup.py runs `git submodule update`; the 'not a git repository' it prints is expected: "
+          "GIT_CEILING_DIRECTORIES keeps git out of this repository)", flush=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(p["command"], cwd=hopper, env=env, stdout=subprocess.PIPE,

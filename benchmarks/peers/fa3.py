@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import build_fa3  # noqa: E402
+try:
+    from . import build_fa3
+except ImportError:  # loaded as a top-level module, with benchmarks/peers on sys.path
+    import build_fa3
 
 DEFAULT_BUILD_DIR = build_fa3.DEFAULT_BUILD_DIR
 
