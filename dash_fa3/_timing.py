@@ -21,7 +21,7 @@ _HIDE_HOST_CYCLES = 4_000_000
 
 
 def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda", inner: int = 1,
-              hide_host: bool = False) -> float:
+              hide_host: bool = False, samples: list | None = None) -> float:
     """Median wall time of fn() in ms: CUDA events on the GPU, perf_counter on the CPU.
 
     inner > 1 (GPU): each timed sample is `inner` back-to-back calls between one
@@ -30,7 +30,8 @@ def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda", inner:
     host time of the call, since nothing is queued before it.
     hide_host (GPU): queue a device-side wait before each sample's start event,
     so the sample measures the GPU time of the call's kernels (and the gaps
-    between them) but not the host time spent before the first launch."""
+    between them) but not the host time spent before the first launch.
+    samples: a list that receives every timed sample (ms), for raw-data dumps."""
     for _ in range(warmup):
         fn()
     times = []
@@ -51,6 +52,8 @@ def median_ms(fn, warmup: int = 3, iters: int = 10, device: str = "cuda", inner:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    if samples is not None:
+        samples.extend(times)
     return statistics.median(times)
 
 

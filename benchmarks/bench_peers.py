@@ -1,0 +1,550 @@
+"""dash_fa3 side by side with upstream FlashAttention-3 and cuDNN SDPA on the
+paper's grid (benchmarks/bench_grid.json), interleaved in rounds in one process.
+
+    python benchmarks/bench_peers.py [--direction fwd|bwd|both] [--hdims 64 128] [--seqlens 512 1024 ...]
+                                     [--masks full causal] [--rounds 3] [--json out.json] [--png ratios.png]
+
+Per grid point (bf16 random normal inputs, seeded per point):
+  1. a check, before any timing, that our forward output and backward gradients
+     agree with FA3's (and cuDNN's) within bf16 tolerance, so the harness is
+     known to time the same computation (a failure is a warning column);
+  2. `--rounds` rounds; each times every implementation once, the order rotated
+     by one per round, each timing the median of `--iters` CUDA-event samples
+     with a queued device wait hiding the host time (dash_fa3._timing.median_ms,
+     hide_host=True): GPU time per call.
+Implementations: ours forward, non-deterministic backward, deterministic backward
+with every schedule and with `auto`; FA3's forward and backward (non-deterministic
+and deterministic), the ops FA3's autograd calls (benchmarks/peers/fa3.py); cuDNN
+SDPA forward (no grad) and backward (torch.autograd.grad on a retained graph).
+Each backward timing is what that library's backward costs: for ours the whole
+dash_fa3::bwd op, for FA3 its bwd op with pre- and postprocess.
+
+Reported: TFLOP/s (fwd = 4*b*h*s^2*d, halved when causal; bwd = 2.5x fwd), the
+median over rounds, and the ratios
+  nd/FA3 nd          ours non-deterministic bwd / FA3 non-deterministic bwd
+  best det/FA3 det   our best deterministic schedule / FA3 deterministic bwd
+  auto/max nd        ours deterministic `auto` / max(ours nd, FA3 nd, cuDNN bwd)
+  fwd/max fwd        ours fwd / max(FA3 fwd, cuDNN fwd)
+with min/median/max rows. A missing peer (FA3 not built: benchmarks/peers/build_fa3.py)
+is `n/a` with its reason, unless --require-fa3. DASH_FA3_COMMIT overrides the
+commit read from git.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH_DIR)
+sys.path.insert(0, REPO)
+sys.path.insert(0, BENCH_DIR)
+
+import torch  # noqa: E402
+
+from dash_fa3._timing import attention_flops, median_ms  # noqa: E402
+from peers import fa3 as fa3_peer  # noqa: E402
+
+GRID = os.path.join(BENCH_DIR, "bench_grid.json")
+SCHEDULES = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
+PEERS = ("fa3", "cudnn")
+MASKS = ("full", "causal")
+
+FWD_IMPLS = ("FA3 fwd", "cuDNN fwd", "ours fwd")
+RATIOS = ("nd/FA3 nd", "best det/FA3 det", "auto/max nd", "fwd/max fwd")
+BWD_RATIOS = RATIOS[:3]
+FWD_RATIOS = RATIOS[3:]
+
+
+def det_name(schedule: str) -> str:
+    return f"ours det {schedule}"
+
+
+def bwd_impls(schedules) -> tuple[str, ...]:
+    return ("FA3 nd", "FA3 det", "cuDNN bwd", "ours nd", *(det_name(s) for s in schedules), "ours auto")
+
+
+def impl_names(direction: str, schedules) -> tuple[str, ...]:
+    """Every implementation timed for a direction, in the first round's order."""
+    return (FWD_IMPLS if direction != "bwd" else ()) + (bwd_impls(schedules) if direction != "fwd" else ())
+
+
+def impl_direction(name: str) -> str:
+    return "fwd" if name in FWD_IMPLS else "bwd"
+
+
+def impl_peer(name: str) -> str:
+    return "fa3" if name.startswith("FA3") else "cudnn" if name.startswith("cuDNN") else "ours"
+
+
+def rotated(names, round_index: int) -> list:
+    """Round r starts one implementation later than round r-1, so none always
+    runs right after the same other one or always first."""
+    names = list(names)
+    if not names:
+        return names
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def _flat(values, convert, what):
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            if part.strip():
+                try:
+                    out.append(convert(part.strip()))
+                except ValueError:
+                    raise argparse.ArgumentTypeError(f"{what}: {part!r}") from None
+    return out
+
+
+def parse_args(argv=None, grid=None):
+    grid = grid or json.load(open(GRID))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
+    ap.add_argument("--hdims", nargs="+", default=grid["headdims"], help="head dims (space or comma list)")
+    ap.add_argument("--seqlens", nargs="+", default=grid["seqlens"], help="sequence lengths (space or comma list)")
+    ap.add_argument("--masks", nargs="+", default=grid["masks"], help="full, causal")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES),
+                    help="our deterministic schedules to time (auto is always timed too)")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of fa3, cudnn, or ''")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (median over rounds)")
+    ap.add_argument("--iters", type=int, default=10, help="CUDA-event samples per timing (median)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls before each timing")
+    ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR), help="FA3 build folder (build_fa3.py)")
+    ap.add_argument("--require-fa3", action="store_true", help="fail instead of reporting FA3 as n/a")
+    ap.add_argument("--fa3-prealloc", action="store_true",
+                    help="time FA3's backward into preallocated dq/dk/dv (default: fresh ones, as its autograd)")
+    ap.add_argument("--check-tol", type=float, default=0.02,
+                    help="relative (Frobenius) difference above which a peer disagrees with us")
+    ap.add_argument("--no-check", action="store_true", help="skip the per-point agreement check")
+    ap.add_argument("--seed", type=int, default=0, help="base seed; each point adds its own offset")
+    ap.add_argument("--json", help="write every raw sample and the table's figures here")
+    ap.add_argument("--png", help="draw the ratios per grid point here (matplotlib)")
+    args = ap.parse_args(argv)
+
+    try:
+        args.hdims = _flat(args.hdims, int, "--hdims")
+        args.seqlens = _flat(args.seqlens, int, "--seqlens")
+        args.masks = _flat(args.masks, str, "--masks")
+    except argparse.ArgumentTypeError as exc:
+        ap.error(str(exc))
+    args.schedules = _flat([args.schedules], str, "--schedules")
+    args.peers = _flat([args.peers], str, "--peers")
+    for d in args.hdims:
+        if d <= 0 or grid["hidden"] % d:
+            ap.error(f"--hdims: {d} does not divide the grid's hidden size {grid['hidden']}")
+    for s in args.seqlens:
+        if s <= 0 or grid["total_tokens"] % s:
+            ap.error(f"--seqlens: {s} does not divide the grid's {grid['total_tokens']} tokens")
+    for name, values, allowed in (("--masks", args.masks, MASKS), ("--schedules", args.schedules, SCHEDULES),
+                                  ("--peers", args.peers, PEERS)):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            ap.error(f"{name}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    if not (args.hdims and args.seqlens and args.masks):
+        ap.error("--hdims, --seqlens and --masks each need at least one value")
+    if args.rounds < 1 or args.iters < 1 or args.warmup < 0:
+        ap.error("--rounds and --iters must be >= 1, --warmup >= 0")
+    return args
+
+
+def grid_points(grid, hdims, seqlens, masks) -> list[dict]:
+    """The grid's shapes for the chosen head dims, lengths and masks (hdim-major,
+    then mask, then length): batch = tokens / seqlen, heads = hidden / hdim."""
+    return [{"hdim": d, "mask": m, "seqlen": s, "batch": grid["total_tokens"] // s, "heads": grid["hidden"] // d}
+            for d in hdims for m in masks for s in seqlens]
+
+
+def point_flops(p: dict, direction: str) -> float:
+    return attention_flops(p["batch"], p["heads"], p["seqlen"], p["seqlen"], p["hdim"], p["mask"] == "causal",
+                           direction)
+
+
+# ---------------------------------------------------------------- figures
+
+
+def tflops_from_rounds(round_ms: dict, flops: dict) -> dict:
+    """name -> TFLOP/s: the median over rounds of flops / (that round's median ms);
+    None where an implementation has no timing."""
+    out = {}
+    for name, times in round_ms.items():
+        vals = [flops[impl_direction(name)] / ms / 1e9 for ms in times if ms and ms > 0]
+        out[name] = statistics.median(vals) if vals else None
+    return out
+
+
+def _ratio(num, den):
+    return num / den if num is not None and den else None
+
+
+def _max_present(values):
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def best_det(tf: dict, schedules) -> tuple[float | None, str | None]:
+    best = [(tf.get(det_name(s)), s) for s in schedules if tf.get(det_name(s)) is not None]
+    if not best:
+        return None, None
+    return max(best)
+
+
+def point_ratios(tf: dict, schedules) -> dict:
+    """The four ratios for one point (None where a side is missing). The maxima
+    run over the implementations present, so without FA3 "auto/max nd" compares
+    against ours and cuDNN only."""
+    best, _ = best_det(tf, schedules)
+    return {
+        "nd/FA3 nd": _ratio(tf.get("ours nd"), tf.get("FA3 nd")),
+        "best det/FA3 det": _ratio(best, tf.get("FA3 det")),
+        "auto/max nd": _ratio(tf.get("ours auto"), _max_present([tf.get("ours nd"), tf.get("FA3 nd"),
+                                                                  tf.get("cuDNN bwd")])),
+        "fwd/max fwd": _ratio(tf.get("ours fwd"), _max_present([tf.get("FA3 fwd"), tf.get("cuDNN fwd")])),
+    }
+
+
+def summarize(ratio_rows: list[dict]) -> dict:
+    """{"min"|"median"|"max": {ratio: value or None}} over the points that have it."""
+    out = {"min": {}, "median": {}, "max": {}}
+    for key in RATIOS:
+        vals = [r[key] for r in ratio_rows if r.get(key) is not None and not math.isnan(r[key])]
+        for stat, fn in (("min", min), ("median", statistics.median), ("max", max)):
+            out[stat][key] = fn(vals) if vals else None
+    return out
+
+
+def columns(direction: str, schedules) -> list[str]:
+    cols = list(FWD_IMPLS) if direction != "bwd" else []
+    if direction != "fwd":
+        cols += ["FA3 nd", "FA3 det", "cuDNN bwd", "ours nd", *(det_name(s) for s in schedules), "ours auto",
+                 "best det"]
+    cols += [r for r in RATIOS if (r in BWD_RATIOS and direction != "fwd") or (r in FWD_RATIOS and direction != "bwd")]
+    return cols + ["check"]
+
+
+def _header_name(col: str) -> str:
+    return col.replace("ours det ", "det ")
+
+
+def table_header(cols) -> str:
+    return ("| hdim | mask | seqlen | " + " | ".join(_header_name(c) for c in cols) + " |\n"
+            + "|---|---|---|" + "---|" * len(cols))
+
+
+def format_row(p: dict, tf: dict, ratios: dict, check: str, cols, schedules) -> str:
+    cells = []
+    for c in cols:
+        if c == "check":
+            cells.append(check)
+        elif c == "best det":
+            best, sched = best_det(tf, schedules)
+            cells.append(f"{best:.0f} ({sched})" if best is not None else "n/a")
+        elif c in RATIOS:
+            cells.append(f"{ratios[c]:.2f}" if ratios.get(c) is not None else "n/a")
+        else:
+            cells.append(f"{tf[c]:.0f}" if tf.get(c) is not None else "n/a")
+    return f"| {p['hdim']} | {p['mask']} | {p['seqlen']} | " + " | ".join(cells) + " |"
+
+
+def format_summary(summary: dict, cols) -> list[str]:
+    lines = []
+    for stat in ("min", "median", "max"):
+        cells = [f"{summary[stat][c]:.2f}" if summary[stat].get(c) is not None else ("n/a" if c in RATIOS else "")
+                 for c in cols]
+        lines.append(f"| {stat} | | | " + " | ".join(cells) + " |")
+    return lines
+
+
+def point_label(p: dict) -> str:
+    s = p["seqlen"]
+    return f"d{p['hdim']} {p['mask']} {s // 1024}k" if s >= 1024 and s % 1024 == 0 else f"d{p['hdim']} {p['mask']} {s}"
+
+
+def draw_png(path: str, points: list[dict], ratio_rows: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.45 * len(points) + 3), 5))
+    xs = list(range(len(points)))
+    for key, marker in zip(RATIOS, "osD^"):
+        ys = [r.get(key) if r.get(key) is not None else float("nan") for r in ratio_rows]
+        if any(not math.isnan(y) for y in ys):
+            ax.plot(xs, ys, marker=marker, linewidth=1, label=key)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([point_label(p) for p in points], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("ratio (TFLOP/s / TFLOP/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- GPU side
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+
+
+def point_seed(base: int, p: dict) -> int:
+    return base + 1000 * p["hdim"] + 2 * p["seqlen"] + (p["mask"] == "causal")
+
+
+def make_inputs(p: dict, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (p["batch"], p["seqlen"], p["heads"], p["hdim"])
+    return tuple(torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+
+
+def _cudnn_fwd(q, k, v, causal, grad):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(grad) for t in (q, k, v))
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    return run, (qt, kt, vt)
+
+
+def _cudnn_bwd(q, k, v, dout, causal):
+    """(callable, grads): one forward with grad, then autograd.grad over the
+    retained graph, so each call runs only cuDNN's backward."""
+    fwd, leaves = _cudnn_fwd(q, k, v, causal, True)
+    out = fwd()
+    dout_t = dout.transpose(1, 2)
+    return lambda: torch.autograd.grad(out, leaves, dout_t, retain_graph=True)
+
+
+def make_impls(names, q, k, v, dout, causal, fa3, prealloc) -> tuple[dict, dict]:
+    """(name -> no-argument callable, name -> error) for the implementations asked for."""
+    from dash_fa3 import ops
+
+    scale = q.shape[-1] ** -0.5
+    fns, errors = {}, {}
+    ours_fwd_out = {}
+
+    def ours_out():
+        if "v" not in ours_fwd_out:
+            ours_fwd_out["v"] = ops.fwd(q, k, v, scale, causal, 0)
+        return ours_fwd_out["v"]
+
+    def ours_bwd(deterministic, schedule):
+        out, lse = ours_out()
+        return lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, deterministic, schedule, 0)
+
+    makers = {
+        "ours fwd": lambda: (lambda: ops.fwd(q, k, v, scale, causal, 0)),
+        "ours nd": lambda: ours_bwd(False, "auto"),
+        "ours auto": lambda: ours_bwd(True, "auto"),
+        "FA3 fwd": lambda: fa3_peer.forward_fn(fa3, q, k, v, causal),
+        "FA3 nd": lambda: fa3_peer.backward_fn(fa3, q, k, v, dout, causal, False, prealloc),
+        "FA3 det": lambda: fa3_peer.backward_fn(fa3, q, k, v, dout, causal, True, prealloc),
+        "cuDNN fwd": lambda: _cudnn_fwd(q, k, v, causal, False)[0],
+        "cuDNN bwd": lambda: _cudnn_bwd(q, k, v, dout, causal),
+    }
+    for s in SCHEDULES:
+        makers[det_name(s)] = lambda s=s: ours_bwd(True, s)
+    for name in names:
+        try:
+            fns[name] = makers[name]()
+        except Exception as exc:  # a peer may reject a shape; report it, keep timing the rest
+            errors[name] = _first_line(exc)
+    return fns, errors
+
+
+def rel_diff(x, ref) -> float:
+    x, ref = x.float(), ref.float()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_point(q, k, v, dout, causal, fa3, use_cudnn, direction) -> tuple[dict, dict]:
+    """(peer -> {tensor: relative difference from ours}, peer -> error) on the same
+    inputs; each library runs its own forward and, unless direction is fwd, its
+    own backward."""
+    from dash_fa3 import ops
+
+    scale = q.shape[-1] ** -0.5
+    out, lse = ops.fwd(q, k, v, scale, causal, 0)
+    ours = {"out": out}
+    if direction != "fwd":
+        ours.update(zip(("dq", "dk", "dv"), ops.bwd(dout, q, k, v, out, lse, scale, causal, False, "auto", 0)))
+
+    def fa3_outputs():
+        f_out, f_lse = fa3_peer.forward(fa3, q, k, v, causal)
+        theirs = {"out": f_out}
+        if direction != "fwd":
+            theirs.update(zip(("dq", "dk", "dv"), fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, causal, False)))
+        return theirs
+
+    def cudnn_outputs():
+        fwd, leaves = _cudnn_fwd(q, k, v, causal, direction != "fwd")
+        c_out = fwd()
+        theirs = {"out": c_out.transpose(1, 2)}
+        if direction != "fwd":
+            grads = torch.autograd.grad(c_out, leaves, dout.transpose(1, 2))
+            theirs.update(zip(("dq", "dk", "dv"), (g.transpose(1, 2) for g in grads)))
+        return theirs
+
+    diffs, errors = {}, {}
+    for peer, run in (("FA3", fa3_outputs if fa3 is not None else None),
+                      ("cuDNN", cudnn_outputs if use_cudnn else None)):
+        if run is None:
+            continue
+        try:
+            theirs = run()
+            diffs[peer] = {t: rel_diff(ours[t], theirs[t]) for t in ours}
+        except Exception as exc:  # the timing loop reports the same failure as n/a
+            errors[peer] = _first_line(exc)
+    return diffs, errors
+
+
+def check_text(diffs: dict, tol: float, errors: dict | None = None) -> str:
+    """"ok", or the tensors whose difference exceeds tol (NaN counts as a failure)
+    and the peers whose check could not run."""
+    bad = [f"{peer} {t} {d:.1e}" for peer, per in diffs.items() for t, d in per.items() if not d <= tol]
+    bad += [f"{peer} not checked" for peer in (errors or {})]
+    return "ok" if not bad else "WARN " + ", ".join(bad)
+
+
+def time_point(fns: dict, errors: dict, rounds: int, warmup: int, iters: int) -> tuple[dict, dict]:
+    """(name -> per-round median ms, name -> per-round raw samples), interleaved in rounds."""
+    round_ms = {n: [] for n in fns}
+    samples = {n: [] for n in fns}
+    for r in range(rounds):
+        for name in rotated(fns, r):
+            if name in errors:
+                continue
+            raw = []
+            try:
+                round_ms[name].append(median_ms(fns[name], warmup=warmup, iters=iters, hide_host=True, samples=raw))
+                samples[name].append(raw)
+            except Exception as exc:
+                errors[name] = _first_line(exc)
+    return {n: t for n, t in round_ms.items() if t}, {n: s for n, s in samples.items() if s}
+
+
+def git_commit() -> str:
+    # DASH_FA3_COMMIT names the commit where git cannot (a copied tree whose .git is stale or absent).
+    env = os.environ.get("DASH_FA3_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO).stdout.strip() or "unknown"
+    except FileNotFoundError:
+        return "unknown"
+
+
+def load_peer(args):
+    """(FA3 or None, reason it is missing or None)."""
+    if "fa3" not in args.peers:
+        return None, "not requested (--peers)"
+    try:
+        return fa3_peer.load_fa3(args.fa3_build), None
+    except fa3_peer.FA3NotBuilt as exc:
+        return None, str(exc)
+
+
+def main(argv=None) -> int:
+    grid = json.load(open(GRID))
+    args = parse_args(argv, grid)
+    if not torch.cuda.is_available():
+        print("error: bench_peers needs a CUDA GPU (Hopper)", file=sys.stderr)
+        return 2
+    fa3, fa3_missing = load_peer(args)
+    if fa3 is None and args.require_fa3:
+        print(f"error: FA3 is required (--require-fa3): {fa3_missing}", file=sys.stderr)
+        return 2
+
+    device, date, commit = torch.cuda.get_device_name(), datetime.date.today().isoformat(), git_commit()
+    fa3_commit = fa3.commit if fa3 is not None else None
+    names = [n for n in impl_names(args.direction, args.schedules)
+             if impl_peer(n) == "ours" or (impl_peer(n) == "fa3" and fa3 is not None)
+             or (impl_peer(n) == "cudnn" and "cudnn" in args.peers)]
+    cols = columns(args.direction, args.schedules)
+    fa3_desc = (f"FA3 {fa3_commit[:12]}" + ("" if fa3_commit == fa3_peer.build_fa3.PINNED_COMMIT else " (not the pinned commit)")
+                + f" (hdims {','.join(map(str, fa3.info.get('hdims', [])))})") if fa3 is not None else "FA3 n/a"
+    title = (f"{device}, {date}, dash_fa3 {commit}, {fa3_desc}, cuDNN {torch.backends.cudnn.version()}, "
+             f"torch {torch.__version__}")
+    print(f"# Peer grid ({args.direction}), TFLOP/s: {title}")
+    print(f"# bf16; {args.rounds} rounds per point, implementations in rotated order, each a median of "
+          f"{args.iters} CUDA-event samples after {args.warmup} warm-ups with a queued device wait hiding host "
+          f"time; figures are medians over rounds")
+    print("# nd = non-deterministic; det X = ours deterministic with schedule X; auto = ours deterministic, "
+          "schedule auto; max nd = max(ours nd, FA3 nd, cuDNN bwd) and max fwd = max(FA3 fwd, cuDNN fwd) over "
+          f"the peers present; check = agreement with ours (relative difference <= {args.check_tol})")
+    if fa3 is None:
+        print(f"# FA3: n/a ({fa3_missing})")
+    print(table_header(cols), flush=True)
+
+    points = grid_points(grid, args.hdims, args.seqlens, args.masks)
+    ratio_rows, records, reported = [], [], set()
+    for p in points:
+        causal = p["mask"] == "causal"
+        flops = {d: point_flops(p, d) for d in ("fwd", "bwd")}
+        q, k, v, dout = make_inputs(p, point_seed(args.seed, p))
+        record = dict(p, seed=point_seed(args.seed, p), flops=flops)
+        check = "skipped"
+        if not args.no_check:
+            try:
+                diffs, check_errors = check_point(q, k, v, dout, causal, fa3, "cudnn" in args.peers, args.direction)
+                check = check_text(diffs, args.check_tol, check_errors)
+                record.update(check=diffs, check_errors=check_errors)
+            except Exception as exc:  # our own side failed
+                check = f"WARN check failed: {_first_line(exc)}"
+        fns, errors = make_impls(names, q, k, v, dout, causal, fa3, args.fa3_prealloc)
+        round_ms, samples = time_point(fns, errors, args.rounds, args.warmup, args.iters)
+        tf = tflops_from_rounds(round_ms, flops)
+        for name in errors:
+            tf[name] = None
+        ratios = point_ratios(tf, args.schedules)
+        ratio_rows.append(ratios)
+        record.update(check_text=check, round_ms=round_ms, samples_ms=samples, tflops=tf, ratios=ratios,
+                      errors=errors, best_det_schedule=best_det(tf, args.schedules)[1])
+        records.append(record)
+        print(format_row(p, tf, ratios, check, cols, args.schedules), flush=True)
+        for name, err in errors.items():
+            if (name, err) not in reported:  # each distinct failure once, not once per point
+                reported.add((name, err))
+                print(f"#   {name}: n/a at hdim {p['hdim']} {p['mask']} {p['seqlen']} and wherever it recurs: {err}",
+                      flush=True)
+        del q, k, v, dout, fns
+        torch.cuda.empty_cache()
+
+    summary = summarize(ratio_rows)
+    for line in format_summary(summary, cols):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "date": date, "commit": commit, "fa3_commit": fa3_commit,
+                       "fa3_missing": fa3_missing, "fa3_build": fa3.info if fa3 is not None else None,
+                       "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+                       "args": {k: v for k, v in vars(args).items()}, "points": records, "summary": summary},
+                      f, indent=1)
+    if args.png:
+        draw_png(args.png, points, ratio_rows, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
