@@ -25,10 +25,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from .geometry import Geometry, _cdiv
 from . import metadata as M
+from .contract import SCHEDULES
+from .geometry import Geometry, _cdiv
 
-SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
 SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES + ("auto",)
 DYNAMIC_SCHEDULES = ("fa3", "spt", "descending", "lpt")
 STATIC_SCHEDULES = ("shift", "symmetric_shift")
