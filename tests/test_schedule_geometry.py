@@ -83,16 +83,18 @@ def test_tile_geometry_matches_element_mask():
         kv_b, kv_e = t.kv_range(qs)
         q_b, q_e = t.q_range(kvs)
         unmasked = t.kv_unmasked_end(qs)
+        q_unmasked = t.q_unmasked_begin(kvs)
         for q in range(t.n_q):
             for kv in range(t.n_kv):
                 blk = allowed[q * bm:(q + 1) * bm, kv * bn:(kv + 1) * bn]
                 full_tile = blk.shape == (min(bm, sq - q * bm), bn) and (kv + 1) * bn <= sk and blk.all()
                 assert (kv_b[q] <= kv < kv_e[q]) == (q_b[kv] <= q < q_e[kv]) == blk.any()
-                assert t.needs_mask(q, kv) == (not full_tile) == (kv >= unmasked[q])
+                assert t.needs_mask(q, kv) == (not full_tile) == (kv >= unmasked[q]) == (q < q_unmasked[kv])
             assert t.kv_range(q) == (int(kv_b[q]), int(kv_e[q]))
             assert t.kv_unmasked_end(q) == int(unmasked[q])
         for kv in range(t.n_kv):
             assert t.q_range(kv) == (int(q_b[kv]), int(q_e[kv]))
+            assert t.q_unmasked_begin(kv) == int(q_unmasked[kv])
         assert np.array_equal(t.needs_mask(qs[:, None], kvs[None, :]),
                               [[t.needs_mask(q, kv) for kv in kvs] for q in qs])
 

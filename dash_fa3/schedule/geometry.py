@@ -105,22 +105,35 @@ class TileGeometry:
         return _int(begin), _int(end)
 
     def needs_mask(self, q, kv):
-        """Whether tile (q, kv) holds a key past seqlen_k or an element the mask hides."""
+        """Whether tile (q, kv) holds a key past seqlen_k or an element the mask hides
+        (the definition the two prefixes below are tested against; not in C++)."""
         q, kv = np.broadcast_arrays(np.asarray(q, dtype=np.int64), np.asarray(kv, dtype=np.int64))
-        key_end = (kv + 1) * self.block_n  # one past the tile's last key
-        out = key_end > self.seqlen_k
+        n0 = kv * self.block_n  # the tile's first key
+        out = n0 + self.block_n > self.seqlen_k
         if self.causal:
-            out = out | (key_end - 1 > q * self.block_m + self.seqlen_k - self.seqlen_q)
+            out = out | (n0 + self.block_n - 1 > q * self.block_m + (self.seqlen_k - self.seqlen_q))
         return bool(out) if out.ndim == 0 else out
 
     def kv_unmasked_end(self, q):
-        """KV tiles [0, end) need no mask for any row of Q tile ``q``."""
+        """KV tiles [0, end) need no mask with Q tile ``q`` (the forward)."""
         q = np.asarray(q, dtype=np.int64)
         whole = self.seqlen_k // self.block_n  # KV tiles without keys past seqlen_k
         if not self.causal:
             return _int(np.full_like(q, whole))
         seen = q * self.block_m + self.seqlen_k - self.seqlen_q + 1  # keys the tile's first row sees
         return _int(np.minimum(whole, np.where(seen <= 0, 0, np.maximum(seen, 0) // self.block_n)))
+
+    def q_unmasked_begin(self, kv):
+        """Q tiles [begin, n_q) need no mask with KV tile ``kv`` (the backward)."""
+        kv = np.asarray(kv, dtype=np.int64)
+        key_end = (kv + 1) * self.block_n  # one past the tile's last key
+        if not self.causal:
+            return _int(np.where(key_end > self.seqlen_k, self.n_q, 0))
+        # the tile's last key must be visible to the Q tile's first row
+        first_row = key_end - 1 - (self.seqlen_k - self.seqlen_q)
+        begin = np.where(first_row <= 0, 0, np.minimum(self.n_q, (np.maximum(first_row, 0) + self.block_m - 1)
+                                                       // self.block_m))
+        return _int(np.where(key_end > self.seqlen_k, self.n_q, begin))
 
 
 @dataclass(frozen=True)
