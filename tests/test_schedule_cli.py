@@ -2,10 +2,14 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from dash_fa3.schedule import SCHEDULES, main
+from dash_fa3.schedule import SCHEDULES, Geometry, main
+from dash_fa3.schedule.export import read_bundle
+from dash_fa3.schedule.lowering import get_kernel_metadata
 
 DOCS_GANTT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "gantt")
 
@@ -63,9 +67,10 @@ def test_bench_grid_command(capsys, tmp_path):
     assert "all valid" in out and out.count("sms=") == 16
 
 
-def test_unknown_schedule():
-    with pytest.raises(SystemExit):
+def test_unknown_schedule(capsys):
+    with pytest.raises(SystemExit) as exc:
         main(["model", "-n", "4", "-m", "1", "--schedule", "bogus"])
+    assert exc.value.code == 2 and "unknown schedule 'bogus'" in capsys.readouterr().err
 
 
 def test_docs_charts_small():
@@ -75,3 +80,75 @@ def test_docs_charts_small():
     assert len(pngs) >= 12
     for p in pngs:
         assert os.path.getsize(os.path.join(DOCS_GANTT, p)) < 150_000, p
+
+
+@pytest.mark.parametrize("argv", [
+    ["model", "-n", "4", "-m", "2", "--reduce", "nan"],
+    ["model", "-n", "4", "-m", "2", "--compute", "-1"],
+    ["model", "-n", "4", "-m", "2", "--latency", "inf"],
+    ["model", "-n", "0", "-m", "2"],
+    ["model", "-n", "4", "-m", "-3"],
+    ["model", "-n", "4", "-m", "2", "--sms", "0"],
+    ["model", "-n", "4", "-m", "2", "--schedule", ","],
+    ["--seqlen", "1024", "--sms", "0", "--no-gantt"],
+    ["--seqlen", "-5", "--no-gantt"],
+    ["--seqlen", "1024", "--headdim", "0", "--no-gantt"],
+    ["--seqlen", "1024", "--headdim", "512", "--no-gantt"],
+    ["--seqlen", "1024", "--heads", "6", "--heads-kv", "4", "--no-gantt"],
+    ["--seqlen", "1024", "--block-m", "-64", "--no-gantt"],
+    ["--seqlen", "abc", "--no-gantt"],
+    ["--seqlen", "1024", "--epilogue", "nan", "--no-gantt"],
+    ["bench-grid", "--sms", "132,0"],
+    ["bench-grid", "--sms", "x"],
+    ["gallery", "--reduce", "-0.5"],
+    ["export", "--out", "unused.i32", "--sms", "0", "--seqlen", "128"],
+    ["export", "--out", "unused.i32"],
+])
+def test_bad_arguments_one_line_error(argv, capsys):
+    """A bad value is refused while parsing: exit status 2, one 'error:' line, nothing run."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("python -m dash_fa3.schedule") and "error:" in err[-1]
+    assert sum("error:" in line for line in err) == 1
+
+
+def test_bad_arguments_from_the_command_line(tmp_path):
+    """The same through `python -m dash_fa3.schedule`: no traceback."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "dash_fa3.schedule", "model", "-n", "4", "-m", "2",
+                           "--reduce", "nan"], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "argument --reduce: invalid finite non-negative number value: 'nan'" in proc.stderr
+
+
+def test_export_bundle(tmp_path, capsys):
+    """export writes the launcher's validated static metadata, one buffer per (shape, schedule)."""
+    shapes = tmp_path / "shapes.txt"
+    shapes.write_text("# b h hkv sq sk d causal\n2 4 2 700 300 64 1\n\n1 2 2 1000 1000 128 0  # full\n")
+    out = tmp_path / "s.i32"
+    assert main(["export", "--out", str(out), "--sms", "16", "--shapes", str(shapes), "--schedule", "fa3,spt"]) == 0
+    metas = read_bundle(out)
+    geoms = [Geometry.from_shape(batch=2, heads=4, heads_kv=2, seqlen_q=700, seqlen_k=300, headdim=64,
+                                 causal=True),
+             Geometry.from_shape(batch=1, heads=2, seqlen_q=1000, headdim=128)]
+    want = [get_kernel_metadata(n, g, 16) for g in geoms for n in ("fa3", "spt")]
+    assert [m.as_int32_array().tolist() for m in metas] == [m.as_int32_array().tolist() for m in want]
+    assert all(not m.dynamic for m in metas)
+    assert main(["export", "--out", str(out), "--seqlen", "256", "--headdim", "64", "--causal",
+                 "--schedule", "shift"]) == 0
+    (one,) = read_bundle(out)
+    assert one.field("schedule") == SCHEDULES.index("shift") and one.field("num_ctas") <= 132
+
+
+def test_export_rejects_bad_shape_lines(tmp_path, capsys):
+    shapes = tmp_path / "shapes.txt"
+    for text in ("1 2 2 100 100 64\n", "1 2 2 100 100 64 2\n", "1 2 x 100 100 64 1\n", "1 3 2 100 100 64 1\n",
+                 "1 2 2 0 100 64 1\n"):
+        shapes.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            main(["export", "--out", str(tmp_path / "s.i32"), "--shapes", str(shapes)])
+        assert exc.value.code == 2
+        assert "error:" in capsys.readouterr().err

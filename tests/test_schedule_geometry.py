@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dash_fa3.schedule import Geometry, bwd_block_sizes
-from dash_fa3.schedule.geometry import kv_end_int
+from dash_fa3.schedule.geometry import TileGeometry
 
 
 def brute_pairs(g: Geometry):
@@ -64,14 +64,39 @@ def test_seqlen_q_longer_than_k_has_empty_q_tiles():
     assert np.all(g.task_len > 0)
 
 
-def test_kv_end_int_matches_vector():
+def element_mask(t: TileGeometry) -> np.ndarray:
+    i = np.arange(t.seqlen_q)[:, None]
+    j = np.arange(t.seqlen_k)[None, :]
+    return (j <= i + t.seqlen_k - t.seqlen_q) if t.causal else np.ones((t.seqlen_q, t.seqlen_k), bool)
+
+
+def test_tile_geometry_matches_element_mask():
+    """Block ranges, mask tests and unmasked prefixes against the element mask,
+    scalar and vectorized, on random shapes (seqlen_q > seqlen_k, ragged tiles)."""
     rng = np.random.default_rng(1)
-    for _ in range(200):
-        sq, sk = rng.integers(1, 700, size=2)
-        bm, bn = rng.choice([16, 32, 64, 128], size=2)
-        g = Geometry(1, 1, 1, int(sq), int(sk), int(bm), int(bn), "causal")
-        for q in range(g.n_q):
-            assert kv_end_int(q, g.seqlen_q, g.seqlen_k, g.block_m, g.block_n, g.n_kv, 1) == g.kv_end[q]
+    for _ in range(150):
+        sq, sk = (int(x) for x in rng.integers(1, 400, size=2))
+        bm, bn = (int(x) for x in rng.choice([16, 32, 64, 128], size=2))
+        t = TileGeometry(sq, sk, bm, bn, bool(rng.integers(2)))
+        allowed = element_mask(t)
+        qs, kvs = np.arange(t.n_q), np.arange(t.n_kv)
+        kv_b, kv_e = t.kv_range(qs)
+        q_b, q_e = t.q_range(kvs)
+        unmasked = t.kv_unmasked_end(qs)
+        q_unmasked = t.q_unmasked_begin(kvs)
+        for q in range(t.n_q):
+            for kv in range(t.n_kv):
+                blk = allowed[q * bm:(q + 1) * bm, kv * bn:(kv + 1) * bn]
+                full_tile = blk.shape == (min(bm, sq - q * bm), bn) and (kv + 1) * bn <= sk and blk.all()
+                assert (kv_b[q] <= kv < kv_e[q]) == (q_b[kv] <= q < q_e[kv]) == blk.any()
+                assert t.needs_mask(q, kv) == (not full_tile) == (kv >= unmasked[q]) == (q < q_unmasked[kv])
+            assert t.kv_range(q) == (int(kv_b[q]), int(kv_e[q]))
+            assert t.kv_unmasked_end(q) == int(unmasked[q])
+        for kv in range(t.n_kv):
+            assert t.q_range(kv) == (int(q_b[kv]), int(q_e[kv]))
+            assert t.q_unmasked_begin(kv) == int(q_unmasked[kv])
+        assert np.array_equal(t.needs_mask(qs[:, None], kvs[None, :]),
+                              [[t.needs_mask(q, kv) for kv in kvs] for q in qs])
 
 
 def test_block_sizes_and_from_shape():

@@ -18,7 +18,8 @@ SHAPES = [
 
 
 def regenerate(meta: ScheduleMeta):
-    """What the device does: per row, per step, decode_step (scalar, C-like)."""
+    """Per row, per step, decode_step (the device's order of work; tests/test_contract_cpp.py
+    compares the C++ decode itself)."""
     h = meta.header.tolist()
     qs, ranks = [], []
     for row in meta.tasks.tolist():
@@ -82,7 +83,7 @@ def test_header_fields():
 
 
 def test_decode_step_is_integer_only():
-    """Every intermediate of decode_step is a Python int (maps 1:1 to C)."""
+    """decode_step returns Python ints."""
     s = build_schedule("symmetric_shift", Geometry(1, 2, 2, 500, 700, 64, 64, "causal"), 3)
     h = s.meta.header.tolist()
     for row in s.meta.tasks.tolist():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dash_fa3.schedule import (SCHEDULES, CostModel, Geometry, build_schedule, critical_path,
                                simulate)
-from dash_fa3.schedule.cli import DEFAULT_GRID, grid_geometries
+from dash_fa3.schedule.export import DEFAULT_GRID, grid_geometries
 
 SMS = (132, 114)   # H100/H200 SXM, H100 PCIe
 

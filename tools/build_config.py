@@ -1,9 +1,11 @@
 """Build configuration shared by setup.py, tools/ptxas_report.py and benchmarks/cpp/build.py.
 
 It turns the variant list (dash_fa3/variants.py) into instantiation files, a
-generated C++ variant table and the list of translation units, and holds the
-compiler flags, so the extension build and the ptxas report compile the same
-code with the same flags.
+generated C++ variant table and the list of translation units, turns the kernel
+contract (dash_fa3/schedule/contract.py: schedule metadata layout, backward tile
+sizes) into the generated C++ header kernel_contract.h, and holds the compiler
+flags, so the extension build and the ptxas report compile the same code with
+the same flags.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def nvcc() -> str:
 
 
 variants = _load("dash_fa3_variants_build", ROOT / "dash_fa3" / "variants.py")
+contract = _load("dash_fa3_contract_build", ROOT / "dash_fa3" / "schedule" / "contract.py")
 cutlass_locator = _load("dash_fa3_cutlass_locator", ROOT / "third_party" / "cutlass_locator.py")
 
 # Sources compiled into every build, whatever the variant selection.
@@ -142,10 +145,23 @@ def write_instantiations() -> None:
         write_if_changed(INSTANTIATIONS / instantiation_name(d, v), instantiation_source(d, v))
 
 
+def write_contract_header(directory: Path) -> Path:
+    """Write kernel_contract.h (the C++ form of dash_fa3/schedule/contract.py) into ``directory``."""
+    path = Path(directory) / "kernel_contract.h"
+    write_if_changed(path, contract.cpp_header())
+    return path
+
+
+def write_generated(directory: Path, selected) -> None:
+    """The generated headers a build of ``selected`` includes: variant_table.h and kernel_contract.h."""
+    write_if_changed(Path(directory) / "variant_table.h", variant_table_source(selected))
+    write_contract_header(directory)
+
+
 def prepare(selected) -> list[str]:
     """Write generated files for ``selected`` and return the sources to compile (repo-relative)."""
     write_instantiations()
-    write_if_changed(GENERATED / "variant_table.h", variant_table_source(selected))
+    write_generated(GENERATED, selected)
     return COMMON_SOURCES + [f"csrc/instantiations/{instantiation_name(d, v)}" for d, v in instantiations(selected)]
 
 

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     (out / "obj").mkdir(parents=True, exist_ok=True)
     selected = build_config.variants.select()
     build_config.write_instantiations()
-    build_config.write_if_changed(out / "variant_table.h", build_config.variant_table_source(selected))
+    build_config.write_generated(out, selected)
     includes = [str(out), str(build_config.CSRC), build_config.cutlass_locator.include_dir()]
     pairs = [v for d, v in build_config.instantiations(selected) if d == args.direction]
     if not pairs:
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     sources += [ROOT / src for src in EXTRA_SOURCES[args.direction]]
     sources.append(ROOT / "benchmarks" / "cpp" / f"{args.direction}_bench.cu")
     objs = [out / "obj" / (s.stem + ".o") for s in sources]
-    headers = max(newest_header(), (out / "variant_table.h").stat().st_mtime)
+    headers = max(newest_header(), *((out / h).stat().st_mtime for h in ("variant_table.h", "kernel_contract.h")))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for line in pool.map(lambda so: compile_one(so[0], so[1], includes, headers), zip(sources, objs)):
             print(line, flush=True)

@@ -11,13 +11,16 @@
 //   bwd_bench grid [hdims]     TFLOP/s on the paper's grid (bf16, 16384 tokens,
 //                              hidden 2048): non-det, det-fa3, det-spt
 //   bwd_bench one H D C B SQ SK HQ HKV   one configuration: check + time
+//   bwd_bench shapes CMD [ARGS]  the shapes CMD runs, one line each
+//                                ("batch heads heads_kv seqlen_q seqlen_k headdim causal"),
+//                                for the exporter below; needs no GPU
 //
-// The schedules are built here by a small test-only builder in the format of
-// dash_fa3/schedule/metadata.py (fa3: KV tiles ascending, ranks ascending;
-// spt: KV tiles descending, ranks descending), or read from a file written by
-// ScheduleMeta.as_int32_array().tofile(path) (env DASH_SCHEDULE_FILE, used for
-// every call of matching shape). Steps are decoded by the kernel's own
-// csrc/schedules/schedule_metadata.h.
+// The schedules (fa3 and spt) come from Python, validated and lowered exactly
+// as the extension runs them, in a bundle file named by DASH_SCHEDULE_FILE:
+//
+//   bwd_bench shapes check | python -m dash_fa3.schedule export --shapes - \
+//       --schedule fa3,spt --sms <SM count of the GPU> --out sched.i32
+//   DASH_SCHEDULE_FILE=sched.i32 bwd_bench check
 //
 // Correctness: dq, dk, dv are poisoned with NaN first. The reference runs in
 // fp32 on the same 16-bit inputs; a second reference rounds S, P, dP, dS and
@@ -182,105 +185,48 @@ __global__ void to_elem(float const* x, T* y, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------
-// Test-only schedule builder (format of dash_fa3/schedule/metadata.py).
+// Schedules exported by Python (dash_fa3/schedule/export.py): flat buffers back
+// to back, each as long as its header says.
 
-static int kv_end_of(int q, int sq, int sk, int bm, int bn, bool causal, int n_kv) {
-  if (!causal) return n_kv;
-  int last_row = std::min((q + 1) * bm, sq) - 1;
-  int reach = last_row + sk - sq;
-  return reach < 0 ? 0 : std::min(n_kv, reach / bn + 1);
-}
+struct ScheduleBundle {
+  std::string path;
+  std::vector<int32_t> data;
+  std::vector<size_t> starts;
 
-static std::vector<int32_t> build_schedule(const std::string& name, Dims const& g, int bm, int bn, int num_sms) {
-  int n_q = (g.sq + bm - 1) / bm, n_kv = (g.sk + bn - 1) / bn;
-  bool spt = name == "spt";
-  if (!spt && name != "fa3") throw std::invalid_argument("unknown schedule " + name);
-  std::vector<int> q_begin(n_kv, n_q);
-  for (int kv = 0; kv < n_kv; ++kv)
-    for (int q = 0; q < n_q; ++q)
-      if (kv_end_of(q, g.sq, g.sk, bm, bn, g.causal, n_kv) > kv) { q_begin[kv] = q; break; }
-  struct Row { int32_t c[S::kNumCols]; };
-  std::vector<Row> rows;
-  int group = g.h / g.hkv;
-  int64_t steps = 0;
-  for (int b = 0; b < g.b; ++b)
-    for (int h = 0; h < g.h; ++h)
-      for (int t = 0; t < n_kv; ++t) {
-        int kv = spt ? n_kv - 1 - t : t;
-        Row r{};
-        r.c[S::kCBatch] = b; r.c[S::kCHead] = h; r.c[S::kCKv] = kv;
-        r.c[S::kCNSteps] = n_q - q_begin[kv];
-        r.c[S::kCLinBase] = q_begin[kv]; r.c[S::kCLinDir] = 1;
-        r.c[S::kCRankDkv] = h % group; r.c[S::kCHeadKv] = h / group; r.c[S::kCUnit] = kv;
-        steps += r.c[S::kCNSteps];
-        rows.push_back(r);
-      }
-  int num_tasks = int(rows.size());
-  int ctas = std::min(num_sms, num_tasks);
-  std::vector<int32_t> hdr(S::kHeaderLen, 0);
-  hdr[S::kHMagic] = S::kMagic; hdr[S::kHVersion] = S::kVersion; hdr[S::kHSchedule] = spt ? 1 : 0;
-  hdr[S::kHDispatch] = S::kDispatchStatic; hdr[S::kHRankKind] = spt ? S::kRankDesc : S::kRankAsc;
-  hdr[S::kHNumCtas] = ctas; hdr[S::kHNumTasks] = num_tasks; hdr[S::kHNumCols] = S::kNumCols;
-  hdr[S::kHBatch] = g.b; hdr[S::kHHeads] = g.h; hdr[S::kHHeadsKv] = g.hkv; hdr[S::kHSeqlenQ] = g.sq;
-  hdr[S::kHSeqlenK] = g.sk; hdr[S::kHBlockM] = bm; hdr[S::kHBlockN] = bn; hdr[S::kHCausal] = g.causal;
-  hdr[S::kHNQ] = n_q; hdr[S::kHNKv] = n_kv; hdr[S::kHUnitsPerHead] = n_kv; hdr[S::kHNumSteps] = int(steps);
-  hdr[S::kHOffsetsLen] = ctas + 1;
-  // task t -> CTA t % ctas, in order; rows grouped by CTA.
-  std::vector<int32_t> out = hdr;
-  std::vector<Row> sorted;
-  for (int c = 0; c < ctas; ++c) {
-    out.push_back(int32_t(sorted.size()));
-    for (int t = c; t < num_tasks; t += ctas) { Row r = rows[t]; r.c[S::kCCta] = c; sorted.push_back(r); }
-  }
-  out.push_back(int32_t(sorted.size()));
-  for (auto& r : sorted) out.insert(out.end(), r.c, r.c + S::kNumCols);
-  return out;
-}
-
-static std::vector<int32_t> load_schedule_file(Dims const& g, int bm) {
-  const char* path = getenv("DASH_SCHEDULE_FILE");
-  if (!path) return {};
-  FILE* f = fopen(path, "rb");
-  if (!f) throw std::runtime_error(std::string("cannot open ") + path);
-  std::vector<int32_t> buf;
-  int32_t x;
-  while (fread(&x, 4, 1, f) == 1) buf.push_back(x);
-  fclose(f);
-  if (buf.size() < size_t(S::kHeaderLen) || buf[S::kHBatch] != g.b || buf[S::kHHeads] != g.h ||
-      buf[S::kHSeqlenQ] != g.sq || buf[S::kHSeqlenK] != g.sk || buf[S::kHCausal] != int(g.causal) ||
-      buf[S::kHBlockM] != bm)
-    return {};
-  return buf;
-}
-
-// Host check of a schedule: every needed (kv, q) pair once; ranks a permutation per dQ tile.
-static void validate_schedule(std::vector<int32_t> const& m) {
-  int32_t const* h = m.data();
-  int n_q = h[S::kHNQ], n_kv = h[S::kHNKv], heads = h[S::kHHeads], batch = h[S::kHBatch];
-  std::vector<int> seen(size_t(batch) * heads * n_q * n_kv, 0);
-  std::vector<uint8_t> rank_seen(size_t(batch) * heads * n_q * n_kv, 0);
-  for (int t = 0; t < h[S::kHNumTasks]; ++t) {
-    int32_t const* row = S::task_row(m.data(), t);
-    for (int s = 0; s < row[S::kCNSteps]; ++s) {
-      S::StepInfo st = S::decode_step(h, row, s);
-      size_t bh = size_t(row[S::kCBatch]) * heads + row[S::kCHead];
-      if (st.q_tile < 0 || st.q_tile >= n_q) throw std::runtime_error("schedule: q tile out of range");
-      seen[(bh * n_q + st.q_tile) * n_kv + row[S::kCKv]]++;
-      int kv_end = kv_end_of(st.q_tile, h[S::kHSeqlenQ], h[S::kHSeqlenK], h[S::kHBlockM], h[S::kHBlockN],
-                             h[S::kHCausal], n_kv);
-      if (st.rank < 0 || st.rank >= kv_end) throw std::runtime_error("schedule: rank out of range");
-      uint8_t& r = rank_seen[(bh * n_q + st.q_tile) * n_kv + st.rank];
-      if (r) throw std::runtime_error("schedule: duplicate rank");
-      r = 1;
+  static ScheduleBundle load(const char* path) {
+    ScheduleBundle b;
+    b.path = path;
+    FILE* f = fopen(path, "rb");
+    if (!f) throw std::runtime_error(std::string("cannot open ") + path);
+    int32_t x;
+    while (fread(&x, 4, 1, f) == 1) b.data.push_back(x);
+    fclose(f);
+    for (size_t pos = 0; pos < b.data.size();) {
+      int32_t const* h = b.data.data() + pos;
+      if (b.data.size() - pos < size_t(S::kHeaderLen) || h[S::kHMagic] != S::kMagic || h[S::kHVersion] != S::kVersion ||
+          h[S::kHSchedule] < 0 || h[S::kHSchedule] >= S::kNumSchedules ||
+          pos + size_t(S::buffer_len(h)) > b.data.size())
+        throw std::runtime_error(b.path + ": not a schedule bundle of this build (python -m dash_fa3.schedule export)");
+      b.starts.push_back(pos);
+      pos += size_t(S::buffer_len(h));
     }
+    return b;
   }
-  for (size_t i = 0; i < seen.size(); ++i) {
-    size_t q = (i / n_kv) % n_q; int kv = int(i % n_kv);
-    int need = kv < kv_end_of(int(q), h[S::kHSeqlenQ], h[S::kHSeqlenK], h[S::kHBlockM], h[S::kHBlockN],
-                              h[S::kHCausal], n_kv) ? 1 : 0;
-    if (seen[i] != need) throw std::runtime_error("schedule: pair visited " + std::to_string(seen[i]) + " times");
+
+  // The buffer of schedule `name` for this call, or empty.
+  std::vector<int32_t> find(std::string const& name, Dims const& g, int bm, int bn) const {
+    for (size_t pos : starts) {
+      int32_t const* h = data.data() + pos;
+      if (name == S::kScheduleNames[h[S::kHSchedule]] && h[S::kHBatch] == g.b && h[S::kHHeads] == g.h &&
+          h[S::kHHeadsKv] == g.hkv && h[S::kHSeqlenQ] == g.sq && h[S::kHSeqlenK] == g.sk && h[S::kHBlockM] == bm &&
+          h[S::kHBlockN] == bn && h[S::kHCausal] == int(g.causal))
+        return std::vector<int32_t>(h, h + S::buffer_len(h));
+    }
+    return {};
   }
-}
+};
+
+static ScheduleBundle const* g_schedules = nullptr;
 
 // ---------------------------------------------------------------------------
 // One problem: inputs, reference, and kernel runs.
@@ -393,9 +339,16 @@ struct Problem {
   }
 
   void set_schedule(const std::string& name) {
-    sched_host = load_schedule_file(g, bm);
-    if (sched_host.empty()) sched_host = build_schedule(name, g, bm, bn, num_sms);
-    validate_schedule(sched_host);
+    sched_host = g_schedules->find(name, g, bm, bn);
+    if (sched_host.empty())
+      throw std::runtime_error(g_schedules->path + " has no " + name + " schedule for b" + std::to_string(g.b) + " h" +
+                               std::to_string(g.h) + "/" + std::to_string(g.hkv) + " sq" + std::to_string(g.sq) +
+                               " sk" + std::to_string(g.sk) + " d" + std::to_string(g.d) +
+                               (g.causal ? " causal" : " full") + ": export it (see the header of bwd_bench.cu)");
+    if (sched_host[S::kHNumCtas] > num_sms)
+      throw std::runtime_error("the exported " + name + " schedule has " + std::to_string(sched_host[S::kHNumCtas]) +
+                               " CTAs, this GPU " + std::to_string(num_sms) + " SMs: export with --sms " +
+                               std::to_string(num_sms));
     if (sched_dev) cudaFree(sched_dev);
     CHECK_CUDA(cudaMalloc(&sched_dev, sched_host.size() * 4));
     CHECK_CUDA(cudaMemcpy(sched_dev, sched_host.data(), sched_host.size() * 4, cudaMemcpyHostToDevice));
@@ -589,52 +542,88 @@ static bool built(int hdim, DType dt, bool causal) {
   return false;
 }
 
-int main(int argc, char** argv) {
+// What a command runs: one entry per problem, in order.
+struct Job {
+  enum Kind { kCheck, kDet, kBench } kind;
+  Dims g;
+  DType dtype;
+  uint64_t seed;  // kCheck: input seed; kDet: runs per schedule
+};
+
+static std::vector<Job> jobs_for(int argc, char** argv) {
   std::string cmd = argc > 1 ? argv[1] : "check";
-  cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+  std::vector<Job> jobs;
+  if (cmd == "check") {
+    for (int d : built_hdims())
+      for (DType dt : {DType::kBF16, DType::kFP16})
+        for (bool causal : {false, true}) {
+          if (!built(d, dt, causal)) continue;
+          float sc = 1.f / std::sqrt(float(d));
+          jobs.push_back({Job::kCheck, {2, 4, 4, 1024, 1024, d, causal, sc}, dt, 1});  // aligned, batch
+          jobs.push_back({Job::kCheck, {1, 4, 4, 1000, 1000, d, causal, sc}, dt, 2});  // ragged
+          jobs.push_back({Job::kCheck, {1, 2, 2, 700, 1200, d, causal, sc}, dt, 3});   // seqlen_q < seqlen_k
+          jobs.push_back({Job::kCheck, {1, 2, 2, 1100, 333, d, causal, sc}, dt, 4});   // seqlen_q > seqlen_k
+          jobs.push_back({Job::kCheck, {2, 8, 2, 512, 777, d, causal, sc}, dt, 5});    // GQA 4:1
+          jobs.push_back({Job::kCheck, {1, 4, 1, 300, 300, d, causal, sc}, dt, 6});    // MQA
+        }
+  } else if (cmd == "det") {
+    uint64_t n = argc > 2 ? uint64_t(atoi(argv[2])) : 20;
+    for (int d : built_hdims()) {
+      jobs.push_back({Job::kDet, {2, 16, 16, 2048, 2048, d, true, 0.088f}, DType::kBF16, n});
+      jobs.push_back({Job::kDet, {2, 8, 2, 1000, 1500, d, false, 0.088f}, DType::kBF16, n});
+    }
+  } else if (cmd == "small") {
+    int d = argc > 2 ? atoi(argv[2]) : built_hdims()[0];
+    jobs.push_back({Job::kCheck, {1, 2, 1, 200, 300, d, true, 0.1f}, DType::kBF16, 9});
+  } else if (cmd == "grid") {
+    std::vector<int> hd = built_hdims();
+    if (argc > 2) { hd.clear(); for (int i = 2; i < argc; ++i) hd.push_back(atoi(argv[i])); }
+    for (int d : hd)
+      for (bool causal : {false, true})
+        for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {
+          if (!built(d, DType::kBF16, causal)) continue;
+          jobs.push_back({Job::kBench, {16384 / s, 2048 / d, 2048 / d, s, s, d, causal, 1.f / std::sqrt(float(d))},
+                          DType::kBF16, 0});
+        }
+  } else if (cmd == "one" && argc >= 10) {
+    Dims g{atoi(argv[5]), atoi(argv[8]), atoi(argv[9]), atoi(argv[6]), atoi(argv[7]), atoi(argv[2]),
+           atoi(argv[4]) != 0, 1.f / std::sqrt(float(atoi(argv[2])))};
+    DType dt = std::string(argv[3]) == "fp16" ? DType::kFP16 : DType::kBF16;
+    jobs.push_back({Job::kCheck, g, dt, 11});
+    jobs.push_back({Job::kBench, g, dt, 0});
+  } else {
+    throw std::invalid_argument("usage: see the header of benchmarks/cpp/bwd_bench.cu");
+  }
+  return jobs;
+}
+
+int main(int argc, char** argv) {
   try {
-    if (cmd == "check") {
-      for (int d : built_hdims())
-        for (DType dt : {DType::kBF16, DType::kFP16})
-          for (bool causal : {false, true}) {
-            if (!built(d, dt, causal)) continue;
-            float sc = 1.f / std::sqrt(float(d));
-            check_case({2, 4, 4, 1024, 1024, d, causal, sc}, dt, 1);   // aligned, batch
-            check_case({1, 4, 4, 1000, 1000, d, causal, sc}, dt, 2);   // ragged
-            check_case({1, 2, 2, 700, 1200, d, causal, sc}, dt, 3);    // seqlen_q < seqlen_k
-            check_case({1, 2, 2, 1100, 333, d, causal, sc}, dt, 4);    // seqlen_q > seqlen_k
-            check_case({2, 8, 2, 512, 777, d, causal, sc}, dt, 5);     // GQA 4:1
-            check_case({1, 4, 1, 300, 300, d, causal, sc}, dt, 6);     // MQA
-          }
-    } else if (cmd == "det") {
-      int n = argc > 2 ? atoi(argv[2]) : 20;
-      for (int d : built_hdims()) {
-        det_case({2, 16, 16, 2048, 2048, d, true, 0.088f}, DType::kBF16, n);
-        det_case({2, 8, 2, 1000, 1500, d, false, 0.088f}, DType::kBF16, n);
+    if (argc > 1 && std::string(argv[1]) == "shapes") {
+      std::vector<std::string> seen;
+      for (Job const& j : jobs_for(argc - 1, argv + 1)) {
+        Dims const& g = j.g;
+        std::string line = std::to_string(g.b) + " " + std::to_string(g.h) + " " + std::to_string(g.hkv) + " " +
+                           std::to_string(g.sq) + " " + std::to_string(g.sk) + " " + std::to_string(g.d) + " " +
+                           (g.causal ? "1" : "0");
+        if (std::find(seen.begin(), seen.end(), line) != seen.end()) continue;
+        seen.push_back(line);
+        fputs((line + "\n").c_str(), stdout);
       }
-    } else if (cmd == "small") {
-      int d = argc > 2 ? atoi(argv[2]) : built_hdims()[0];
-      check_case({1, 2, 1, 200, 300, d, true, 0.1f}, DType::kBF16, 9);
-    } else if (cmd == "grid") {
-      std::vector<int> hd = built_hdims();
-      if (argc > 2) { hd.clear(); for (int i = 2; i < argc; ++i) hd.push_back(atoi(argv[i])); }
-      for (int d : hd)
-        for (bool causal : {false, true})
-          for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {
-            if (!built(d, DType::kBF16, causal)) continue;
-            bench_case({16384 / s, 2048 / d, 2048 / d, s, s, d, causal, 1.f / std::sqrt(float(d))}, DType::kBF16);
-          }
-    } else if (cmd == "one" && argc >= 10) {
-      Dims g{atoi(argv[5]), atoi(argv[8]), atoi(argv[9]), atoi(argv[6]), atoi(argv[7]), atoi(argv[2]),
-             atoi(argv[4]) != 0, 1.f / std::sqrt(float(atoi(argv[2])))};
-      DType dt = std::string(argv[3]) == "fp16" ? DType::kFP16 : DType::kBF16;
-      check_case(g, dt, 11);
-      bench_case(g, dt);
-    } else {
-      fprintf(stderr, "usage: see the header of benchmarks/cpp/bwd_bench.cu\n");
-      return 2;
+      return 0;
+    }
+    std::vector<Job> jobs = jobs_for(argc, argv);
+    const char* path = getenv("DASH_SCHEDULE_FILE");
+    if (!path) throw std::runtime_error("set DASH_SCHEDULE_FILE to schedules exported for this command (see the header of bwd_bench.cu)");
+    ScheduleBundle const bundle = ScheduleBundle::load(path);
+    g_schedules = &bundle;
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+    for (Job const& j : jobs) {
+      if (j.kind == Job::kCheck) check_case(j.g, j.dtype, j.seed);
+      else if (j.kind == Job::kDet) det_case(j.g, j.dtype, int(j.seed));
+      else bench_case(j.g, j.dtype);
     }
   } catch (std::exception const& e) {
     fprintf(stderr, "error: %s\n", e.what());

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernel_contract.h"  // generated: bwd_block_m / bwd_block_n (dash_fa3/schedule/contract.py)
 #include "params.h"
 
 namespace dash_fa3 {
@@ -19,12 +20,10 @@ void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaSt
 
 namespace dash_fa3 {
 
-// Backward main kernel (csrc/kernels/bwd/bwd_launch.cuh). block_m (the
-// preprocess's rounding of seqlen_q) is bwd_block_m(headdim).
+// Backward main kernel (csrc/kernels/bwd/bwd_launch.cuh). Its tiles are
+// bwd_block_m(headdim) x bwd_block_n(headdim) (kernel_contract.h); block_m is
+// also the preprocess's rounding of seqlen_q.
 template <int kHeadDim, DType kDType, bool kCausal>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
-
-constexpr int bwd_block_m(int headdim) { return headdim <= 64 ? 128 : 64; }
-constexpr int bwd_block_n(int /*headdim*/) { return 128; }
 
 }  // namespace dash_fa3

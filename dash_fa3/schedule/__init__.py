@@ -1,37 +1,56 @@
-"""The DASH schedule model (pure Python + numpy; matplotlib only for plots).
+"""The DASH schedules of the deterministic backward (pure Python + numpy;
+matplotlib only for plots).  See docs/schedule.md.
 
-See docs/schedule.md.  Public API:
+Two layers:
+
+* the kernel contract (this package): :mod:`.contract` (metadata layout and
+  tile sizes, generated into the kernels' C++ header), :mod:`.geometry`,
+  :mod:`.schedules`, :mod:`.metadata`, :mod:`.lowering`, :mod:`.validate`
+  with its wait-for graph (:mod:`.waitgraph`), :mod:`.export`;
+* the research model (:mod:`.model`): DAG and critical path, simulator, the
+  paper's closed forms, Gantt charts, the CLI.  It depends on the contract,
+  never the reverse.
+
+Public API (all importable from here):
 
 * :class:`Geometry`, :func:`bwd_block_sizes` -- tile geometry of one backward call;
 * :func:`get_schedule` / :func:`get_metadata` (cached), :func:`build_schedule`, :class:`Schedule`,
   ``SCHEDULES`` / ``SCHEDULE_NAMES``, :func:`resolve_schedule_name`;
 * :func:`validate`, :class:`ScheduleError`, :class:`ValidationReport`;
+* :class:`ScheduleMeta`, :func:`decode_step`, :func:`decode_all` -- the kernel's input;
 * :func:`simulate`, :class:`CostModel`, :class:`SimResult`;
 * :func:`critical_path`, :func:`longest_path`;
-* :class:`ScheduleMeta`, :func:`decode_step`, :func:`decode_all` -- the kernel's input;
 * :func:`paper_makespan` -- the paper's closed forms;
 * :func:`plot_gantt`; :func:`main` -- the CLI (``python -m dash_fa3.schedule``).
 """
 
-from .geometry import BWD_BLOCK_SIZES, MASKS, Geometry, bwd_block_sizes
+from .contract import BWD_BLOCK_SIZES
+from .geometry import MASKS, Geometry, bwd_block_sizes
 from .metadata import ScheduleMeta, decode_all, decode_step
 from .schedules import (SCHEDULE_NAMES, SCHEDULES, Schedule, build_schedule, clear_cache,
                         get_metadata, get_schedule, resolve_schedule_name)
 from .validate import ScheduleError, ValidationReport, validate
-from .simulate import CostModel, SimResult, simulate
-from .dag import CriticalPath, critical_path, longest_path
-from .paper import paper_makespan
+from .model import (CostModel, CriticalPath, SimResult, critical_path, longest_path, paper_makespan,
+                    simulate)
 
 
 def plot_gantt(*args, **kwargs):
-    """See :func:`dash_fa3.schedule.plot.plot_gantt` (imports matplotlib lazily)."""
-    from .plot import plot_gantt as _plot
+    """See :func:`dash_fa3.schedule.model.plot.plot_gantt` (imports matplotlib lazily)."""
+    from .model.plot import plot_gantt as _plot
     return _plot(*args, **kwargs)
 
 
 def main(argv=None):
-    from .cli import main as _main
+    from .model.cli import main as _main
     return _main(argv)
+
+
+def __getattr__(name):
+    # ``from dash_fa3.schedule import cli`` (the CLI moved to .model.cli), loaded lazily.
+    if name == "cli":
+        from .model import cli
+        return cli
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -17,7 +17,9 @@ Masks
 
 For both masks the Q tiles of one KV tile form a contiguous range
 ``[q_begin[kv], n_q)`` and the KV tiles of one Q tile form a prefix
-``[0, kv_end[q])``.  Ragged last tiles (seqlen not a multiple of the block) are
+``[0, kv_end[q])``.  :class:`TileGeometry` computes these block ranges; it
+mirrors ``csrc/common/block_range.h``, which both kernels use, formula for
+formula (``tests/test_contract_cpp.py`` compares them).  Ragged last tiles (seqlen not a multiple of the block) are
 included.  A KV tile whose keys are masked for every query gets no pair and no
 task (with a bottom-right causal mask that cannot happen: the last query row
 sees every key).
@@ -30,23 +32,13 @@ from functools import cached_property
 
 import numpy as np
 
-MASKS = ("full", "causal")
+from .contract import BWD_BLOCK_SIZES
 
-# Backward tile sizes (block_m = Q rows per tile, block_n = KV rows per tile)
-# per head dim.  64 and 128 follow FlashAttention-3's Hopper backward; the
-# others are our choice (registers bound the accumulators, so wider heads get
-# narrower tiles).  Head dims between entries round up to the next entry.
-BWD_BLOCK_SIZES: dict[int, tuple[int, int]] = {
-    64: (128, 128),
-    96: (64, 128),
-    128: (64, 128),
-    192: (64, 96),
-    256: (64, 64),
-}
+MASKS = ("full", "causal")
 
 
 def bwd_block_sizes(headdim: int) -> tuple[int, int]:
-    """(block_m, block_n) the backward uses for ``headdim``."""
+    """(block_m, block_n) the backward uses for ``headdim`` (:data:`.contract.BWD_BLOCK_SIZES`)."""
     if headdim <= 0:
         raise ValueError(f"headdim must be positive, got {headdim}")
     for hd in sorted(BWD_BLOCK_SIZES):
@@ -57,6 +49,91 @@ def bwd_block_sizes(headdim: int) -> tuple[int, int]:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _int(x):
+    """Python int for 0-d results (scalar callers), the array otherwise."""
+    return int(x) if np.ndim(x) == 0 else x
+
+
+@dataclass(frozen=True)
+class TileGeometry:
+    """Block ranges of one (batch, head) problem: which KV tiles a Q tile meets
+    and the reverse.  The Python mirror of ``csrc/common/block_range.h``.
+
+    Methods take an int or an int array and return the same kind.  Integer
+    formulas only, every ``//`` on non-negative operands (C's truncating
+    division agrees).  A mask is described by which keys each query row sees;
+    a sliding window or documents would change the range begins and ends here
+    and nowhere else.
+    """
+
+    seqlen_q: int
+    seqlen_k: int
+    block_m: int
+    block_n: int
+    causal: bool
+
+    @property
+    def n_q(self) -> int:
+        return _cdiv(self.seqlen_q, self.block_m)
+
+    @property
+    def n_kv(self) -> int:
+        return _cdiv(self.seqlen_k, self.block_n)
+
+    def kv_range(self, q):
+        """(begin, end): Q tile ``q`` meets KV tiles [begin, end); empty when end <= begin."""
+        q = np.asarray(q, dtype=np.int64)
+        begin = np.zeros_like(q)
+        if not self.causal:
+            return _int(begin), _int(np.full_like(q, self.n_kv))
+        # last key column the tile's last row attends
+        reach = np.minimum((q + 1) * self.block_m, self.seqlen_q) - 1 + self.seqlen_k - self.seqlen_q
+        end = np.where(reach < 0, 0, np.minimum(self.n_kv, np.maximum(reach, 0) // self.block_n + 1))
+        return _int(begin), _int(end)
+
+    def q_range(self, kv):
+        """(begin, end): KV tile ``kv`` meets Q tiles [begin, end); empty when end <= begin."""
+        kv = np.asarray(kv, dtype=np.int64)
+        end = np.full_like(kv, self.n_q)
+        if not self.causal:
+            return _int(np.zeros_like(kv)), _int(end)
+        # first query row that attends the tile's first key
+        first_row = np.maximum(0, kv * self.block_n - (self.seqlen_k - self.seqlen_q))
+        begin = np.where(first_row < self.seqlen_q, first_row // self.block_m, self.n_q)
+        return _int(begin), _int(end)
+
+    def needs_mask(self, q, kv):
+        """Whether tile (q, kv) holds a key past seqlen_k or an element the mask hides
+        (the definition the two prefixes below are tested against; not in C++)."""
+        q, kv = np.broadcast_arrays(np.asarray(q, dtype=np.int64), np.asarray(kv, dtype=np.int64))
+        n0 = kv * self.block_n  # the tile's first key
+        out = n0 + self.block_n > self.seqlen_k
+        if self.causal:
+            out = out | (n0 + self.block_n - 1 > q * self.block_m + (self.seqlen_k - self.seqlen_q))
+        return bool(out) if out.ndim == 0 else out
+
+    def kv_unmasked_end(self, q):
+        """KV tiles [0, end) need no mask with Q tile ``q`` (the forward)."""
+        q = np.asarray(q, dtype=np.int64)
+        whole = self.seqlen_k // self.block_n  # KV tiles without keys past seqlen_k
+        if not self.causal:
+            return _int(np.full_like(q, whole))
+        seen = q * self.block_m + self.seqlen_k - self.seqlen_q + 1  # keys the tile's first row sees
+        return _int(np.minimum(whole, np.where(seen <= 0, 0, np.maximum(seen, 0) // self.block_n)))
+
+    def q_unmasked_begin(self, kv):
+        """Q tiles [begin, n_q) need no mask with KV tile ``kv`` (the backward)."""
+        kv = np.asarray(kv, dtype=np.int64)
+        key_end = (kv + 1) * self.block_n  # one past the tile's last key
+        if not self.causal:
+            return _int(np.where(key_end > self.seqlen_k, self.n_q, 0))
+        # the tile's last key must be visible to the Q tile's first row
+        first_row = key_end - 1 - (self.seqlen_k - self.seqlen_q)
+        begin = np.where(first_row <= 0, 0, np.minimum(self.n_q, (np.maximum(first_row, 0) + self.block_m - 1)
+                                                       // self.block_m))
+        return _int(np.where(key_end > self.seqlen_k, self.n_q, begin))
 
 
 @dataclass(frozen=True)
@@ -133,13 +210,15 @@ class Geometry:
         return (self.batch, self.heads, self.heads_kv, self.seqlen_q, self.seqlen_k,
                 self.block_m, self.block_n, self.mask)
 
-    # ------------------------------------------------------- integer formulas
-    # These scalar functions use only integer ops with non-negative operands
-    # for / and %, so they map 1:1 to C; the device mirrors them.
+    # ------------------------------------------------------------ block ranges
+    @cached_property
+    def tiles(self) -> TileGeometry:
+        """The per-head block ranges (shared with the kernels)."""
+        return TileGeometry(self.seqlen_q, self.seqlen_k, self.block_m, self.block_n, self.causal)
+
     def kv_end_of(self, q: int) -> int:
         """Number of KV tiles contributing to Q tile ``q``; they are ``[0, kv_end)``."""
-        return kv_end_int(q, self.seqlen_q, self.seqlen_k, self.block_m, self.block_n,
-                          self.n_kv, int(self.causal))
+        return self.tiles.kv_range(q)[1]
 
     def q_begin_of(self, kv: int) -> int:
         """First Q tile KV tile ``kv`` meets (``n_q`` if none)."""
@@ -149,30 +228,14 @@ class Geometry:
     @cached_property
     def q_begin(self) -> np.ndarray:
         """int64 [n_kv]: KV tile kv meets Q tiles [q_begin[kv], n_q)."""
-        n_q, n_kv = self.n_q, self.n_kv
-        if not self.causal:
-            out = np.zeros(n_kv, dtype=np.int64)
-        else:
-            off = self.seqlen_k - self.seqlen_q
-            q = np.arange(n_q, dtype=np.int64)
-            last_row = np.minimum((q + 1) * self.block_m, self.seqlen_q) - 1
-            reach = last_row + off  # last key column the tile's last row attends
-            first_col = np.arange(n_kv, dtype=np.int64) * self.block_n
-            out = np.searchsorted(reach, first_col, side="left").astype(np.int64)
+        out = self.tiles.q_range(np.arange(self.n_kv, dtype=np.int64))[0]
         out.setflags(write=False)
         return out
 
     @cached_property
     def kv_end(self) -> np.ndarray:
         """int64 [n_q]: Q tile q receives contributions from KV tiles [0, kv_end[q])."""
-        n_q, n_kv = self.n_q, self.n_kv
-        if not self.causal:
-            out = np.full(n_q, n_kv, dtype=np.int64)
-        else:
-            off = self.seqlen_k - self.seqlen_q
-            q = np.arange(n_q, dtype=np.int64)
-            reach = np.minimum((q + 1) * self.block_m, self.seqlen_q) - 1 + off
-            out = np.where(reach < 0, 0, np.minimum(n_kv, reach // self.block_n + 1)).astype(np.int64)
+        out = self.tiles.kv_range(np.arange(self.n_q, dtype=np.int64))[1]
         out.setflags(write=False)
         return out
 
@@ -248,14 +311,3 @@ def _clamp_sum(X: np.ndarray, w: np.ndarray) -> np.ndarray:
     big = w * (w + 1) // 2 + (X - w - 1) * w     # X > w + 1
     return np.where(X <= w + 1, small, big)
 
-
-def kv_end_int(q: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-               n_kv: int, causal: int) -> int:
-    """Scalar, C-mirrorable: number of KV tiles contributing to Q tile q."""
-    if not causal:
-        return n_kv
-    last_row = min((q + 1) * block_m, seqlen_q) - 1
-    reach = last_row + seqlen_k - seqlen_q
-    if reach < 0:
-        return 0
-    return min(n_kv, reach // block_n + 1)

@@ -25,10 +25,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from .geometry import Geometry, _cdiv
 from . import metadata as M
+from .contract import SCHEDULES
+from .geometry import Geometry, _cdiv
 
-SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
 SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES + ("auto",)
 DYNAMIC_SCHEDULES = ("fa3", "spt", "descending", "lpt")
 STATIC_SCHEDULES = ("shift", "symmetric_shift")
@@ -192,7 +192,7 @@ class Schedule:
             raise KeyError((batch, head, kv))
         return int(hit[0])
 
-    # checks / models (lazy imports avoid cycles)
+    # checks (lazy import: validate imports this module) and the model
     def validate(self):
         """Run every check once (cached); raise ScheduleError if one fails."""
         if self._validation is None:
@@ -201,7 +201,8 @@ class Schedule:
         return self._validation
 
     def simulate(self, costs=None):
-        from .simulate import simulate
+        """The research model's event simulation (:func:`.model.simulate.simulate`)."""
+        from .model.simulate import simulate
         return simulate(self, costs)
 
 

@@ -26,18 +26,23 @@ Checks, in order:
      to be resident at the same time.
 
 Collisions (two contributions to one dQ tile that the model would run at the
-same time, i.e. a forced semaphore wait) are counted by a unit-cost,
-zero-latency simulation (c = r = 1) and reported, not refused.
+same time, i.e. a forced semaphore wait) are counted in a unit-cost,
+zero-latency model (c = r = 1) and reported, not refused.  For static
+schedules the deadlock check's graph evaluation gives them for free; for
+dynamic ones they need the research model's greedy-dispatch simulation, run
+only when the report's ``collisions`` or ``unit_makespan`` is read (the
+kernel path never reads them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
 from . import metadata as M
-from .dag import chain_prev_task, evaluate_fused, fused_graph
+from .waitgraph import chain_prev_task, evaluate_fused, fused_graph
 
 
 class ScheduleError(ValueError):
@@ -53,12 +58,26 @@ class ValidationReport:
     num_tasks: int
     num_steps: int
     metadata_bytes: int
-    collisions: int          # forced waits in the unit-cost model
-    unit_makespan: float     # makespan with c = r = 1, no latency
+    # (collisions, unit makespan) of the unit-cost model, or a function that computes them
+    _unit_model: object = field(repr=False, compare=False)
 
     @property
     def valid(self) -> bool:
         return True
+
+    @cached_property
+    def _unit(self) -> tuple[int, float]:
+        return self._unit_model() if callable(self._unit_model) else self._unit_model
+
+    @property
+    def collisions(self) -> int:
+        """Forced semaphore waits in the unit-cost model."""
+        return self._unit[0]
+
+    @property
+    def unit_makespan(self) -> float:
+        """Makespan with c = r = 1, no latency."""
+        return self._unit[1]
 
 
 def _fail(s, what: str):
@@ -172,8 +191,15 @@ def check_structure(s) -> None:
                  f"{int(drank[i])}, the schedule says {int(s.step_rank[i])}")
 
 
-def check_deadlock_free(s) -> tuple[int, float]:
-    """Check 5.  Returns (collisions, unit makespan) of the unit-cost model."""
+def _dynamic_unit_model(s) -> tuple[int, float]:
+    from .model.simulate import CostModel, simulate
+    sim = simulate(s, CostModel(1.0, 1.0))
+    return sim.waits, sim.makespan
+
+
+def check_deadlock_free(s):
+    """Check 5.  Returns the unit-cost model's (collisions, unit makespan), for
+    dynamic schedules as a function that computes them."""
     N, T = s.num_steps, s.num_tasks
     if s.dynamic:
         G = fused_graph(s, chain_prev_task(s))
@@ -186,9 +212,7 @@ def check_deadlock_free(s) -> tuple[int, float]:
                 _fail(s, f"deadlock risk: task {int(s.step_task[v])} (claimed #{int(s.step_task[v])}) waits on "
                          f"task {int(s.step_task[G.sync[v]])}, which is claimed later")
             _fail(s, f"deadlock risk: dK/dV add of task {v - N} waits on a later-claimed task")
-        from .simulate import CostModel, simulate
-        sim = simulate(s, CostModel(1.0, 1.0))
-        return sim.waits, sim.makespan
+        return lambda: _dynamic_unit_model(s)
     G = fused_graph(s, chain_prev_task(s))
     task_cta = s.task_cta.astype(np.int64)
     node_cta = np.concatenate([task_cta[s.step_task], task_cta])
@@ -211,7 +235,7 @@ def check_deadlock_free(s) -> tuple[int, float]:
 def validate(s) -> ValidationReport:
     """Run every check; raise :class:`ScheduleError` on the first failure."""
     check_structure(s)
-    collisions, unit_makespan = check_deadlock_free(s)
+    unit_model = check_deadlock_free(s)
     return ValidationReport(schedule=s.name, num_sms=s.num_sms, num_ctas=s.num_ctas, dispatch=s.dispatch,
                             num_tasks=s.num_tasks, num_steps=s.num_steps, metadata_bytes=s.meta.nbytes,
-                            collisions=collisions, unit_makespan=unit_makespan)
+                            _unit_model=unit_model)

@@ -48,7 +48,7 @@ struct BwdDqWriter {
     Tensor sDq = make_tensor(make_smem_ptr(smem.dq.data()), typename Traits::SmemLayoutDq{});
     auto tma_dq = p.tma_dq.get_slice(_0{});
     Tensor tDqsDq = tma_dq.partition_S(sDq);
-    int32_t const* header = p.schedule;
+    TileGeometry const geo = Traits::tile_geometry(p);
 
     // sdQ[buffer] starts out empty.
     named_barrier_arrive(Mainloop::dq_empty(buffer), kDqHandoffThreads);
@@ -56,9 +56,9 @@ struct BwdDqWriter {
     // write step i into sdQ[i % kStagesDq].
     int cta_step = 0;
 
-    CtaTasks const tasks = CtaTasks::of(p.schedule);
+    CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
     for (int task = tasks.begin; task < tasks.end; ++task) {
-      int32_t const* row = schedule::task_row(p.schedule, task);
+      int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
       if (n_steps <= 0) { continue; }
       int const b = row[schedule::kCBatch];
@@ -72,7 +72,7 @@ struct BwdDqWriter {
       int const first = (buffer - cta_step % Traits::kStagesDq + Traits::kStagesDq) % Traits::kStagesDq;
       cta_step += n_steps;
       for (int s = first; s < n_steps; s += Traits::kStagesDq) {
-        schedule::StepInfo const st = schedule::decode_step(header, row, s);
+        schedule::StepInfo const st = schedule::decode_step(geo, p.rank, row, s);
         // Wait until the MMA warpgroups have written this step's partial dQ to sdQ[buffer].
         named_barrier_sync(Mainloop::dq_full(buffer), kDqHandoffThreads);
         if (leader) {

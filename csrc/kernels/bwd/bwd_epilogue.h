@@ -45,7 +45,7 @@ struct BwdEpilogue {
 
     int const b = row[schedule::kCBatch];
     int const h_kv = row[schedule::kCHeadKv];
-    int const kv = row[schedule::kCKv];
+    int const kv = row[schedule::kCKvTile];
     int const n0 = kv * kBlockN;
     constexpr int kV = decltype(size<0, 2>(tdKrdK))::value;
 

@@ -69,10 +69,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     int kv_phase = 0;
     int ds_stage = 0;
     int dq_stage = 0;
-    CtaTasks const tasks = CtaTasks::of(p.schedule);
+    CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
     CUTE_NO_UNROLL
     for (int task = tasks.begin; task < tasks.end; ++task) {
-      int32_t const* row = schedule::task_row(p.schedule, task);
+      int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
       typename Mainloop::FragDkv tdKrdK, tdVrdV;
       clear(tdKrdK);

@@ -6,7 +6,7 @@
 //   - q, k, v, dout, dk, dv 16-byte aligned (dk/dv: 4-byte); q, k, v, dout
 //     strides multiples of 8 elements (TMA needs 16-byte aligned strides);
 //   - headdim == kHeadDim; heads % heads_kv == 0; seqlen_q_rounded is seqlen_q
-//     rounded up to bwd_block_m(kHeadDim);
+//     rounded up to bwd_block_m(kHeadDim) (kernel_contract.h);
 //   - the schedule header matches this call (shape, block sizes, mask kind)
 //     and uses static dispatch; its CTA count is the grid size. The schedule
 //     must have been validated (every needed pair once, ranks a permutation,
@@ -66,6 +66,7 @@ void check_schedule_header(BwdParams const& a) {
               ") differ from the kernel's (" + std::to_string(Traits::kBlockM) + ", " +
               std::to_string(Traits::kBlockN) + ")");
   require(h[S::kHCausal] == int(Traits::kCausal), "schedule mask kind differs from the kernel's");
+  require(h[S::kHRankKind] >= S::kRankAsc && h[S::kHRankKind] <= S::kRankShift, "schedule has an unknown rank kind");
   require(h[S::kHNumCtas] >= 1, "schedule has no CTAs");
 }
 
@@ -113,15 +114,19 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.dk_accum = gqa ? a.dk_accum : nullptr;
   p.dv_accum = gqa ? a.dv_accum : nullptr;
   p.dkv_semaphore = gqa ? a.dkv_semaphore : nullptr;
-  p.schedule = a.schedule;
+  // The device buffer's views, and the header fields every step's decode
+  // needs, from the host copy of its header (checked by check_schedule_header).
+  p.cta_offsets = schedule::offsets_of(a.schedule);
+  p.tasks = schedule::tasks_of(a.schedule, a.schedule_header_host);
+  p.rank = schedule::rank_params_of(a.schedule_header_host);
   p.seqlen_q = a.seqlen_q;
   p.seqlen_k = a.seqlen_k;
   p.seqlen_q_rounded = a.seqlen_q_rounded;
   p.heads = a.heads;
   p.heads_kv = a.heads_kv;
   p.batch = a.batch;
-  p.n_q = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  p.n_kv = (a.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  p.n_q = Traits::tile_geometry(p).n_q();
+  p.n_kv = Traits::tile_geometry(p).n_kv();
   p.softmax_scale = a.softmax_scale;
   p.softmax_scale_log2 = a.softmax_scale_log2;
   p.deterministic = a.deterministic ? 1 : 0;

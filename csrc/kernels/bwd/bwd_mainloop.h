@@ -112,15 +112,16 @@ struct BwdMainloop {
     // (KV row, Q row) of each accumulator register, tile-local.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
 
-    int32_t const* header = p.schedule;
-    int const kv = row[schedule::kCKv];
+    TileGeometry const geo = Traits::tile_geometry(p);
+    int const kv = row[schedule::kCKvTile];
     int const n0 = kv * kBlockN;
+    int const q_unmasked = geo.q_unmasked_begin(kv);  // Q tiles from here on need no mask
     int const causal_shift = p.seqlen_k - p.seqlen_q;  // key j visible to query i iff j <= i + shift
     float const scale_log2 = p.softmax_scale_log2;
 
     CUTE_NO_UNROLL
     for (int s = 0; s < n_steps; ++s) {
-      int const q = schedule::decode_step(header, row, s).q_tile;
+      int const q = schedule::decode_step(geo, p.rank, row, s).q_tile;
       int const m0 = q * kBlockM;
 
       FragSdP tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -136,9 +137,7 @@ struct BwdMainloop {
       // above the causal diagonal get -inf first; only tiles that hold such
       // entries pay for the test.
       float const* lse = smem.lse[read_q.index()];
-      bool const need_mask = n0 + kBlockN > p.seqlen_k ||
-                             (kCausal && n0 + kBlockN - 1 > m0 + causal_shift);
-      if (need_mask) {
+      if (q < q_unmasked) {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
           int const n = n0 + get<0>(tScS(i));

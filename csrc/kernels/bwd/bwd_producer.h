@@ -57,17 +57,17 @@ struct BwdProducer {
     PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
     uint64_t& kv_full = reinterpret_cast<uint64_t&>(smem.kv_full);
-    int32_t const* header = p.schedule;
+    TileGeometry const geo = Traits::tile_geometry(p);
 
-    CtaTasks const tasks = CtaTasks::of(p.schedule);
+    CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
     for (int task = tasks.begin; task < tasks.end; ++task) {
-      int32_t const* row = schedule::task_row(p.schedule, task);
+      int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
       if (n_steps <= 0) { continue; }  // the MMA warpgroups write dK = dV = 0 without loads
       int const b = row[schedule::kCBatch];
       int const h = row[schedule::kCHead];
       int const h_kv = row[schedule::kCHeadKv];
-      int const kv = row[schedule::kCKv];
+      int const kv = row[schedule::kCKvTile];
 
       Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, h, b),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
@@ -92,7 +92,7 @@ struct BwdProducer {
         copy(p.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
       }
       for (int s = 0; s < n_steps; ++s) {
-        int const q = schedule::decode_step(header, row, s).q_tile;
+        int const q = schedule::decode_step(geo, p.rank, row, s).q_tile;
         // Q and dO of one tile are read by every KV tile of the head: keep them in L2.
         pipeline_q.producer_acquire(write_q);
         if (leader) {

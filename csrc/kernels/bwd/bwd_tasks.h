@@ -7,16 +7,15 @@
 
 #include <cute/config.hpp>
 
-#include "schedules/schedule_metadata.h"
+#include <cstdint>
 
 namespace dash_fa3::bwd {
 
 struct CtaTasks {
   int begin;
   int end;
-  CUTE_DEVICE static CtaTasks of(int32_t const* meta) {
-    int32_t const* offsets = schedule::offsets_of(meta);
-    return {offsets[blockIdx.x], offsets[blockIdx.x + 1]};
+  CUTE_DEVICE static CtaTasks of(int32_t const* cta_offsets) {
+    return {cta_offsets[blockIdx.x], cta_offsets[blockIdx.x + 1]};
   }
 };
 

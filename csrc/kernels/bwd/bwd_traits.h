@@ -25,7 +25,10 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "common/block_range.h"
 #include "common/gemm_sm90.h"
+#include "kernel_contract.h"  // generated: bwd_block_m / bwd_block_n
+#include "schedules/schedule_metadata.h"
 
 namespace dash_fa3::bwd {
 
@@ -56,22 +59,17 @@ enum class BwdBarrier : uint32_t {
   kDqFull = 5,  // and 6
 };
 
-// Tile shape per head dim (16-bit inputs), as FA3's Hopper backward:
-// kBlockN = 128 KV rows (two warpgroups x 64); kBlockM Q rows per step.
-template <int kHeadDim>
-struct BwdTileConfig;
-template <> struct BwdTileConfig<64>  { static constexpr int kBlockM = 128; };
-template <> struct BwdTileConfig<96>  { static constexpr int kBlockM = 64; };
-template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64; };
-
 template <int kHeadDim_, class Element_, bool kCausal_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kCausal = kCausal_;
 
-  static constexpr int kBlockM = BwdTileConfig<kHeadDim>::kBlockM;
-  static constexpr int kBlockN = 128;
+  // Tile shape per head dim, from dash_fa3/schedule/contract.py (as FA3's
+  // Hopper backward at hdim 64/128): kBlockN KV rows (two warpgroups x 64),
+  // kBlockM Q rows per step.
+  static constexpr int kBlockM = bwd_block_m(kHeadDim);
+  static constexpr int kBlockN = bwd_block_n(kHeadDim);
   static constexpr int kNumMmaWarpgroups = 2;
   static constexpr int kStages = 2;      // Q (+LSE) and dO (+dPsum) pipelines
   static constexpr int kStagesDs = 2;    // sdS double buffer: no barrier before the next write
@@ -80,7 +78,7 @@ struct BwdTraits {
   static constexpr int kStagesDq = 2;
   static_assert(kStagesDq <= 3, "one dQ-writer warp per sdQ buffer: warps 1..kStagesDq of warpgroup 0");
   static_assert(kBlockN == 64 * kNumMmaWarpgroups, "each MMA warpgroup owns 64 KV rows");
-  static_assert(kBlockM % 64 == 0 && kHeadDim % 32 == 0);
+  static_assert(kBlockM >= 64 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "no backward tile for this head dim");
 
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kNumMmaThreads = kNumMmaWarpgroups * kThreadsPerWarpgroup;
@@ -206,11 +204,21 @@ struct BwdTraits {
     float* dk_accum;
     float* dv_accum;
     int* dkv_semaphore;
-    int32_t const* schedule;  // flat metadata buffer (csrc/schedules/schedule_metadata.h)
+    // The schedule (csrc/schedules/schedule_metadata.h): CTA c runs task rows
+    // [cta_offsets[c], cta_offsets[c + 1]) of the task table; the header's
+    // fields that decode every step are launch constants, in rank.
+    int32_t const* cta_offsets;
+    int32_t const* tasks;
+    schedule::RankParams rank;
     int seqlen_q, seqlen_k, seqlen_q_rounded, heads, heads_kv, batch, n_q, n_kv;
     float softmax_scale, softmax_scale_log2;
     int deterministic;
   };
+
+  // Block ranges of one (batch, head): the call's shape with this kernel's tiles.
+  CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
+    return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, kCausal};
+  }
 };
 
 }  // namespace dash_fa3::bwd

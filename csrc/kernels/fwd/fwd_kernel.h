@@ -61,7 +61,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
     using Mainloop = FwdMainloop<Traits>;
     using Epilogue = FwdEpilogue<Traits>;
-    using Blocks = typename Mainloop::Blocks;
     int const mma_tid = threadIdx.x - Traits::kThreadsPerWarpgroup;
     Mainloop::init(mma_tid);
     typename Traits::PipelineState read_state;
@@ -71,14 +70,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       FwdTile t;
       if (!FwdTileScheduler<Traits>::slot(p, k, t)) { break; }
       if (t.m_block < 0) { continue; }
-      int const n_end = Blocks::end(t.m_block, p.seqlen_q, p.seqlen_k);
-      if (n_end <= 0) {
+      BlockRange const kv_blocks = Traits::tile_geometry(p).kv_range(t.m_block);
+      if (kv_blocks.end <= kv_blocks.begin) {
         Epilogue::store_empty(p, t, mma_tid);
         continue;
       }
       typename Mainloop::FragO tOrO;
       float lse[2];
-      Mainloop::run(p, smem, pipeline_q, pipeline_k, pipeline_v, q_state, read_state, t.m_block, n_end,
+      Mainloop::run(p, smem, pipeline_q, pipeline_k, pipeline_v, q_state, read_state, t.m_block, kv_blocks,
                     mma_tid, tOrO, lse);
       Epilogue::store(p, tOrO, lse, t, mma_tid);
     }

@@ -39,7 +39,6 @@ struct FwdMainloop {
   using PipelineStateQ = typename Traits::PipelineStateQ;
   using PipelineKV = typename Traits::PipelineKV;
   using PipelineState = typename Traits::PipelineState;
-  using Blocks = KeyBlockRange<Traits::kBlockM, Traits::kBlockN, Traits::kCausal>;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -80,10 +79,11 @@ struct FwdMainloop {
   }
 
   // Computes the normalised O of one tile into tOrO and the LSE of this
-  // thread's two rows into lse. n_end >= 1 key blocks.
+  // thread's two rows into lse, over the key blocks kv_blocks (not empty;
+  // common/block_range.h), last block first.
   CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
                               PipelineKV& pipeline_k, PipelineKV& pipeline_v, PipelineStateQ& q_state,
-                              PipelineState& read_state, int m_block, int n_end, int mma_tid,
+                              PipelineState& read_state, int m_block, BlockRange kv_blocks, int mma_tid,
                               FragO& tOrO, float (&lse)[2]) {
     int const wg = warpgroup(mma_tid);
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
@@ -112,7 +112,7 @@ struct FwdMainloop {
 
     // First block: S, mask (it may hold keys past seqlen_k and the diagonal),
     // softmax. No PV GEMM to overlap with yet.
-    int n = n_end - 1;
+    int n = kv_blocks.end - 1;
     {
       FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
       consumer_wait(pipeline_q, q_state);
@@ -154,12 +154,12 @@ struct FwdMainloop {
 
     --n;
     if constexpr (kCausal) {
-      int const unmasked_end = Blocks::unmasked_end(m_block, p.seqlen_q, p.seqlen_k);
+      int const unmasked_end = Traits::tile_geometry(p).kv_unmasked_end(m_block);
       CUTE_NO_UNROLL
       for (; n >= unmasked_end; --n) { step(n, cute::true_type{}); }
     }
     CUTE_NO_UNROLL
-    for (; n >= 0; --n) { step(n, cute::false_type{}); }
+    for (; n >= kv_blocks.begin; --n) { step(n, cute::false_type{}); }
 
     // Every S = Q K^T of the tile has retired: this Q stage may be refilled.
     pipeline_q.consumer_release(q_state);

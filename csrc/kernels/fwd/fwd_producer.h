@@ -15,7 +15,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include "common/mask.h"
+#include "common/block_range.h"
 #include "kernels/fwd/fwd_tile_scheduler.h"
 #include "kernels/fwd/fwd_traits.h"
 
@@ -28,7 +28,6 @@ struct FwdProducer {
   using PipelineQ = typename Traits::PipelineQ;
   using PipelineKV = typename Traits::PipelineKV;
   using PipelineState = typename Traits::PipelineState;
-  using Blocks = KeyBlockRange<Traits::kBlockM, Traits::kBlockN, Traits::kCausal>;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -62,9 +61,9 @@ struct FwdProducer {
       FwdTile t;
       if (!FwdTileScheduler<Traits>::slot(p, k, t)) { break; }
       if (t.m_block < 0) { continue; }
-      int const n_end = Blocks::end(t.m_block, p.seqlen_q, p.seqlen_k);
+      BlockRange const kv_blocks = Traits::tile_geometry(p).kv_range(t.m_block);
       // The MMA warpgroups skip such a tile too (they write O = 0, LSE = -inf).
-      if (n_end <= 0) { continue; }
+      if (kv_blocks.end <= kv_blocks.begin) { continue; }
       int const head_kv = t.head / p.q_heads_per_kv_head;
 
       Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, t.batch),
@@ -92,7 +91,7 @@ struct FwdProducer {
         }
       };
 
-      int n = n_end - 1;
+      int n = kv_blocks.end - 1;
       load_k(n, write_state);
       // Waits until the MMA warpgroups released this Q stage (their last
       // S = Q K^T of the tile kQStages tiles back has retired).
@@ -102,13 +101,13 @@ struct FwdProducer {
              tQgQ, tQsQ(_, _, _, q_write_state.index()));
       }
       ++q_write_state;
-      for (--n; n >= 0; --n) {
+      for (--n; n >= kv_blocks.begin; --n) {
         PipelineState const v_state = write_state;  // V of block n+1 rides one step behind K
         ++write_state;
         load_k(n, write_state);
         load_v(n + 1, v_state);
       }
-      load_v(0, write_state);
+      load_v(kv_blocks.begin, write_state);
       ++write_state;
     }
   }

@@ -15,6 +15,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "common/block_range.h"
 #include "common/gemm_sm90.h"
 
 namespace dash_fa3::fwd {
@@ -169,6 +170,11 @@ struct FwdTraits {
     int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h
     int heads_per_section;  // (batch, head) pairs per L2 section, see fwd_tile_scheduler.h
   };
+
+  // Block ranges of one (batch, head): the call's shape with this kernel's tiles.
+  CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
+    return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, kCausal};
+  }
 };
 
 }  // namespace dash_fa3::fwd

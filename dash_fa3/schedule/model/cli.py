@@ -19,6 +19,14 @@ Bench grid (validate every schedule on the paper's grid, optionally simulate)::
 Gallery (the Gantt charts of docs/schedule.md)::
 
     python -m dash_fa3.schedule gallery --out docs/gantt
+
+Export (the kernel's validated static metadata, for the C++ harness)::
+
+    python -m dash_fa3.schedule export --out sched.i32 --sms 132 --schedule fa3,spt \
+        (--shapes FILE|- | --seqlen N --headdim D [--causal] ...)
+
+Every numeric argument is checked when parsed: a bad value exits with status 2
+and one line on stderr.
 """
 
 from __future__ import annotations
@@ -29,24 +37,50 @@ import os
 import sys
 import time
 
-from .geometry import Geometry, bwd_block_sizes
+import math
+
+from .. import export
+from ..export import DEFAULT_GRID, grid_geometries
+from ..geometry import Geometry, bwd_block_sizes
+from ..schedules import SCHEDULES, build_schedule
+from ..validate import ScheduleError
 from .paper import paper_makespan
-from .schedules import SCHEDULES, build_schedule
 from .simulate import CostModel, simulate
-from .validate import ScheduleError
-
-# The paper's grid (also in shared/bench_grid.json): bf16, 16384 tokens, hidden 2048.
-DEFAULT_GRID = {"total_tokens": 16384, "hidden": 2048, "headdims": [64, 128],
-                "seqlens": [512, 1024, 2048, 4096, 8192, 16384], "masks": ["full", "causal"]}
 
 
-def _schedule_list(arg: str) -> list[str]:
+# ------------------------------------------------------------ argument types
+# argparse turns the ValueError of a type= function into "argument --x:
+# invalid <name> value: 'v'", one line on stderr and exit status 2.
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(text)
+    return value
+
+
+def sm_list(text: str) -> list[int]:
+    return [positive_int(x) for x in text.split(",")]
+
+
+positive_int.__name__ = "positive integer"
+nonnegative_float.__name__ = "finite non-negative number"
+sm_list.__name__ = "comma list of positive integers"
+
+
+def _schedule_list(p, arg: str) -> list[str]:
     if arg == "all":
         return list(SCHEDULES)
     names = [a.strip() for a in arg.split(",") if a.strip()]
-    for n in names:
+    for n in names or [arg]:
         if n not in SCHEDULES + ("auto",):
-            raise SystemExit(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES + ('auto',))} or all")
+            p.error(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES + ('auto',))} or all")
     return names
 
 
@@ -101,46 +135,62 @@ def _costs_from(args) -> CostModel:
 
 
 def _add_cost_args(p, *, rc_default: float):
-    p.add_argument("--compute", type=float, default=1.0, help="c: compute cost of one tile step (default 1)")
-    p.add_argument("--rc-ratio", type=float, default=rc_default,
+    p.add_argument("--compute", type=nonnegative_float, default=1.0,
+                   help="c: compute cost of one tile step (default 1)")
+    p.add_argument("--rc-ratio", type=nonnegative_float, default=rc_default,
                    help=f"r/c when --reduce is not given (default {rc_default})")
-    p.add_argument("--reduce", type=float, default=None, help="r: cost of one dQ tile add")
-    p.add_argument("--latency", type=float, default=0.0,
+    p.add_argument("--reduce", type=nonnegative_float, default=None, help="r: cost of one dQ tile add")
+    p.add_argument("--latency", type=nonnegative_float, default=0.0,
                    help="extra delay of a cross-SM semaphore signal, in the same units (default 0)")
-    p.add_argument("--epilogue", type=float, default=0.0, help="cost of a task's dK/dV epilogue (default 0)")
+    p.add_argument("--epilogue", type=nonnegative_float, default=0.0,
+                   help="cost of a task's dK/dV epilogue (default 0)")
     p.add_argument("--cost-scale", choices=("constant", "elements"), default="constant",
                    help="constant per-step costs, or scaled by valid elements/rows of each tile")
+
+
+def _add_shape_args(p, *, seqlen_required: bool):
+    p.add_argument("--seqlen", type=positive_int, required=seqlen_required, help="seqlen_q")
+    p.add_argument("--seqlen-k", type=positive_int, default=None, help="seqlen_k (default: seqlen)")
+    p.add_argument("--headdim", type=positive_int, default=128)
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--heads-kv", type=positive_int, default=None, help="kv heads (GQA); default: heads")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--causal", action="store_true")
+
+
+def _shape_geometry(p, args, block_m=None, block_n=None) -> Geometry:
+    """The Geometry of the shape arguments; argparse-style exit on a bad combination."""
+    try:
+        bm, bn = bwd_block_sizes(args.headdim)
+        return Geometry(batch=args.batch, heads=args.heads, heads_kv=args.heads_kv, seqlen_q=args.seqlen,
+                        seqlen_k=args.seqlen_k or args.seqlen, block_m=block_m or bm, block_n=block_n or bn,
+                        mask="causal" if args.causal else "full")
+    except ValueError as e:
+        p.error(str(e))
 
 
 def _real_main(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule",
                                 description="Simulate the DASH backward schedules on a real shape.")
-    p.add_argument("--seqlen", type=int, required=True, help="seqlen_q")
-    p.add_argument("--seqlen-k", type=int, default=None, help="seqlen_k (default: seqlen)")
-    p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--heads-kv", type=int, default=None, help="kv heads (GQA); default: heads")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--causal", action="store_true")
+    _add_shape_args(p, seqlen_required=True)
     p.add_argument("--schedule", default="all", help="a name, a comma list, or all")
-    p.add_argument("--sms", type=int, default=132, help="SM count = persistent CTAs (132 H100/H200 SXM, 114 PCIe)")
-    p.add_argument("--block-m", type=int, default=None, help="Q tile rows (default from head dim)")
-    p.add_argument("--block-n", type=int, default=None, help="KV tile rows (default from head dim)")
+    p.add_argument("--sms", type=positive_int, default=132,
+                   help="SM count = persistent CTAs (132 H100/H200 SXM, 114 PCIe)")
+    p.add_argument("--block-m", type=positive_int, default=None, help="Q tile rows (default from head dim)")
+    p.add_argument("--block-n", type=positive_int, default=None, help="KV tile rows (default from head dim)")
     _add_cost_args(p, rc_default=0.25)
     p.add_argument("--gantt-dir", default="gantt", help="where to write Gantt PNGs (default ./gantt)")
     p.add_argument("--no-gantt", action="store_true")
     p.add_argument("--no-critical-path", action="store_true")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
     args = p.parse_args(argv)
-    bm, bn = bwd_block_sizes(args.headdim)
-    g = Geometry(batch=args.batch, heads=args.heads, heads_kv=args.heads_kv, seqlen_q=args.seqlen,
-                 seqlen_k=args.seqlen_k or args.seqlen, block_m=args.block_m or bm,
-                 block_n=args.block_n or bn, mask="causal" if args.causal else "full")
+    g = _shape_geometry(p, args, args.block_m, args.block_n)
+    names = _schedule_list(p, args.schedule)
     costs = _costs_from(args)
     if not args.no_gantt:
         os.makedirs(args.gantt_dir, exist_ok=True)
     rows = []
-    for name in _schedule_list(args.schedule):
+    for name in names:
         gp = None
         if not args.no_gantt:
             gp = os.path.join(args.gantt_dir, f"{name}_{g.mask}_b{g.batch}h{g.heads}_sq{g.seqlen_q}_sk{g.seqlen_k}"
@@ -160,10 +210,10 @@ def _real_main(argv) -> int:
 def _model_main(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule model",
                                 description="The paper's model: n KV tiles = n SMs, m heads, square tiles.")
-    p.add_argument("--kv-tiles", "-n", type=int, required=True)
-    p.add_argument("--heads", "-m", type=int, required=True)
-    p.add_argument("--q-tiles", type=int, default=None, help="Q tiles (default: kv tiles)")
-    p.add_argument("--sms", type=int, default=None, help="SMs (default: kv tiles)")
+    p.add_argument("--kv-tiles", "-n", type=positive_int, required=True)
+    p.add_argument("--heads", "-m", type=positive_int, required=True)
+    p.add_argument("--q-tiles", type=positive_int, default=None, help="Q tiles (default: kv tiles)")
+    p.add_argument("--sms", type=positive_int, default=None, help="SMs (default: kv tiles)")
     p.add_argument("--mask", choices=("full", "causal"), default="full")
     p.add_argument("--schedule", default="all")
     _add_cost_args(p, rc_default=1.0)
@@ -174,7 +224,7 @@ def _model_main(argv) -> int:
     g = Geometry.model(n, m, args.mask, n_q=args.q_tiles)
     sms = args.sms or n
     costs = _costs_from(args)
-    names = _schedule_list(args.schedule)
+    names = _schedule_list(p, args.schedule)
     rows = []
     for name in names:
         gp = None
@@ -200,21 +250,11 @@ def _model_main(argv) -> int:
     return 0 if all(r.get("valid") for r in rows) else 1
 
 
-def grid_geometries(grid: dict):
-    """(label, Geometry) for every shape of a bench-grid dict."""
-    for hd in grid["headdims"]:
-        for sl in grid["seqlens"]:
-            for mask in grid["masks"]:
-                g = Geometry.from_shape(batch=grid["total_tokens"] // sl, heads=grid["hidden"] // hd,
-                                        seqlen_q=sl, headdim=hd, causal=(mask == "causal"))
-                yield f"hdim{hd} s{sl} {mask}", g
-
-
 def _grid_main(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule bench-grid",
                                 description="Validate (and optionally simulate) every schedule on the bench grid.")
     p.add_argument("--grid", default=None, help="bench_grid.json (default: the paper's grid)")
-    p.add_argument("--sms", default="132,114")
+    p.add_argument("--sms", type=sm_list, default=[132, 114])
     p.add_argument("--schedule", default="all")
     p.add_argument("--simulate", action="store_true", help="also simulate (prints makespan/lower bound)")
     _add_cost_args(p, rc_default=0.25)
@@ -224,10 +264,10 @@ def _grid_main(argv) -> int:
         with open(args.grid) as f:
             grid.update(json.load(f))
     costs = _costs_from(args)
-    names = _schedule_list(args.schedule)
+    names = _schedule_list(p, args.schedule)
     ok = True
     t0 = time.time()
-    for sms in [int(x) for x in args.sms.split(",")]:
+    for sms in args.sms:
         for label, g in grid_geometries(grid):
             cells = []
             for name in names:
@@ -260,8 +300,8 @@ def _gallery_main(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule gallery",
                                 description="Write the Gantt charts of docs/schedule.md.")
     p.add_argument("--out", default=os.path.join("docs", "gantt"))
-    p.add_argument("--compute", type=float, default=1.0)
-    p.add_argument("--reduce", type=float, default=0.5)
+    p.add_argument("--compute", type=nonnegative_float, default=1.0)
+    p.add_argument("--reduce", type=nonnegative_float, default=0.5)
     args = p.parse_args(argv)
     from .plot import plot_gantt
 
@@ -293,8 +333,45 @@ def _gallery_main(argv) -> int:
     return 0
 
 
+def _export_main(argv) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m dash_fa3.schedule export",
+        description="Write the kernel's validated static schedule metadata (a bundle of flat int32 buffers, "
+                    "dash_fa3/schedule/export.py) for programs without Python, e.g. benchmarks/cpp/bwd_bench.")
+    p.add_argument("--out", required=True, help="bundle file to write")
+    p.add_argument("--sms", type=positive_int, default=132,
+                   help="SM count of the GPU that will run them (132 H100/H200 SXM, 114 PCIe)")
+    p.add_argument("--schedule", default="fa3,spt", help="a name, a comma list, or all (default fa3,spt)")
+    p.add_argument("--shapes", default=None,
+                   help="file of shape lines 'batch heads heads_kv seqlen_q seqlen_k headdim causal' "
+                        "('-': stdin; e.g. the output of bwd_bench shapes CMD); else the shape arguments")
+    _add_shape_args(p, seqlen_required=False)
+    args = p.parse_args(argv)
+    names = _schedule_list(p, args.schedule)
+    if args.shapes is not None:
+        lines = sys.stdin.read().splitlines() if args.shapes == "-" else open(args.shapes).read().splitlines()
+        try:
+            geometries = [g for g in map(export.parse_shape_line, lines) if g is not None]
+        except ValueError as e:
+            p.error(str(e))
+    elif args.seqlen is None:
+        p.error("give --shapes or --seqlen (and the other shape arguments)")
+    else:
+        geometries = [_shape_geometry(p, args)]
+    try:
+        metas = export.kernel_schedules(names, geometries, args.sms)
+    except ScheduleError as e:
+        p.error(str(e))
+    n = export.write_bundle(args.out, metas)
+    print(f"{args.out}: {len(metas)} schedules ({', '.join(names)}) for {len(geometries)} shapes, "
+          f"{args.sms} SMs, {4 * n} bytes")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "export":
+        return _export_main(argv[1:])
     if argv and argv[0] == "model":
         return _model_main(argv[1:])
     if argv and argv[0] == "bench-grid":

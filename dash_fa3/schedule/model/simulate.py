@@ -17,7 +17,7 @@ computed then masked).  ``scale="elements"``: c scales with the fraction of the
 tile's elements that are inside both sequences and the mask, r with the
 fraction of valid Q rows; useful to study ragged shapes.
 
-Static schedules are evaluated on the DAG (:func:`.dag.evaluate_fused`);
+Static schedules are evaluated on the DAG (:func:`..waitgraph.evaluate_fused`);
 dynamic ones (``fa3``, ``spt``, ``descending``) are dispatched the way the
 hardware dispatches a grid: the next task in queue order goes to the first SM
 that becomes free (ties: lowest SM id).
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .dag import chain_prev_task, evaluate_fused, fused_graph
+from ..waitgraph import chain_prev_task, evaluate_fused, fused_graph
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,163 @@
+"""The kernel contract, defined once: the schedule metadata layout and the
+backward tile sizes.
+
+Python imports the names below; the build (``tools/build_config.py``) turns this
+module into the C++ header ``kernel_contract.h`` (:func:`cpp_header`), so the
+kernels, the launcher and the C++ harnesses read the same values.  Change a
+field here and both languages change together.
+
+This module is loaded by path by the build, before torch or numpy may be
+importable: standard library only, no relative imports.
+
+Flat buffer of one schedule (int32)::
+
+    [ header (HEADER_LEN) | cta_offsets (header[offsets_len]) | tasks (num_tasks x NUM_COLS) ]
+
+Static dispatch: CTA i runs task rows [cta_offsets[i], cta_offsets[i+1]) in
+order.  Dynamic dispatch: CTAs claim rows in order from an atomic counter (no
+offsets).  How a row's steps decode into (Q tile, rank) is
+``csrc/schedules/schedule_metadata.h`` (C++, host and device) and
+:mod:`.metadata` (Python); ``tests/test_contract_cpp.py`` compares the two.
+"""
+
+from __future__ import annotations
+
+MAGIC = 0x44415348  # 'DASH'
+METADATA_VERSION = 1
+
+# Header fields, by index.
+HEADER_FIELDS = (
+    "magic",           # MAGIC
+    "version",         # METADATA_VERSION
+    "schedule",        # index into SCHEDULES
+    "dispatch",        # DISPATCH_STATIC / DISPATCH_DYNAMIC
+    "rank_kind",       # RANK_ASC / RANK_DESC / RANK_SHIFT: which rank rule decodes the steps
+    "num_ctas",        # persistent CTAs to launch (<= SM count)
+    "num_tasks",       # rows in the task table
+    "num_cols",        # NUM_COLS
+    "batch", "heads", "heads_kv", "seqlen_q", "seqlen_k", "block_m", "block_n",
+    "causal",          # 0/1, bottom-right aligned
+    "n_q", "n_kv",     # Q and KV tiles per head
+    "rect_begin",      # R: first Q tile of the dense rectangle (SHIFT)
+    "units_per_head",  # CTA units (KV tile pairs) per head (SHIFT; n_kv otherwise)
+    "pairs_hi",        # units that carry a second ("hi") KV tile (SHIFT)
+    "num_steps",       # total (task, step) pairs
+    "offsets_len",     # num_ctas + 1 (static) or 0 (dynamic)
+    "reserved",
+)
+(H_MAGIC, H_VERSION, H_SCHEDULE, H_DISPATCH, H_RANK_KIND, H_NUM_CTAS, H_NUM_TASKS, H_NUM_COLS,
+ H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_CAUSAL,
+ H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
+ H_RESERVED) = range(len(HEADER_FIELDS))
+HEADER_LEN = len(HEADER_FIELDS)
+
+# Task-table columns, by index; one row per task (batch, q head, KV tile).
+COLUMNS = (
+    "batch", "head",   # q head
+    "kv_tile",
+    "n_steps",         # Q tiles the task visits
+    "cyc_len", "cyc_base", "cyc_off",  # step s < cyc_len visits cyc_base + (cyc_off + s) % cyc_len
+    "lin_base", "lin_dir",             # later steps visit lin_base + lin_dir * (s - cyc_len), lin_dir = +-1
+    "role",            # ROLE_LO (lo or single tile of its unit) / ROLE_HI
+    "seg_begin", "seg_end",  # units [seg_begin, seg_end) of this head run in this task's wave (SHIFT)
+    "rank_dkv",        # turn of this q head in its GQA group's dK/dV adds
+    "head_kv",
+    "cta",             # static: the CTA that runs the row; dynamic: -1
+    "unit",            # unit (pair) index within the head (informational)
+)
+(C_BATCH, C_HEAD, C_KV, C_N_STEPS, C_CYC_LEN, C_CYC_BASE, C_CYC_OFF, C_LIN_BASE, C_LIN_DIR,
+ C_ROLE, C_SEG_BEGIN, C_SEG_END, C_RANK_DKV, C_HEAD_KV, C_CTA, C_UNIT) = range(len(COLUMNS))
+NUM_COLS = len(COLUMNS)
+
+# Codes stored in the header and the rows (C++ enum name, codes in order).
+SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
+DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
+RANK_ASC, RANK_DESC, RANK_SHIFT = 0, 1, 2
+ROLE_LO, ROLE_HI = 0, 1
+ENUMS = {
+    "Dispatch": (("kDispatchStatic", DISPATCH_STATIC), ("kDispatchDynamic", DISPATCH_DYNAMIC)),
+    "RankKind": (("kRankAsc", RANK_ASC), ("kRankDesc", RANK_DESC), ("kRankShift", RANK_SHIFT)),
+    "Role": (("kRoleLo", ROLE_LO), ("kRoleHi", ROLE_HI)),
+}
+
+# Backward tile sizes (block_m = Q rows per tile, block_n = KV rows per tile)
+# per head dim.  64 and 128 follow FlashAttention-3's Hopper backward; the
+# others are our choice (registers bound the accumulators, so wider heads get
+# narrower tiles).  Head dims between entries round up to the next entry.
+BWD_BLOCK_SIZES: dict[int, tuple[int, int]] = {
+    64: (128, 128),
+    96: (64, 128),
+    128: (64, 128),
+    192: (64, 96),
+    256: (64, 64),
+}
+
+
+def _check() -> None:
+    # The index constants above are unpacked from range(): a field inserted in
+    # one list only must fail at import, not decode garbage on a GPU.
+    g = globals()
+    for prefix, names in (("H_", HEADER_FIELDS), ("C_", COLUMNS)):
+        for i, name in enumerate(names):
+            alias = "C_KV" if name == "kv_tile" else prefix + name.upper()
+            if g[alias] != i:
+                raise AssertionError(f"contract: {alias} = {g[alias]}, but field {name!r} is at {i}")
+    if len(set(COLUMNS)) != NUM_COLS or len(set(HEADER_FIELDS)) != HEADER_LEN:
+        raise AssertionError("contract: duplicate field name")
+
+
+_check()
+
+
+def _camel(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+
+
+def cpp_header() -> str:
+    """The generated C++ header (``kernel_contract.h``): constants only, plain C++17."""
+    out = [
+        "// Generated by tools/build_config.py from dash_fa3/schedule/contract.py. Do not edit.",
+        "// The kernel contract: schedule metadata layout and backward tile sizes (plain C++17,",
+        "// host and device).",
+        "#pragma once",
+        "",
+        "#include <cstdint>",
+        "",
+        "namespace dash_fa3 {",
+        "namespace schedule {",
+        "",
+        f"constexpr int32_t kMagic = 0x{MAGIC:08X};",
+        f"constexpr int32_t kVersion = {METADATA_VERSION};",
+        f"constexpr int kHeaderLen = {HEADER_LEN};",
+        f"constexpr int kNumCols = {NUM_COLS};",
+        "",
+        "// Header indices (contract.H_*).",
+        "enum Header : int {",
+        *(f"  kH{_camel(n)} = {i}," for i, n in enumerate(HEADER_FIELDS)),
+        "};",
+        "",
+        "// Task-table columns (contract.C_*).",
+        "enum Column : int {",
+        *(f"  kC{_camel(n)} = {i}," for i, n in enumerate(COLUMNS)),
+        "};",
+    ]
+    for enum, members in ENUMS.items():
+        out += ["", f"enum {enum} : int32_t {{", *(f"  {m} = {v}," for m, v in members), "};"]
+    names = ", ".join(f'"{s}"' for s in SCHEDULES)
+    out += [
+        "",
+        "// header[kHSchedule] indexes this list (contract.SCHEDULES).",
+        f"constexpr int kNumSchedules = {len(SCHEDULES)};",
+        f"inline constexpr char const* kScheduleNames[kNumSchedules] = {{{names}}};",
+        "",
+        "}  // namespace schedule",
+        "",
+        "// Backward tile sizes (contract.BWD_BLOCK_SIZES): a head dim uses the first",
+        "// entry >= it; 0 means no backward tile for that head dim.",
+    ]
+    dims = sorted(BWD_BLOCK_SIZES)
+    for fn, k in (("bwd_block_m", 0), ("bwd_block_n", 1)):
+        body = " : ".join(f"headdim <= {d} ? {BWD_BLOCK_SIZES[d][k]}" for d in dims)
+        out.append(f"constexpr int {fn}(int headdim) {{ return headdim <= 0 ? 0 : {body} : 0; }}")
+    out += ["", "}  // namespace dash_fa3", ""]
+    return "\n".join(out)

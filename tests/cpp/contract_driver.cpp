@@ -1,0 +1,105 @@
+// CPU driver of tests/test_contract_cpp.py: runs the kernels' plain-C++
+// headers (the schedule decode, the block ranges, the backward tile sizes) on
+// inputs from Python, compiled with the host compiler (no CUDA), and writes
+// the results to stdout as raw native-endian int32.
+//
+//   contract_driver decode BUNDLE   per buffer of the bundle, per task row, per
+//                                   step: q_tile, rank
+//   contract_driver geometry        stdin: "seqlen_q seqlen_k block_m block_n causal"
+//                                   lines; per line: per Q tile kv_range begin,
+//                                   end, kv_unmasked_end; per KV tile q_range
+//                                   begin, end, q_unmasked_begin
+//   contract_driver blocks          stdin: head dims; per head dim bwd_block_m,
+//                                   bwd_block_n
+// A bundle is flat schedule buffers back to back (dash_fa3/schedule/export.py).
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "kernel_contract.h"
+#include "schedules/schedule_metadata.h"
+
+namespace S = dash_fa3::schedule;
+
+namespace {
+
+int fail(std::string const& what) {
+  std::cerr << "contract_driver: " << what << "\n";
+  return 2;
+}
+
+void emit(std::vector<int32_t> const& out) {
+  std::fwrite(out.data(), sizeof(int32_t), out.size(), stdout);
+}
+
+int decode(char const* path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) { return fail(std::string("cannot open ") + path); }
+  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::vector<int32_t> buf(bytes.size() / sizeof(int32_t));
+  std::copy(bytes.begin(), bytes.begin() + buf.size() * sizeof(int32_t), reinterpret_cast<char*>(buf.data()));
+  std::vector<int32_t> out;
+  for (size_t pos = 0; pos < buf.size();) {
+    int32_t const* header = buf.data() + pos;
+    if (buf.size() - pos < size_t(S::kHeaderLen) || header[S::kHMagic] != S::kMagic ||
+        header[S::kHVersion] != S::kVersion) {
+      return fail("bad schedule header at entry " + std::to_string(pos));
+    }
+    int64_t const len = S::buffer_len(header);
+    if (int64_t(buf.size() - pos) < len) { return fail("truncated schedule buffer"); }
+    dash_fa3::TileGeometry const geo = S::tile_geometry_of(header);
+    S::RankParams const rank = S::rank_params_of(header);
+    int32_t const* tasks = S::tasks_of(header, header);
+    for (int t = 0; t < header[S::kHNumTasks]; ++t) {
+      int32_t const* row = S::task_row(tasks, t);
+      for (int s = 0; s < row[S::kCNSteps]; ++s) {
+        S::StepInfo const st = S::decode_step(geo, rank, row, s);
+        out.push_back(st.q_tile);
+        out.push_back(st.rank);
+      }
+    }
+    pos += size_t(len);
+  }
+  emit(out);
+  return 0;
+}
+
+int geometry() {
+  std::vector<int32_t> out;
+  int seqlen_q, seqlen_k, block_m, block_n, causal;
+  while (std::cin >> seqlen_q >> seqlen_k >> block_m >> block_n >> causal) {
+    dash_fa3::TileGeometry const g{seqlen_q, seqlen_k, block_m, block_n, causal != 0};
+    for (int q = 0; q < g.n_q(); ++q) {
+      dash_fa3::BlockRange const r = g.kv_range(q);
+      out.insert(out.end(), {r.begin, r.end, g.kv_unmasked_end(q)});
+    }
+    for (int kv = 0; kv < g.n_kv(); ++kv) {
+      dash_fa3::BlockRange const r = g.q_range(kv);
+      out.insert(out.end(), {r.begin, r.end, g.q_unmasked_begin(kv)});
+    }
+  }
+  emit(out);
+  return 0;
+}
+
+int blocks() {
+  std::vector<int32_t> out;
+  int headdim;
+  while (std::cin >> headdim) { out.insert(out.end(), {dash_fa3::bwd_block_m(headdim), dash_fa3::bwd_block_n(headdim)}); }
+  emit(out);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string const cmd = argc > 1 ? argv[1] : "";
+  if (cmd == "decode" && argc == 3) { return decode(argv[2]); }
+  if (cmd == "geometry") { return geometry(); }
+  if (cmd == "blocks") { return blocks(); }
+  return fail("usage: contract_driver decode BUNDLE | geometry | blocks");
+}
