@@ -68,8 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
               "dash_fa3: schedule_header must be a contiguous CPU int32 tensor with at least ",
               schedule::kHeaderLen, " entries"));
   const int32_t* hdr = schedule_header.data_ptr<int32_t>();
-  const int64_t expected_len = schedule::kHeaderLen + int64_t(hdr[schedule::kHOffsetsLen]) +
-                               int64_t(hdr[schedule::kHNumTasks]) * schedule::kNumCols;
+  const int64_t expected_len = schedule::buffer_len(hdr);
   TORCH_CHECK(schedule.numel() == expected_len, msg("dash_fa3: schedule has ", schedule.numel(),
               " entries, its header says ", expected_len));
 
