@@ -107,7 +107,7 @@ setup(
     install_requires=["torch>=2.9", "numpy"],
     extras_require={
         # What the README's test command and examples need.
-        "test": ["pytest", "hypothesis", "matplotlib"],
+        "test": ["pytest", "hypothesis", "matplotlib", "transformers>=5,<6"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
