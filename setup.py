@@ -22,7 +22,7 @@ import build_config  # noqa: E402
 
 INSTALL_HINT = (
     "dash_fa3 compiles CUDA kernels for Hopper (sm_90a) and needs, before `pip install`:\n"
-    "  1. a CUDA build of PyTorch >= 2.9:  pip install 'torch>=2.9'   (PyPI's Linux wheels are CUDA builds)\n"
+    "  1. a CUDA build of PyTorch >= 2.9:  pip install 'torch>=2.9'   (PyPI's Linux x86_64 wheels are CUDA builds)\n"
     "  2. the CUDA toolkit (nvcc + headers) of torch's CUDA major version:  export CUDA_HOME=/usr/local/cuda\n"
     "  3. CUTLASS headers and the build tools:  pip install nvidia-cutlass==4.2.0.0 ninja wheel\n"
     "then: pip install --no-build-isolation -e \".[test]\"\n"
