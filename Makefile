@@ -5,7 +5,7 @@ export CUDA_HOME ?= /usr/local/cuda
 .PHONY: install dev test test-cpu ptxas gpu-check bench clean
 
 install:  ## build and install (DASH_FA3_VARIANTS narrows the variants)
-	$(PYTHON) -m pip install --no-build-isolation -v -e .
+	$(PYTHON) -m pip install --no-build-isolation -v -e ".[test]"
 
 dev:  ## in-place build of one variant for kernel iteration
 	DASH_FA3_VARIANTS=$${DASH_FA3_VARIANTS:-hdim128-bf16} $(PYTHON) setup.py build_ext --inplace

@@ -1,9 +1,12 @@
-"""Build dash_fa3 from source: ``pip install --no-build-isolation .``
+"""Build dash_fa3 from source: ``pip install --no-build-isolation -e ".[test]"``
 
-Needs a CUDA build of torch (2.11 with CUDA 13.0 is what we test), the CUDA
-toolkit's nvcc, and the nvidia-cutlass wheel for the CUTLASS/CuTe headers.
+Needs a CUDA build of torch >= 2.9 (2.11 with CUDA 13.0 is what the GPU machine
+runs), the CUDA toolkit's nvcc and headers (``CUDA_HOME``) of the same major
+version as torch's CUDA, and the nvidia-cutlass wheel for the CUTLASS/CuTe
+headers. Every missing prerequisite is reported before anything compiles.
 ``DASH_FA3_VARIANTS`` narrows the compiled variants (see dash_fa3/variants.py).
-``MAX_JOBS`` bounds the parallel compile jobs.
+``MAX_JOBS`` bounds the parallel compile jobs. ``DASH_FA3_CPU_ONLY=1`` installs
+the Python package without the extension (CPU reference path and schedule model).
 """
 
 import os
@@ -19,12 +22,25 @@ import build_config  # noqa: E402
 
 INSTALL_HINT = (
     "dash_fa3 compiles CUDA kernels for Hopper (sm_90a) and needs, before `pip install`:\n"
-    "  1. a CUDA build of PyTorch:      pip install torch==2.11.0   (the CUDA 13.0 build)\n"
-    "  2. the CUDA 13 toolkit's nvcc:   set CUDA_HOME (e.g. /usr/local/cuda)\n"
-    "  3. CUTLASS headers:              pip install nvidia-cutlass==4.2.0.0 ninja\n"
-    "then: pip install --no-build-isolation .\n"
-    "Without a GPU, the pure-Python parts run from a source checkout: see README.md."
+    "  1. a CUDA build of PyTorch >= 2.9:  pip install 'torch>=2.9'   (PyPI's Linux x86_64 wheels are CUDA builds)\n"
+    "  2. the CUDA toolkit (nvcc + headers) of torch's CUDA major version:  export CUDA_HOME=/usr/local/cuda\n"
+    "  3. CUTLASS headers and the build tools:  pip install nvidia-cutlass==4.2.0.0 ninja wheel\n"
+    "then: pip install --no-build-isolation -e \".[test]\"\n"
+    f"Without a GPU: {build_config.CPU_ONLY_ENV}=1 pip install --no-build-isolation -e \".[test]\" installs the\n"
+    "Python package alone (the CPU reference path and the schedule model). See README.md."
 )
+
+
+def cpu_only() -> bool:
+    return os.environ.get(build_config.CPU_ONLY_ENV, "0") not in ("", "0")
+
+
+def check_prerequisites() -> None:
+    """Stops the install at once, listing every missing prerequisite and how to get it."""
+    _, problems = build_config.find_problems(build_config.installed_torch(), os.environ)
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        sys.exit(f"error: cannot build dash_fa3:\n{listed}\n\n{INSTALL_HINT}")
 
 
 def fail(reason: str) -> None:
@@ -32,19 +48,13 @@ def fail(reason: str) -> None:
 
 
 def extension_modules():
-    try:
-        import torch
-        from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
-    except ImportError as exc:
-        fail(f"PyTorch is not importable ({exc})")
-    if torch.version.cuda is None:
-        fail(f"torch {torch.__version__} is a CPU-only build")
-    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        fail(f"nvcc not found (CUDA_HOME={CUDA_HOME!r})")
-    try:
-        include_dirs = build_config.include_dirs()
-    except build_config.cutlass_locator.CutlassNotFound as exc:
-        fail(str(exc))
+    if cpu_only():
+        print(f"dash_fa3: {build_config.CPU_ONLY_ENV}=1: installing the Python package without the CUDA extension")
+        return []
+    check_prerequisites()
+    from torch.utils.cpp_extension import CUDAExtension
+
+    include_dirs = build_config.include_dirs()
     try:
         selected = build_config.variants.select()
     except ValueError as exc:
@@ -84,13 +94,22 @@ def build_ext_class():
     return TimedBuildExtension.with_options(use_ninja=True)
 
 
+ext_modules = extension_modules()
+cmdclass = {"build_ext": build_ext_class()} if ext_modules else {}
+
 setup(
     name="dash_fa3",
     version="0.1.0",
     description="FlashAttention-3-class Hopper attention with a fast bitwise-deterministic backward",
     packages=find_packages(include=["dash_fa3", "dash_fa3.*"]),
     python_requires=">=3.10",
-    ext_modules=extension_modules(),
-    cmdclass={"build_ext": build_ext_class()},
-    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    # A lower bound only: the extension builds against whatever torch is installed.
+    install_requires=["torch>=2.9", "numpy"],
+    extras_require={
+        # What the README's test command and examples need.
+        "test": ["pytest", "hypothesis", "matplotlib", "transformers>=5,<6"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    options={"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {},
 )

@@ -117,3 +117,31 @@ def test_torch_compile_traces_the_ops():
     ref = dash_fa3.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True)
     assert torch.equal(out.detach(), ref)
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_cpu_outputs_have_the_fake_layout():
+    # (b, s, h, d) views of a (b, h, s, d) layout, as frameworks hand them over.
+    q, k, v = (rand((2, h, 11, 64), seed=50 + h).transpose(1, 2) for h in (4, 2, 2))
+    out, lse = dash_fa3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert out.view(2, 11, -1).shape == (2, 11, 256)
+    # Every opcheck test, fake-tensor strides included (torch >= 2.13 compares them).
+    torch.library.opcheck(ops.fwd, (q, k, v, 0.125, True, 0, False, "auto"))
+    out, lse = ops.fwd(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, False, 0, False, "auto")
+    torch.library.opcheck(ops.bwd, (rand(out.shape, seed=59), q.contiguous(), k.contiguous(), v.contiguous(),
+                                    out, lse, 0.125, False, True, "auto", 0))
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_cpu_path():
+    # Inductor plans its buffers from the fake implementations: a real output with
+    # other strides breaks the compiled graph (it did before the reference returned
+    # contiguous outputs).
+    q, k, v = (rand((1, 8, 2, 64), seed=60 + s).requires_grad_() for s in range(3))
+    fn = torch.compile(lambda q, k, v: dash_fa3.flash_attn_func(q, k, v, causal=True).view(1, 8, -1) * 2,
+                       fullgraph=True)
+    out = fn(q, k, v)
+    out.float().sum().backward()
+    ref = dash_fa3.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True).view(1, 8, -1) * 2
+    assert torch.equal(out.detach(), ref)
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -20,22 +20,23 @@ class CutlassNotFound(RuntimeError):
     pass
 
 
-def include_dir() -> str:
+def include_dir(env=None) -> str:
     """The directory that holds ``cute/`` and ``cutlass/``.
 
     ``$DASH_FA3_CUTLASS_INCLUDE`` overrides the wheel (for a CUTLASS checkout);
-    it must still contain both header trees.
+    it must still contain both header trees. ``env`` defaults to ``os.environ``.
     """
-    override = os.environ.get(ENV_OVERRIDE)
+    env = os.environ if env is None else env
+    override = env.get(ENV_OVERRIDE)
     if override:
         _check_tree(override, f"${ENV_OVERRIDE}")
         return override
 
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
+    package_dir = wheel_package_dir()
+    if package_dir is None:
         raise CutlassNotFound(
             "CUTLASS headers not found: the 'nvidia-cutlass' wheel is not installed. "
-            f"Install it with: pip install '{PIP_SPEC}'"
+            f"Install it with: pip install '{PIP_SPEC}' (or point ${ENV_OVERRIDE} at a CUTLASS include directory)"
         )
     version = importlib.metadata.version("nvidia-cutlass")
     if version != PINNED_VERSION:
@@ -43,9 +44,17 @@ def include_dir() -> str:
             f"nvidia-cutlass {version} is installed, but dash_fa3 is pinned to {PINNED_VERSION}. "
             f"Install it with: pip install '{PIP_SPEC}'"
         )
-    path = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    path = os.path.join(package_dir, "source", "include")
     _check_tree(path, f"nvidia-cutlass {version}")
     return path
+
+
+def wheel_package_dir() -> str | None:
+    """The installed ``cutlass_library`` package's directory, or None without the wheel."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
 
 
 def _check_tree(path: str, origin: str) -> None:

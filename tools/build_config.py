@@ -10,6 +10,7 @@ the same flags.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -37,6 +38,123 @@ def nvcc() -> str:
     if not os.path.exists(path):
         sys.exit(f"nvcc not found at {path}; set CUDA_HOME")
     return path
+
+
+# ---------------------------------------------------------------------------
+# Prerequisites of the extension build, checked by setup.py before anything is
+# compiled. Pure functions of what they are given, so the tests can fake torch,
+# the environment and the file system.
+
+MIN_TORCH = (2, 9)
+CPU_ONLY_ENV = "DASH_FA3_CPU_ONLY"
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchBuild:
+    """What the build needs to know about the installed torch."""
+
+    version: str                  # torch.__version__
+    cuda: str | None              # torch.version.cuda (None: a CPU-only build)
+    cuda_home_guess: str | None   # torch.utils.cpp_extension.CUDA_HOME: the toolkit torch would build with
+
+
+def installed_torch() -> TorchBuild | str:
+    """The installed torch, or why it cannot be imported."""
+    try:
+        import torch
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        return f"{type(exc).__name__}: {exc}"
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:
+        CUDA_HOME = None
+    return TorchBuild(torch.__version__, torch.version.cuda, CUDA_HOME)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def toolkit_version(cuda_home: str) -> str | None:
+    """The toolkit's CUDA version ("13.0") from include/cuda.h, or None if unreadable."""
+    try:
+        with open(os.path.join(cuda_home, "include", "cuda.h"), errors="replace") as f:
+            for line in f:
+                if line.startswith("#define CUDA_VERSION"):
+                    code = int(line.split()[2])
+                    return f"{code // 1000}.{code % 1000 // 10}"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def find_problems(torch_build: TorchBuild | str, env, cutlass_include=None) -> tuple[str | None, list[str]]:
+    """(CUDA home to build with, problems): every missing prerequisite, each with how to get it.
+
+    ``torch_build`` is ``installed_torch()``'s answer, ``env`` the environment
+    (a mapping), ``cutlass_include`` a callable returning the CUTLASS include
+    directory or raising ``CutlassNotFound`` (default: the locator, reading ``env``).
+    """
+    problems: list[str] = []
+    cuda_home = None
+    if isinstance(torch_build, str):
+        problems.append(
+            f"PyTorch is not importable ({torch_build}): install a CUDA build of torch >= "
+            f"{'.'.join(map(str, MIN_TORCH))}, e.g. pip install 'torch>=2.9'"
+        )
+    else:
+        if _version_tuple(torch_build.version) < MIN_TORCH:
+            problems.append(
+                f"torch {torch_build.version} is older than {'.'.join(map(str, MIN_TORCH))}: "
+                f"pip install --upgrade 'torch>=2.9'"
+            )
+        if torch_build.cuda is None:
+            problems.append(
+                f"torch {torch_build.version} is a CPU-only build: install a CUDA build of torch "
+                f"(PyPI's Linux x86_64 wheels are CUDA builds). Without a GPU, {CPU_ONLY_ENV}=1 installs "
+                f"the Python package without the extension"
+            )
+    set_home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if set_home:
+        cuda_home, origin = set_home, f"CUDA_HOME={set_home}"
+    elif not isinstance(torch_build, str) and torch_build.cuda_home_guess:
+        cuda_home, origin = torch_build.cuda_home_guess, f"CUDA_HOME is not set; torch guessed {torch_build.cuda_home_guess}"
+    else:
+        cuda_home, origin = None, "CUDA_HOME is not set and torch found no CUDA toolkit"
+    if cuda_home is None:
+        problems.append(
+            f"no CUDA toolkit: {origin}. Install the CUDA toolkit (nvcc and headers) and "
+            f"export CUDA_HOME=/usr/local/cuda (the directory holding bin/nvcc)"
+        )
+    else:
+        missing = [p for p in ("bin/nvcc", "include/cuda_runtime_api.h")
+                   if not os.path.isfile(os.path.join(cuda_home, *p.split("/")))]
+        if missing:
+            problems.append(
+                f"the CUDA toolkit at {cuda_home} has no {' and no '.join(missing)} ({origin}): "
+                f"export CUDA_HOME=<the toolkit's directory, e.g. /usr/local/cuda>"
+            )
+            cuda_home = None
+        elif not isinstance(torch_build, str) and torch_build.cuda:
+            have = toolkit_version(cuda_home)
+            if have is not None and have.split(".")[0] != torch_build.cuda.split(".")[0]:
+                problems.append(
+                    f"the CUDA toolkit at {cuda_home} is CUDA {have}, but torch {torch_build.version} is built "
+                    f"with CUDA {torch_build.cuda}: use a toolkit of the same major version (CUDA_HOME) "
+                    f"or a torch build for CUDA {have.split('.')[0]}"
+                )
+    if cutlass_include is None:
+        def cutlass_include():
+            return cutlass_locator.include_dir(env)
+    try:
+        cutlass_include()
+    except cutlass_locator.CutlassNotFound as exc:
+        problems.append(str(exc))
+    return cuda_home, problems
 
 
 variants = _load("dash_fa3_variants_build", ROOT / "dash_fa3" / "variants.py")

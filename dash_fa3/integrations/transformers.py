@@ -1,0 +1,210 @@
+"""Hugging Face transformers (5.x): ``attn_implementation="dash_fa3"``.
+
+Importing this module registers two functions under the name ``"dash_fa3"``:
+the attention function (``AttentionInterface``) and its mask builder
+(``AttentionMaskInterface``)::
+
+    import dash_fa3.integrations.transformers  # noqa: F401  (registers "dash_fa3")
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="dash_fa3", dtype=torch.bfloat16)
+
+What it does with transformers' call:
+
+- layout: transformers hands over (batch, heads, seq, dim) views of
+  (batch, seq, heads, dim) projections; a ``transpose(1, 2)`` turns them back
+  into dash_fa3's layout without a copy (a copy happens only if the last dim
+  is not contiguous). The output is (batch, seq, heads, dim), as transformers
+  expects from a non-eager attention.
+- GQA/MQA: key/value heads go in unrepeated (dash_fa3 handles heads % heads_kv == 0).
+- causal: the ``is_causal`` keyword if the model passes one, else the module's
+  ``is_causal`` (and ``config.is_causal``, transformers' switch to
+  bidirectional attention). The causal mask is bottom-right aligned, which is
+  what a KV cache needs: queries are the last ``q_len`` positions of the keys.
+- ``scaling`` becomes ``softmax_scale``.
+- ``deterministic`` / ``schedule``: a keyword of the model call
+  (``model(ids, deterministic=True)``) wins; else the module default set with
+  ``set_defaults``; else ``deterministic`` follows
+  ``torch.are_deterministic_algorithms_enabled()`` and ``schedule`` is "auto".
+
+Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
+padding in the attention mask, packed sequences (varlen is not implemented
+yet: position_ids that restart inside a row are checked, except while
+torch.compile traces), sliding-window, chunked or other custom mask patterns, a 4D mask handed
+in by the caller, a static (pre-allocated) KV cache whose keys run past the
+last query, dropout > 0, softcap, attention sinks, position bias, and fp32
+models (dash_fa3 computes in bf16/fp16: load the model with
+``dtype=torch.bfloat16``).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+import transformers
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
+
+from ..interface import flash_attn_func
+
+__all__ = ["NAME", "UnsupportedAttention", "attention_forward", "mask_for_dash_fa3", "register", "set_defaults",
+           "get_defaults"]
+
+NAME = "dash_fa3"
+
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(
+        f"dash_fa3.integrations.transformers needs transformers 5.x, found {transformers.__version__}: "
+        f"pip install 'transformers>=5,<6'"
+    )
+
+_UNSET = object()
+_defaults = {"deterministic": None, "schedule": "auto"}
+
+
+class UnsupportedAttention(ValueError):
+    """The model asked for attention that dash_fa3 cannot compute exactly; nothing fell back."""
+
+
+def set_defaults(*, deterministic=_UNSET, schedule=_UNSET) -> None:
+    """Module-wide defaults for calls that do not pass ``deterministic`` / ``schedule``.
+
+    ``deterministic=None`` (the initial value) follows
+    ``torch.are_deterministic_algorithms_enabled()`` at each call.
+    """
+    if deterministic is not _UNSET:
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
+        _defaults["deterministic"] = deterministic
+    if schedule is not _UNSET:
+        if not isinstance(schedule, str):
+            raise TypeError(f"schedule must be a schedule name (str), got {schedule!r}")
+        from ..validation import check_schedule
+
+        check_schedule(schedule)
+        _defaults["schedule"] = schedule
+
+
+def get_defaults() -> dict:
+    return dict(_defaults)
+
+
+def _refuse(what: str) -> UnsupportedAttention:
+    return UnsupportedAttention(
+        f"attn_implementation='{NAME}' cannot compute {what}. dash_fa3 runs full or causal attention over "
+        f"unpadded batches (no varlen yet) and does not fall back to another attention; use "
+        f"attn_implementation='sdpa' or 'eager' for this model or input"
+    )
+
+
+def mask_for_dash_fa3(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset=0,
+                      kv_offset=0, mask_function=causal_mask_function, attention_mask=None, cache_position=None,
+                      **kwargs):
+    """transformers' mask hook for "dash_fa3": checks the mask is one dash_fa3 expresses
+    with its ``causal`` flag and returns None (no mask tensor), or raises.
+
+    Without this hook transformers would build no mask at all for a custom
+    attention name, and padding would be silently ignored. Query positions come
+    as ``q_length``/``q_offset`` (recent 5.x) or as ``cache_position`` (5.0).
+    """
+    if q_length is None:
+        if cache_position is None:
+            raise TypeError("mask_for_dash_fa3 needs q_length (and q_offset) or cache_position")
+        q_length, q_offset = cache_position.shape[0], cache_position[0]
+    if mask_function is causal_mask_function:
+        if int(q_offset) + q_length != int(kv_offset) + kv_length:  # the last query is not at the last key
+            raise _refuse(
+                f"a causal mask whose keys run past the last query (q positions {int(q_offset)}.."
+                f"{int(q_offset) + q_length - 1}, {kv_length} key slots from {int(kv_offset)}): a static, "
+                f"pre-allocated KV cache. Use the default dynamic cache"
+            )
+    elif mask_function is not bidirectional_mask_function:
+        raise _refuse(
+            "this mask pattern (a sliding window, chunked attention, packed sequences found in position_ids, "
+            "or another model-specific overlay on the causal/full mask)"
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise _refuse(
+            f"a padded batch (attention_mask of shape {tuple(attention_mask.shape)} has zeros). Pass unpadded "
+            f"sequences of equal length, or no attention_mask"
+        )
+    return None
+
+
+_checked_positions: list = [None, -1]  # weak reference to the last position_ids found unpacked, its version
+
+
+def _check_unpacked(position_ids) -> None:
+    """Refuses position_ids that restart inside a row (several documents packed in one row).
+
+    transformers detects packing in its mask builder only without a KV cache, so the
+    attention function checks too. One host sync per new position_ids tensor (every
+    layer of a forward gets the same one); skipped while torch.compile traces."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return
+    ref, version = _checked_positions
+    if ref is not None and ref() is position_ids and version == position_ids._version:
+        return
+    if torch.compiler.is_compiling():
+        return
+    if not bool((position_ids.diff(dim=-1) == 1).all()):
+        raise _refuse("packed sequences (position_ids restart inside a row); varlen is not implemented yet")
+    _checked_positions[:] = [weakref.ref(position_ids), position_ids._version]
+
+
+def _causal(module, kwargs) -> bool:
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = bool(getattr(module, "is_causal", True))
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "is_causal", True) is False:
+            is_causal = False  # transformers' switch to bidirectional attention for decoder models
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    return is_causal
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The "dash_fa3" attention function: (batch, heads, seq, dim) in, ((batch, seq, heads, dim), None) out."""
+    if attention_mask is not None:
+        raise _refuse(
+            f"an explicit attention mask tensor (shape {tuple(attention_mask.shape)}): padding, packed sequences "
+            f"or a custom 4D mask"
+        )
+    if dropout:
+        raise _refuse(f"attention dropout (p={dropout}); set config.attention_dropout = 0 or use model.eval()")
+    for name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise _refuse(f"{name}={kwargs[name]!r}")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k"):
+        if kwargs.get(name) is not None:
+            raise _refuse(f"packed variable-length sequences ({name})")
+    _check_unpacked(kwargs.get("position_ids"))
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        raise UnsupportedAttention(
+            f"attn_implementation='{NAME}' computes in bf16/fp16, but the model runs in {query.dtype}: "
+            f"load it with dtype=torch.bfloat16 (or call model.to(torch.bfloat16))"
+        )
+    causal = _causal(module, kwargs)
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        deterministic = _defaults["deterministic"]
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    schedule = kwargs.get("schedule") or _defaults["schedule"]
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, deterministic=deterministic,
+                          schedule=schedule)
+    return out, None
+
+
+def register() -> None:
+    """Registers "dash_fa3" with transformers (done on import; calling it again is harmless)."""
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask_for_dash_fa3)
+
+
+register()
