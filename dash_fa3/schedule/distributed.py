@@ -669,7 +669,7 @@ class Message:
 class StepProgram:
     step: int
     works: tuple[Work, ...]
-    waves: tuple[tuple[tuple[Message, ...], tuple[Message, ...]], ...]   # per wave: (sends, recvs)
+    waves: tuple[tuple[tuple[Message, ...], tuple[Message, ...]], ...]   # waves[v]: (sends, recvs) of wave v
 
 
 def rank_program(s: DistSchedule, report: DistReport, rank: int) -> list[StepProgram]:
@@ -695,8 +695,9 @@ def rank_program(s: DistSchedule, report: DistReport, rank: int) -> list[StepPro
                 pair.append(tuple(Message(p, t, v, tuple(sorted(msgs[(t, v, d, p)],
                                                                 key=lambda x: (DATA_KINDS.index(x.kind), x.lo))))
                                   for p in peers))
-            if pair[0] or pair[1]:
-                waves.append(tuple(pair))
+            waves.append(tuple(pair))
+        while waves and not (waves[-1][0] or waves[-1][1]):   # keep waves[v] == wave v; drop the empty tail
+            waves.pop()
         ws = tuple(sorted(by_step.get(t, []), key=lambda x: (FOLD_KINDS.index(x.kind), x.block)))
         prog.append(StepProgram(t, ws, tuple(waves)))
     return prog
