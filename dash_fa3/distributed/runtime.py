@@ -117,15 +117,16 @@ def _exchange(store: _Store, sends, recvs, group, timeout, rank: int, step: int,
         compute()
     peers = [("send to", m.peer) for m in sends] + [("receive from", m.peer) for m in recvs]
     for (what, peer), work in zip(peers, works):
-        where = (f"dash_fa3.distributed: rank {rank} of the group, step {step} wave {wave}: "
-                 f"{what} rank {peer} failed")
+        where = f"dash_fa3.distributed: rank {rank} of the group, step {step} wave {wave}: {what} rank {peer}"
+        limit = f"did not complete within the process group's timeout ({timeout.total_seconds():g} s)"
         try:
             ok = work.wait(timeout)
         except RuntimeError as e:
-            cls = CommunicationTimeout if "timed out" in str(e).lower() else CommunicationError
-            raise cls(f"{where} after at most {timeout.total_seconds():g} s (the group's timeout): {e}") from e
+            if "timed out" in str(e).lower():
+                raise CommunicationTimeout(f"{where} {limit}: {e}") from e
+            raise CommunicationError(f"{where} failed: {e}") from e
         if ok is False:
-            raise CommunicationTimeout(f"{where}: no completion within {timeout.total_seconds():g} s")
+            raise CommunicationTimeout(f"{where} {limit}")
     for m, buf in zip(recvs, bufs):
         store.unpack(m.transfers, buf)
 
