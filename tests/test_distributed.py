@@ -162,6 +162,15 @@ def _job_checkpoint(D, group, rank, P, job, outdir):
         except Exception as e:   # recorded for the test to check type and text
             errors[what] = [type(e).__name__, str(e)]
     out["errors"] = errors
+    n = job["seqlen"]
+    x = torch.arange(2 * n * 3).view(2, n, 3)
+    c = n // (2 * P)
+    zig = torch.cat([x[:, rank * c:(rank + 1) * c], x[:, (2 * P - 1 - rank) * c:(2 * P - rank) * c]], 1)
+    out["roundtrip"] = {layout: torch.equal(D.unshard(D.shard(x, group, layout=layout), group, layout=layout), x)
+                        and torch.equal(D.unshard(D.shard(x.mT, group, 2, layout), group, -1, layout), x.mT)
+                        for layout in LAYOUTS}
+    out["zigzag_shard"] = torch.equal(D.shard(x, group, layout="zigzag"), zig)
+    out["contiguous_shard"] = torch.equal(D.shard(x, group), x[:, rank * n // P:(rank + 1) * n // P])
     return out
 
 
@@ -354,6 +363,8 @@ def test_checkpoint_block_skips_distributed_attention_rerun(tmp_path):
         res = results[r]
         assert (res["none"], res["plain"], res["selective"]) == (2, 4, 2), res
         assert res["mesh_equal"] is True
+        assert res["roundtrip"] == {layout: True for layout in LAYOUTS}
+        assert res["zigzag_shard"] is True and res["contiguous_shard"] is True
         err = res["errors"]
         assert err["no_group"][0] == "TypeError" and "explicit process group" in err["no_group"][1]
         assert err["bad_length"][0] == "ValueError" and "multiple of 2*P*128 = 512" in err["bad_length"][1]

@@ -268,7 +268,36 @@ def _assign(pass_: str, num_ranks: int, num_blocks: int, causal: bool, layout: s
                 ranks[f] = light
                 load[heavy] -= cost[f]
                 load[light] += cost[f]
+        _swap_to_balance(a, b, ranks, owner[blocks], cost, load)
     return kinds, blocks, ranks
+
+
+def _swap_to_balance(a: int, b: int, ranks, owner, cost, load, rounds: int = 4):
+    """When the gap left is below any single fold's cost, exchange two of the pair's folds (one each
+    way; a fold may go back to its owner) whose cost difference is closest to half the gap."""
+    for _ in range(rounds):
+        heavy, light = (a, b) if load[a] >= load[b] else (b, a)
+        gap = load[heavy] - load[light]
+        pair = (owner == a) | (owner == b)
+        hs = np.flatnonzero((ranks == heavy) & pair)
+        ls = np.flatnonzero((ranks == light) & pair)
+        if gap <= 1 or not len(hs) or not len(ls):
+            return
+        ls = ls[np.argsort(cost[ls], kind="stable")]
+        lc = cost[ls]
+        want = cost[hs] - gap / 2.0                 # the light fold's ideal cost for each heavy fold
+        j = np.clip(np.searchsorted(lc, want), 1, len(lc)) - 1
+        j = np.where((j + 1 < len(lc)) & (np.abs(lc[np.minimum(j + 1, len(lc) - 1)] - want) < np.abs(lc[j] - want)),
+                     j + 1, j)
+        delta = cost[hs] - lc[j]                    # what moves from heavy to light
+        new_gap = np.abs(gap - 2 * delta)
+        best = int(np.argmin(new_gap))
+        if new_gap[best] >= gap:
+            return
+        f, g = hs[best], ls[j[best]]
+        ranks[f], ranks[g] = light, heavy
+        load[heavy] -= delta[best]
+        load[light] += delta[best]
 
 
 def _runs(keys: np.ndarray, blocks: np.ndarray):
@@ -462,14 +491,10 @@ def _check_coverage(s: DistSchedule):
         if np.any(items[:, 2] != items[0, 2]):
             _fail(s, f"fold {kind} of block {b} is split over ranks {sorted(set(items[:, 2].tolist()))}; "
                      f"a fold must run on one rank")
-        steps = items[:, 3]
-        if np.any(steps[1:] == steps[:-1]):
-            _fail(s, f"fold {kind} of block {b} has two items at step {int(steps[1:][steps[1:] == steps[:-1]][0])}")
-        if np.any(np.diff(items[:, 4]) <= 0):
-            _fail(s, f"fold {kind} of block {b} does not fold its {pn} blocks in ascending step order")
         lo, hi = fold_range(kind, b, nb, s.causal)
+        by_lo = items[np.argsort(items[:, 4], kind="stable")]
         pos = lo
-        for _, _, _, t, a, z in items.tolist():
+        for _, _, _, t, a, z in by_lo.tolist():
             if a < lo or z > hi:
                 x, y = (a, min(z, lo)) if a < lo else (max(a, hi), z)
                 _fail(s, f"fold {kind} of block {b} covers {pn} {_blocks(x, y)}, which the "
@@ -477,11 +502,17 @@ def _check_coverage(s: DistSchedule):
             if a > pos:
                 _fail(s, f"fold {kind} of block {b} misses {pn} {_blocks(pos, a)}")
             if a < pos:
-                _fail(s, f"fold {kind} of block {b} covers {pn} {_blocks(a, min(pos, z))} twice "
-                         f"(again at step {t})")
+                _fail(s, f"fold {kind} of block {b} covers {pn} {_blocks(a, min(pos, z))} twice (step {t})")
             pos = z
         if pos < hi:
             _fail(s, f"fold {kind} of block {b} misses {pn} {_blocks(pos, hi)}")
+        # exact cover; now the order: ascending partners must come at strictly increasing steps
+        steps = by_lo[:, 3]
+        if np.any(np.diff(steps) <= 0):
+            k_ = int(np.flatnonzero(np.diff(steps) <= 0)[0])
+            _fail(s, f"fold {kind} of block {b} folds {pn} {_blocks(int(by_lo[k_ + 1, 4]), int(by_lo[k_ + 1, 5]))} "
+                     f"at step {int(steps[k_ + 1])}, not after {_blocks(int(by_lo[k_, 4]), int(by_lo[k_, 5]))} "
+                     f"(step {int(steps[k_])}): a fold must visit its partners in ascending order")
 
 
 def _range_max_table(a: np.ndarray) -> list[np.ndarray]:
