@@ -49,16 +49,29 @@ def group_timeout(group) -> datetime.timedelta:
 
 @functools.lru_cache(maxsize=64)
 def plan(num_ranks: int, seqlen: int, causal: bool, pass_: str, layout: str, rank: int):
-    """The validated schedule, its report, this rank's program and, per fold it computes, the
-    step of the fold's last item (when its result is final)."""
+    """This rank's program; per fold it computes, the step of the fold's last item (when its result
+    is final); per step, the input blocks used for the last time (dropped after it, so a rank holds
+    about two chunks of other ranks' data, not everything it ever needs); local block indices."""
     sched, report = S.get_schedule(num_ranks, seqlen, causal, pass_, layout)
     prog = S.rank_program(sched, report, rank)
-    last = {}
+    last, last_use = {}, {}
     for st in prog:
         for w in st.works:
             last[(w.kind, w.block)] = st.step
+            last_use[(S.OWN[w.kind], w.block)] = st.step
+            for j in range(w.lo, w.hi):
+                last_use[(S.PARTNER[w.kind], j)] = st.step
+        for sends, _ in st.waves:
+            for m in sends:
+                for x in m.transfers:
+                    if x.kind in S.PASS_INPUTS[pass_]:
+                        for j in range(x.lo, x.hi):
+                            last_use[(x.kind, j)] = st.step
+    expire = [[] for _ in prog]
+    for key, t in last_use.items():
+        expire[t].append(key)
     local = S.local_blocks(layout, num_ranks, sched.num_blocks, rank).tolist()
-    return sched, prog, last, {b: i for i, b in enumerate(local)}
+    return prog, last, expire, {b: i for i, b in enumerate(local)}
 
 
 class _Store:
@@ -131,15 +144,17 @@ def _exchange(store: _Store, sends, recvs, group, timeout, rank: int, step: int,
         store.unpack(m.transfers, buf)
 
 
-def _run(prog, store: _Store, group, rank: int, compute_step) -> None:
+def _run(prog, expire, store: _Store, group, rank: int, compute_step) -> None:
     timeout = group_timeout(group)
     for st in prog:
         if not st.waves:
             compute_step(st)
-            continue
         for v, (sends, recvs) in enumerate(st.waves):
             _exchange(store, sends, recvs, group, timeout, rank, st.step, v,
                       compute=(lambda: compute_step(st)) if v == 0 else None)
+        for key in expire[st.step]:
+            store.raw.pop(key, None)
+            store.forms.pop(key, None)
 
 
 def _local_slices(index: dict, blocks):
@@ -154,7 +169,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal:
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     b, n, h, d = q.shape
     hk = k.shape[2]
-    sched, prog, last, index = plan(P, n * P, bool(causal), "fwd", layout, rank)
+    prog, last, expire, index = plan(P, n * P, bool(causal), "fwd", layout, rank)
     dt = q.dtype
     store = _Store({"q": (((b, S.G, h, d), dt),), "kv": (((b, S.G, hk, d), dt),) * 2,
                     "o": (((b, S.G, h, d), dt), ((b, h, S.G), torch.float32))})
@@ -182,7 +197,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal:
             if last[(w.kind, w.block)] == st.step:
                 store.raw[("o", w.block)] = backend.fwd_finish(states.pop(w.block), dt)
 
-    _run(prog, store, group, rank, compute_step)
+    _run(prog, expire, store, group, rank, compute_step)
     out = torch.empty((b, n, h, d), dtype=dt, device=q.device)
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     for blk, sl in _local_slices(index, index):
@@ -198,7 +213,7 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str,
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     b, n, h, d = q.shape
     hk = k.shape[2]
-    sched, prog, last, index = plan(P, n * P, bool(causal), "bwd", layout, rank)
+    prog, last, expire, index = plan(P, n * P, bool(causal), "bwd", layout, rank)
     dt = q.dtype
     row, kvrow = ((b, S.G, h, d), dt), ((b, S.G, hk, d), dt)
     stats = ((b, h, S.G), torch.float32)
@@ -242,7 +257,7 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str,
             else:
                 store.raw[("dkv", w.block)] = backend.dkv_finish(dkv_states.pop(w.block), dt)
 
-    _run(prog, store, group, rank, compute_step)
+    _run(prog, expire, store, group, rank, compute_step)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for blk, sl in _local_slices(index, index):
         dq[:, sl] = store.raw[("dq", blk)][0]
