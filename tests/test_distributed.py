@@ -234,7 +234,8 @@ def launch(P, job, tmp_path, wait_s=240, expect_dead=()):
         if path.exists():
             results[r] = json.loads(path.read_text())
         elif r not in expect_dead:
-            pytest.fail(f"rank {r} wrote no result (exit {codes.get(r)}):\n{(tmp_path / f'rank{r}.log').read_text()[-3000:]}")
+            log = (tmp_path / f"rank{r}.log").read_text()[-3000:]
+            pytest.fail(f"rank {r} wrote no result (exit {codes.get(r)}):\n{log}")
     return results, codes
 
 

@@ -30,7 +30,8 @@ def test_layouts_own_every_block_once(P):
 
 def test_check_seqlen_says_which_lengths_work():
     assert S.check_seqlen(6144, 3) == 48
-    with pytest.raises(ValueError, match=r"multiple of 2\*P\*128 = 768: 768, 1536, 2304, \.\.\. \(nearest: 4608 or 5376\)"):
+    with pytest.raises(ValueError,
+                       match=r"multiple of 2\*P\*128 = 768: 768, 1536, 2304, \.\.\. \(nearest: 4608 or 5376\)"):
         S.check_seqlen(5000, 3)
     for bad in (0, -768, 768.0, True):
         with pytest.raises(ValueError):

@@ -320,8 +320,8 @@ def build(num_ranks: int, seqlen: int, *, causal: bool, pass_: str, layout: str 
     every rank that needs them, and sent at step s (the step before, so the transfer overlaps
     the compute of the previous chunk). Step 0 only moves data. A result computed away from its
     block's owner goes back the step after the fold's last item. ``fanout`` caps how many ranks
-    one holder sends the same data to in one wave: beyond it, receivers relay within the step
-    (a tree); None sends every copy from the owner.
+    one holder sends the same data to per step: further copies are relayed along a tree whose
+    levels run in earlier steps (:func:`_relay_trees`); None sends every copy from the owner.
     """
     if pass_ not in PASSES:
         raise ValueError(f"pass_ must be one of {PASSES}, got {pass_!r}")
@@ -973,9 +973,11 @@ def main(argv=None) -> int:
                    help=f"copies one holder sends per step before relays take over; 0: the owner sends "
                         f"every copy (default {DEFAULT_FANOUT})")
     defaults = CostModel()
-    for f, help_ in (("fwd_tflops", "forward kernel TFLOP/s"), ("bwd_tflops", "backward kernel TFLOP/s (5-GEMM count)"),
+    for f, help_ in (("fwd_tflops", "forward kernel TFLOP/s"),
+                     ("bwd_tflops", "backward kernel TFLOP/s (5-GEMM count)"),
                      ("diag", "diagonal tile cost / full tile"), ("alpha_us", "per-message latency, us"),
-                     ("beta_gbs", "P2P bandwidth per direction per rank, GB/s"), ("launch_us", "per-step overhead, us")):
+                     ("beta_gbs", "P2P bandwidth per direction per rank, GB/s"),
+                     ("launch_us", "per-step overhead, us")):
         p.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(defaults, f),
                        help=f"{help_} (default {getattr(defaults, f)})")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
