@@ -6,7 +6,8 @@ import without torch.
 
 import importlib
 
-__all__ = ["flash_attn_func", "reference", "variants", "schedule", "ReferenceBackwardWarning", "SlowReferenceWarning"]
+__all__ = ["flash_attn_func", "reference", "variants", "schedule", "ReferenceBackwardWarning", "SlowReferenceWarning",
+           "distributed", "checkpoint"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -20,6 +21,6 @@ def __getattr__(name):
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(f".{module}", __name__), attr)
-    if name in ("reference", "variants", "schedule"):
+    if name in ("reference", "variants", "schedule", "distributed", "checkpoint"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'dash_fa3' has no attribute {name!r}")

@@ -44,3 +44,6 @@ def poison_cuda_allocator(nbytes: int) -> None:
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def pytest_configure(config): config.addinivalue_line("markers", "distributed: spawns CPU gloo process groups (tests/test_distributed.py)")

@@ -1,0 +1,381 @@
+"""dash_fa3.distributed on CPU with gloo, in spawned processes (this file is also the worker).
+
+* output and dq/dk/dv match fp64 attention (dash_fa3.reference) and are bitwise identical for
+  P = 1, 2, 3, 4, 8 and both layouts (torch.equal on the unsharded tensors);
+* a rank that raises, dies or stalls makes every other rank fail with CommunicationError
+  (CommunicationTimeout when it stalls) within a bound; nothing hangs;
+* checkpoint_block runs the distributed attention once per layer, with the uncheckpointed gradients.
+
+Select with ``-m distributed``. Every process uses one intra-op thread.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+# Global lengths per rank count, each a multiple of 2 * P * 128; P = 1 runs both, so every P is
+# compared bit for bit with one rank. Zigzag chunks: 3 blocks at P = 3 (odd), 1 block at P = 8.
+LENGTHS = {1: (2048, 2304), 2: (2048,), 3: (2304,), 4: (2048,), 8: (2048,)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# name: (causal, batch, heads, heads_kv, headdim, dtype)
+CONFIGS = {
+    "causal_mha_bf16": (True, 1, 2, 2, 32, "bf16"),
+    "causal_gqa_fp16_b2": (True, 2, 4, 2, 16, "fp16"),
+    "full_mqa_bf16": (False, 1, 3, 1, 16, "bf16"),
+    "full_mha_fp32": (False, 1, 1, 1, 32, "fp32"),
+}
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ------------------------------------------------------------------------------------------ worker
+
+def make_inputs(seed, seqlen, cfg):
+    """Full q, k, v, dout for one config; the same on every rank and in the test process."""
+    causal, b, h, hk, d, dt = cfg
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((b, seqlen, h, d), (b, seqlen, hk, d), (b, seqlen, hk, d), (b, seqlen, h, d))
+    return [torch.randn(s, generator=g).to(DTYPES[dt]) for s in shapes]
+
+
+def _attention_run(D, group, seed, seqlen, cfg, layout):
+    q, k, v, dout = make_inputs(seed, seqlen, cfg)
+    ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
+    out = D.context_parallel_attn(ql, kl, vl, group, causal=cfg[0], layout=layout)
+    out.backward(D.shard(dout, group, layout=layout))
+    return [D.unshard(x, group, layout=layout) for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
+
+
+def _job_attention(D, group, rank, P, job, outdir):
+    for n in LENGTHS[P]:
+        for name, cfg in CONFIGS.items():
+            for layout in LAYOUTS:
+                res = _attention_run(D, group, job["seed"], n, cfg, layout)
+                if rank == 0:
+                    torch.save(res, os.path.join(outdir, f"{name}-{layout}-N{n}-P{P}.pt"))
+    return {}
+
+
+def _job_fault(D, group, rank, P, job, outdir):
+    """Rank job['bad'] misbehaves at its second forward tile; the others record how they fail."""
+    from dash_fa3.distributed import backend
+
+    # a healthy call first, so `elapsed` below is communication and compute, not first-call set-up
+    _attention_run(D, group, job["seed"], job["seqlen"], CONFIGS["causal_mha_bf16"], "contiguous")
+    if rank == job["bad"]:
+        calls = [0]
+        tile = backend.TorchBlockBackend.fwd_tile
+
+        def faulty(self, *a, **kw):
+            calls[0] += 1
+            if calls[0] == 2:
+                if job["fault"] == "raise":
+                    raise RuntimeError("injected failure")
+                if job["fault"] == "exit":
+                    os._exit(17)
+                time.sleep(job["stall_s"])
+            return tile(self, *a, **kw)
+
+        backend.TorchBlockBackend.fwd_tile = faulty
+    t0 = time.monotonic()
+    try:
+        _attention_run(D, group, job["seed"], job["seqlen"], CONFIGS["causal_mha_bf16"], "contiguous")
+        return {"raised": None, "elapsed": time.monotonic() - t0}
+    except Exception as e:   # the test inspects what each rank raised
+        if rank == job["bad"]:
+            time.sleep(job["stall_s"])   # caught, but the process lives on: the others must time out
+        return {"raised": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e),
+                "elapsed": time.monotonic() - t0}
+
+
+def _job_checkpoint(D, group, rank, P, job, outdir):
+    """A two-layer model around context_parallel_attn, uncheckpointed / plainly checkpointed /
+    checkpoint_block; counts distributed attention forwards (runtime.forward calls)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dash_fa3 import checkpoint as ck
+    from dash_fa3.distributed import runtime
+
+    calls = [0]
+    fwd = runtime.forward
+
+    def counting(*a, **kw):
+        calls[0] += 1
+        return fwd(*a, **kw)
+
+    runtime.forward = counting
+    torch.manual_seed(job["seed"])   # same weights on every rank
+    dim, heads = 64, 2
+    qkv = [torch.nn.Linear(dim, 3 * dim) for _ in range(2)]
+    proj = [torch.nn.Linear(dim, dim) for _ in range(2)]
+    params = [p for m in qkv + proj for p in m.parameters()]
+
+    def block(x, i):
+        b, n, _ = x.shape
+        q, k, v = qkv[i](x).view(b, n, 3, heads, dim // heads).unbind(2)
+        o = D.context_parallel_attn(q, k, v, group, causal=True)
+        return x + proj[i](torch.nn.functional.gelu(o.reshape(b, n, dim)))
+
+    x_full = torch.randn(1, job["seqlen"], dim)
+    out = {}
+    for mode in ("none", "plain", "selective"):
+        for p in params:
+            p.grad = None
+        x = D.shard(x_full, group).clone().requires_grad_()
+        calls[0] = 0
+        h = x
+        for i in range(2):
+            if mode == "none":
+                h = block(h, i)
+            elif mode == "plain":
+                h = checkpoint(block, h, i, use_reentrant=False)
+            else:
+                h = ck.checkpoint_block(block, h, i)
+        h.square().sum().backward()
+        out[mode] = calls[0]
+        grads = [D.unshard(x.grad, group)] + [p.grad.clone() for p in params]
+        if rank == 0:
+            torch.save(grads, os.path.join(outdir, f"ckpt-{mode}.pt"))
+
+    # the group as a DeviceMesh gives the same bits; argument errors are clear
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (P,))
+    q = torch.randn(1, job["seqlen"] // P, 2, 16)
+    a = D.context_parallel_attn(q, q, q, group, causal=True)
+    out["mesh_equal"] = torch.equal(a, D.context_parallel_attn(q, q, q, mesh, causal=True))
+    errors = {}
+    for what, call in (("no_group", lambda: D.context_parallel_attn(q, q, q, None)),
+                       ("bad_length", lambda: D.context_parallel_attn(q[:, :100], q[:, :100], q[:, :100], group)),
+                       ("bad_heads", lambda: D.context_parallel_attn(q.repeat(1, 1, 3, 1)[:, :, :3], q, q, group)),
+                       ("bad_layout", lambda: D.context_parallel_attn(q, q, q, group, layout="ring"))):
+        try:
+            call()
+            errors[what] = None
+        except Exception as e:   # recorded for the test to check type and text
+            errors[what] = [type(e).__name__, str(e)]
+    out["errors"] = errors
+    n = job["seqlen"]
+    x = torch.arange(2 * n * 3).view(2, n, 3)
+    c = n // (2 * P)
+    zig = torch.cat([x[:, rank * c:(rank + 1) * c], x[:, (2 * P - 1 - rank) * c:(2 * P - rank) * c]], 1)
+    out["roundtrip"] = {layout: torch.equal(D.unshard(D.shard(x, group, layout=layout), group, layout=layout), x)
+                        and torch.equal(D.unshard(D.shard(x.mT, group, 2, layout), group, -1, layout), x.mT)
+                        for layout in LAYOUTS}
+    out["zigzag_shard"] = torch.equal(D.shard(x, group, layout="zigzag"), zig)
+    out["contiguous_shard"] = torch.equal(D.shard(x, group), x[:, rank * n // P:(rank + 1) * n // P])
+    return out
+
+
+def _worker(argv):
+    rank, P, store, jobfile, outdir = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
+    sys.path.insert(0, ROOT)
+    torch.set_num_threads(1)
+    import datetime
+
+    import torch.distributed as dist
+
+    from dash_fa3 import distributed as D
+
+    with open(jobfile) as f:
+        job = json.load(f)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=job["timeout_s"]))
+    run = {"attention": _job_attention, "fault": _job_fault, "checkpoint": _job_checkpoint}[job["kind"]]
+    result = run(D, dist.group.WORLD, rank, P, job, outdir)
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if job["kind"] == "fault":
+        os._exit(0)   # the group is broken; tearing it down could block
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ launcher
+
+def launch(P, job, tmp_path, wait_s=240, expect_dead=()):
+    """Run this file as P worker processes; return (per-rank JSON results, per-rank exit codes).
+    Fails (never hangs) if a rank outlives ``wait_s``; ranks in ``expect_dead`` may be killed."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    jobfile = tmp_path / "job.json"
+    jobfile.write_text(json.dumps(job))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    if os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = []
+    for r in range(P):
+        log = open(tmp_path / f"rank{r}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, HERE, str(r), str(P), str(tmp_path / "store"), str(jobfile),
+                                       str(tmp_path)], stdout=log, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + wait_s
+    codes = {}
+    try:
+        for r, p in enumerate(procs):
+            if r in expect_dead:
+                continue
+            codes[r] = p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-1500:] for r in range(P))
+        pytest.fail(f"ranks still running after {wait_s} s (hang):\n{logs}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = {}
+    for r in range(P):
+        path = tmp_path / f"rank{r}.json"
+        if path.exists():
+            results[r] = json.loads(path.read_text())
+        elif r not in expect_dead:
+            log = (tmp_path / f"rank{r}.log").read_text()[-3000:]
+            pytest.fail(f"rank {r} wrote no result (exit {codes.get(r)}):\n{log}")
+    return results, codes
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+def reference_chunked(q, k, v, dout, causal, compute=torch.float64, rows=768):
+    """Attention and gradients by dash_fa3.reference, in query-row chunks (the full score matrix
+    would not fit): a chunk [a, b) with keys [0, b) and the bottom-right causal mask is exactly
+    global causal."""
+    from dash_fa3 import reference
+
+    n = q.shape[1]
+    outs, dqs = [], []
+    dk, dv = torch.zeros(k.shape, dtype=compute), torch.zeros(v.shape, dtype=compute)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        kk, vv = (k[:, :b], v[:, :b]) if causal else (k, v)
+        o, _ = reference.attention_ref(q[:, a:b], kk, vv, None, causal, compute)
+        dq, dkc, dvc = reference.attention_bwd_ref(dout[:, a:b], q[:, a:b], kk, vv, o, None, causal, compute)
+        outs.append(o)
+        dqs.append(dq)
+        dk[:, :kk.shape[1]] += dkc
+        dv[:, :vv.shape[1]] += dvc
+    return torch.cat(outs, 1), torch.cat(dqs, 1), dk, dv
+
+
+# Allowed error, as a multiple of the output dtype's unit roundoff times the tensor's largest
+# reference magnitude (fp32 results carry the fp32 folds' own rounding, not just the final cast).
+TOL_UNITS = {"bf16": 4.0, "fp16": 8.0, "fp32": 64.0}
+
+
+def check_vs_reference(res, seed, seqlen, cfg, what):
+    causal, *_, dt = cfg
+    q, k, v, dout = make_inputs(seed, seqlen, cfg)
+    ref = reference_chunked(q, k, v, dout, causal)
+    unit = torch.finfo(DTYPES[dt]).eps / 2
+    for name, got, want in zip(("out", "dq", "dk", "dv"), res, ref):
+        assert got.dtype == DTYPES[dt] and got.shape == want.shape, f"{what} {name}: {got.dtype} {tuple(got.shape)}"
+        err = (got.double() - want).abs().max().item()
+        tol = TOL_UNITS[dt] * unit * want.abs().max().item()
+        assert err <= tol, f"{what} {name}: max error {err:.3g} > {tol:.3g} vs fp64 (seed {seed})"
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+@pytest.fixture(scope="module")
+def attention_runs(tmp_path_factory):
+    seed = int.from_bytes(os.urandom(4), "little")
+    out = tmp_path_factory.mktemp("dist_attention")
+    for P in LENGTHS:
+        launch(P, {"kind": "attention", "seed": seed, "timeout_s": 120}, out / f"P{P}")
+
+    def load(name, layout, n, P):
+        return torch.load(out / f"P{P}" / f"{name}-{layout}-N{n}-P{P}.pt")
+
+    return seed, load
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_fp64_reference(attention_runs, name):
+    # one run per config suffices: the invariance test shows every P and layout gives these bits
+    seed, load = attention_runs
+    check_vs_reference(load(name, "zigzag", 2304, 3), seed, 2304, CONFIGS[name], f"{name} P=3 zigzag")
+
+
+def test_one_block_chunks_match_reference(attention_runs):
+    seed, load = attention_runs
+    check_vs_reference(load("causal_gqa_fp16_b2", "zigzag", 2048, 8), seed, 2048, CONFIGS["causal_gqa_fp16_b2"],
+                       "P=8 zigzag")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bitwise_invariant_to_number_of_ranks(attention_runs, name, layout):
+    seed, load = attention_runs
+    for P, lengths in LENGTHS.items():
+        for n in lengths:
+            base = load(name, "contiguous", n, 1)
+            for what, a, b in zip(("out", "dq", "dk", "dv"), load(name, layout, n, P), base):
+                assert torch.equal(a, b), (f"{name}, {n} tokens: {what} with P={P} ({layout}) differs from P=1 "
+                                           f"in {(a != b).sum().item()} elements (seed {seed})")
+
+
+def test_invariance_is_not_vacuous(attention_runs):
+    """Another correct fp32 summation order (the reference's) gives other bits, so equal bits
+    across P come from the fixed fold order, not from coarse rounding."""
+    seed, load = attention_runs
+    cfg = CONFIGS["full_mha_fp32"]
+    ours = load("full_mha_fp32", "contiguous", 2048, 1)
+    q, k, v, dout = make_inputs(seed, 2048, cfg)
+    other = reference_chunked(q, k, v, dout, cfg[0], compute=torch.float32)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, other):
+        assert a.abs().sum() > 0, name
+        assert not torch.equal(a, b.to(a.dtype)), f"{name}: the reference's fp32 order gave the same bits"
+
+
+@pytest.mark.parametrize("fault,P", [("raise", 2), ("exit", 2), ("stall", 3)])
+def test_failed_rank_makes_the_others_fail(tmp_path, fault, P):
+    timeout_s, bad = 3, 1
+    job = {"kind": "fault", "fault": fault, "bad": bad, "seed": 5, "seqlen": 2 * P * 128 * 2,
+           "timeout_s": timeout_s, "stall_s": 60}
+    t0 = time.monotonic()
+    results, codes = launch(P, job, tmp_path, wait_s=60, expect_dead=(bad,))
+    wall = time.monotonic() - t0
+    for r in range(P):
+        if r == bad:
+            continue
+        res = results[r]
+        assert res["raised"] is not None, f"rank {r} finished although rank {bad} failed"
+        assert "CommunicationError" in res["mro"], f"rank {r} raised {res['raised']}: {res['message']}"
+        if fault == "stall":
+            assert "CommunicationTimeout" in res["mro"] and "TimeoutError" in res["mro"], res
+        assert "step" in res["message"] and "rank" in res["message"], res["message"]
+        # a survivor waits at most about one timeout for the rank that broke, plus one for a
+        # survivor that broke before it; a live but silent rank costs the full timeout
+        assert res["elapsed"] < 2 * timeout_s + 3, f"rank {r} took {res['elapsed']:.1f} s to fail"
+        if fault != "exit":
+            assert res["elapsed"] > timeout_s - 0.5 and "timeout (3 s)" in res["message"], res
+    assert wall < 50
+
+
+def test_checkpoint_block_skips_distributed_attention_rerun(tmp_path):
+    P = 2
+    results, _ = launch(P, {"kind": "checkpoint", "seed": 11, "seqlen": 512, "timeout_s": 120}, tmp_path)
+    for r in range(P):
+        res = results[r]
+        assert (res["none"], res["plain"], res["selective"]) == (2, 4, 2), res
+        assert res["mesh_equal"] is True
+        assert res["roundtrip"] == {layout: True for layout in LAYOUTS}
+        assert res["zigzag_shard"] is True and res["contiguous_shard"] is True
+        err = res["errors"]
+        assert err["no_group"][0] == "TypeError" and "explicit process group" in err["no_group"][1]
+        assert err["bad_length"][0] == "ValueError" and "multiple of 2*P*128 = 512" in err["bad_length"][1]
+        assert err["bad_heads"][0] == "ValueError" and "multiple of heads_kv" in err["bad_heads"][1]
+        assert err["bad_layout"][0] == "ValueError" and "zigzag" in err["bad_layout"][1]
+    ref = torch.load(tmp_path / "ckpt-none.pt")
+    for mode in ("plain", "selective"):
+        for a, b in zip(torch.load(tmp_path / f"ckpt-{mode}.pt"), ref):
+            assert torch.equal(a, b), f"{mode} checkpointing changed a gradient"
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
