@@ -88,7 +88,7 @@ def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, sch
     warnings.warn(
         f"dash_fa3: no Hopper backward kernel for head dim {q.shape[-1]} (kernels exist for head dims "
         f"{', '.join(map(str, variants.BWD_HEADDIMS))}), so the GPU backward runs the fp32 reference: "
-        f"correct and deterministic, but slow",
+        "correct and deterministic, but slow",
         ReferenceBackwardWarning,
         stacklevel=2,
     )
