@@ -239,8 +239,8 @@ struct Problem {
   int bm, bn, n_q, n_kv, sq_rounded, num_sms;
   size_t esize = 2;
   void *q, *k, *v, *dout, *o, *dq, *dk, *dv;
-  float *lse, *dpsum, *lse_log2, *dq_accum, *dk_accum = nullptr, *dv_accum = nullptr;
-  int *dq_sem, *dkv_sem = nullptr;
+  float *lse, *dpsum, *lse_log2, *dq_accum, *dk_partial = nullptr, *dv_partial = nullptr;
+  int* dq_sem;
   void* zero_span = nullptr;
   int64_t zero_bytes = 0;
   int32_t* sched_dev = nullptr;
@@ -268,21 +268,18 @@ struct Problem {
     CHECK_CUDA(cudaMalloc(&dpsum, rows_r * 4));
     CHECK_CUDA(cudaMalloc(&lse_log2, rows_r * 4));
     // What the kernel only adds into lies in one span, zeroed by the preprocess
-    // (as csrc/api/bwd_workspace.h lays it out): dq_accum | dk_accum | dv_accum | dq_sem | dkv_sem.
-    const bool gqa = g.h != g.hkv;
+    // (as csrc/api/bwd_workspace.h lays it out): dq_accum | dq_sem. GQA's
+    // per-query-head dK/dV partials are written in full by the kernel.
     auto align = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
-    const int64_t dq_bytes = align(rows_r * g.d * 4), kv_bytes = gqa ? align(nk() * 4) : 0;
-    const int64_t sem_bytes = align(int64_t(g.b) * g.h * n_q * 4);
-    const int64_t dkv_sem_bytes = gqa ? align(int64_t(g.b) * g.hkv * n_kv * 4) : 0;
-    zero_bytes = dq_bytes + 2 * kv_bytes + sem_bytes + dkv_sem_bytes;
+    const int64_t dq_bytes = align(rows_r * g.d * 4);
+    zero_bytes = dq_bytes + align(int64_t(g.b) * g.h * n_q * 4);
     CHECK_CUDA(cudaMalloc(&zero_span, zero_bytes));
-    char* z = static_cast<char*>(zero_span);
-    dq_accum = reinterpret_cast<float*>(z);
-    dq_sem = reinterpret_cast<int*>(z + dq_bytes + 2 * kv_bytes);
-    if (gqa) {
-      dk_accum = reinterpret_cast<float*>(z + dq_bytes);
-      dv_accum = reinterpret_cast<float*>(z + dq_bytes + kv_bytes);
-      dkv_sem = reinterpret_cast<int*>(z + dq_bytes + 2 * kv_bytes + sem_bytes);
+    dq_accum = static_cast<float*>(zero_span);
+    dq_sem = reinterpret_cast<int*>(static_cast<char*>(zero_span) + dq_bytes);
+    if (g.h != g.hkv) {
+      const int64_t partial = int64_t(g.b) * g.h * g.sk * g.d * 4;
+      CHECK_CUDA(cudaMalloc(&dk_partial, partial));
+      CHECK_CUDA(cudaMalloc(&dv_partial, partial));
     }
     auto fill = [&](void* p, int64_t n, uint64_t s) {
       if (dtype == DType::kBF16) fill_normal<<<grid_for(n), 256>>>((__nv_bfloat16*)p, n, s);
@@ -373,7 +370,7 @@ struct Problem {
     p.q_stride = p.do_stride = {int64_t(g.sq) * g.h * g.d, int64_t(g.h) * g.d, g.d};
     p.k_stride = p.v_stride = p.dk_stride = p.dv_stride = {int64_t(g.sk) * g.hkv * g.d, int64_t(g.hkv) * g.d, g.d};
     p.lse_log2 = lse_log2; p.dpsum = dpsum; p.dq_accum = dq_accum; p.dq_semaphore = dq_sem;
-    p.dk = dk; p.dv = dv; p.dk_accum = dk_accum; p.dv_accum = dv_accum; p.dkv_semaphore = dkv_sem;
+    p.dk = dk; p.dv = dv; p.dk_partial = dk_partial; p.dv_partial = dv_partial;
     p.schedule = sched_dev; p.schedule_header_host = sched_host.data();
     p.batch = g.b; p.seqlen_q = g.sq; p.seqlen_k = g.sk; p.seqlen_q_rounded = sq_rounded;
     p.heads = g.h; p.heads_kv = g.hkv; p.headdim = g.d;
@@ -386,7 +383,7 @@ struct Problem {
     post.dq_stride = {int64_t(g.sq) * g.h * g.d, int64_t(g.h) * g.d, g.d};
     post.softmax_scale = g.scale; post.batch = g.b; post.seqlen_q = g.sq; post.seqlen_q_rounded = sq_rounded;
     post.heads = g.h; post.headdim = g.d;
-    post.dk_accum = dk_accum; post.dv_accum = dv_accum; post.dk = dk; post.dv = dv;
+    post.dk_partial = dk_partial; post.dv_partial = dv_partial; post.dk = dk; post.dv = dv;
     post.dk_stride = post.dv_stride = p.dk_stride;
     post.heads_kv = g.hkv; post.seqlen_k = g.sk;
     dash_fa3::run_bwd_postprocess(post, dtype, stream);

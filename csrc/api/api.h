@@ -56,10 +56,10 @@ struct BwdWorkspace;
 void check_preprocess_inputs(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse);
 void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
                            const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream);
-// GQA's dK/dV, cast by the postprocess from their fp32 accumulators.
+// GQA's dK/dV, summed by the postprocess from their per-head fp32 partials.
 struct DkvCast {
-  const float* dk_accum;
-  const float* dv_accum;
+  const float* dk_partial;  // (batch, heads, seqlen_k, headdim)
+  const float* dv_partial;
   at::Tensor dk, dv;  // (batch, seqlen_k, heads_kv, headdim)
 };
 at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,

@@ -57,8 +57,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));
   const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
   const int64_t rounded = n_q * block_m;
-  const int64_t block_n = bwd_block_n(static_cast<int>(hdim));
-  const int64_t n_kv = (seqlen_k + block_n - 1) / block_n;
 
   TORCH_CHECK(schedule.is_cuda() && schedule.device() == dev && schedule.scalar_type() == at::kInt &&
                   schedule.is_contiguous() && schedule.dim() == 1,
@@ -76,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const bool gqa = heads != heads_kv;
   const BwdWorkspace ws =
-      make_bwd_workspace({batch, heads, heads_kv, rounded, seqlen_k, hdim, n_q, n_kv, gqa}, dev);
+      make_bwd_workspace({batch, heads, rounded, seqlen_k, hdim, n_q, gqa}, dev);
   launch_bwd_preprocess(out, dout, lse, ws, rounded, stream);
 
   at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));
@@ -98,9 +96,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   p.dv = dv.data_ptr();
   p.dk_stride = bshd_strides(dk, "dk");
   p.dv_stride = bshd_strides(dv, "dv");
-  p.dk_accum = ws.dk_accum;
-  p.dv_accum = ws.dv_accum;
-  p.dkv_semaphore = ws.dkv_semaphore;
+  p.dk_partial = ws.dk_partial;
+  p.dv_partial = ws.dv_partial;
   p.schedule = schedule.data_ptr<int32_t>();
   p.schedule_header_host = hdr;
   p.batch = static_cast<int>(batch);
@@ -118,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
-  const DkvCast dkv{ws.dk_accum, ws.dv_accum, dk, dv};
+  const DkvCast dkv{ws.dk_partial, ws.dv_partial, dk, dv};
   at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, batch, heads, seqlen_q, rounded, hdim, softmax_scale,
                                          q.scalar_type(), dev, stream, gqa ? &dkv : nullptr);
   return {dq, dk, dv};

@@ -60,8 +60,8 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
   p.heads = static_cast<int>(heads);
   p.headdim = static_cast<int>(hdim);
   if (dkv != nullptr) {
-    p.dk_accum = dkv->dk_accum;
-    p.dv_accum = dkv->dv_accum;
+    p.dk_partial = dkv->dk_partial;
+    p.dv_partial = dkv->dv_partial;
     p.dk = dkv->dk.data_ptr();
     p.dv = dkv->dv.data_ptr();
     p.dk_stride = bshd_strides(dkv->dk, "dk");
@@ -88,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(const 
   const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
   const int64_t rounded = n_q * block_m;
   const BwdWorkspace ws =
-      make_bwd_workspace({batch, heads, heads, rounded, 0, hdim, n_q, 0, false}, out.device());
+      make_bwd_workspace({batch, heads, rounded, 0, hdim, n_q, false}, out.device());
   launch_bwd_preprocess(out, dout, lse, ws, rounded, c10::cuda::getCurrentCUDAStream().stream());
   auto region = [&](int64_t offset, at::ScalarType type, at::IntArrayRef sizes) {
     int64_t numel = 1;

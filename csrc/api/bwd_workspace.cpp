@@ -13,34 +13,31 @@ int64_t round_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& device) {
   const int64_t rows = s.batch * s.heads * s.seqlen_q_rounded;
-  const int64_t kv_accum = s.gqa ? s.batch * s.heads_kv * s.seqlen_k * s.headdim : 0;
+  const int64_t partial = s.gqa ? s.batch * s.heads * s.seqlen_k * s.headdim : 0;
   BwdWorkspace w{};
   int64_t off = 0;
   w.dpsum_offset = off;
   off = round_up(off + rows * int64_t(sizeof(float)));
   w.lse_log2_offset = off;
   off = round_up(off + rows * int64_t(sizeof(float)));
+  const int64_t dk_offset = off;
+  off = round_up(off + partial * int64_t(sizeof(float)));
+  const int64_t dv_offset = off;
+  off = round_up(off + partial * int64_t(sizeof(float)));
   const int64_t zero_begin = off;
   w.dq_accum_offset = off;
   off = round_up(off + rows * s.headdim * int64_t(sizeof(float)));
-  const int64_t dk_offset = off;
-  off = round_up(off + kv_accum * int64_t(sizeof(float)));
-  const int64_t dv_offset = off;
-  off = round_up(off + kv_accum * int64_t(sizeof(float)));
   w.dq_semaphore_offset = off;
   off = round_up(off + s.batch * s.heads * s.n_q * int64_t(sizeof(int)));
-  const int64_t dkv_sem_offset = off;
-  off = round_up(off + (s.gqa ? s.batch * s.heads_kv * s.n_kv : 0) * int64_t(sizeof(int)));
 
   w.buffer = at::empty({off}, at::TensorOptions().dtype(at::kByte).device(device));
   auto* base = static_cast<uint8_t*>(w.buffer.data_ptr());
   w.dpsum = reinterpret_cast<float*>(base + w.dpsum_offset);
   w.lse_log2 = reinterpret_cast<float*>(base + w.lse_log2_offset);
+  w.dk_partial = s.gqa ? reinterpret_cast<float*>(base + dk_offset) : nullptr;
+  w.dv_partial = s.gqa ? reinterpret_cast<float*>(base + dv_offset) : nullptr;
   w.dq_accum = reinterpret_cast<float*>(base + w.dq_accum_offset);
-  w.dk_accum = s.gqa ? reinterpret_cast<float*>(base + dk_offset) : nullptr;
-  w.dv_accum = s.gqa ? reinterpret_cast<float*>(base + dv_offset) : nullptr;
   w.dq_semaphore = reinterpret_cast<int*>(base + w.dq_semaphore_offset);
-  w.dkv_semaphore = s.gqa ? reinterpret_cast<int*>(base + dkv_sem_offset) : nullptr;
   w.zero_begin = base + zero_begin;
   w.zero_bytes = off - zero_begin;
   return w;

@@ -1,12 +1,13 @@
 // The backward's scratch memory, one allocation per call:
 //
-//   dpsum | lse_log2 | dq_accum | dk_accum | dv_accum | dq_semaphore | dkv_semaphore
-//                    '------------------ zeroed by the preprocess ------------------'
+//   dpsum | lse_log2 | dk_partial | dv_partial | dq_accum | dq_semaphore
+//                                              '-- zeroed by the preprocess --'
 //
-// One allocation instead of seven keeps the caching allocator off the host
+// One allocation instead of six keeps the caching allocator off the host
 // path, and the buffers the main kernel only adds into form one contiguous
-// span, so the preprocess zeroes them in its own launch. GQA's dK/dV
-// accumulators and their semaphores are empty (size 0) without GQA.
+// span, so the preprocess zeroes them in its own launch. GQA's per-head dK/dV
+// partials are written in full by the main kernel (no zeroing) and are empty
+// (size 0) without GQA.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,11 +20,10 @@ struct BwdWorkspace {
   at::Tensor buffer;  // uint8, owns every region below
   float* dpsum;
   float* lse_log2;
+  float* dk_partial;  // nullptr without GQA
+  float* dv_partial;  // nullptr without GQA
   float* dq_accum;
-  float* dk_accum;  // nullptr without GQA
-  float* dv_accum;  // nullptr without GQA
   int* dq_semaphore;
-  int* dkv_semaphore;  // nullptr without GQA
   void* zero_begin;
   int64_t zero_bytes;  // a multiple of 16
 
@@ -32,7 +32,7 @@ struct BwdWorkspace {
 };
 
 struct BwdWorkspaceShape {
-  int64_t batch, heads, heads_kv, seqlen_q_rounded, seqlen_k, headdim, n_q, n_kv;
+  int64_t batch, heads, seqlen_q_rounded, seqlen_k, headdim, n_q;
   bool gqa;
 };
 

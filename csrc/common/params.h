@@ -67,18 +67,21 @@ struct BwdPreprocessParams {
 };
 
 // Backward postprocess: dQ = softmax_scale * dQaccum, cast to the input dtype;
-// with GQA also dK, dV cast from their fp32 accumulators (one launch for both).
+// with GQA also dK, dV summed from their per-head fp32 partials and cast (one
+// launch for both).
 struct BwdPostprocessParams {
   const float* dq_accum;  // (batch, heads, seqlen_q_rounded, headdim)
   void* dq;               // (batch, seqlen_q, heads, headdim), FA3 layout
   TensorStrides dq_stride;
   float softmax_scale;
 
-  // GQA only, else nullptr: (batch, heads_kv, seqlen_k, headdim) fp32
-  // accumulators that already hold the scale, cast into dk/dv (batch,
-  // seqlen_k, heads_kv, headdim).
-  const float* dk_accum;
-  const float* dv_accum;
+  // GQA only, else nullptr: (batch, heads, seqlen_k, headdim) fp32 partials,
+  // one slab per query head, already scaled; the heads / heads_kv slabs of a
+  // group are summed in ascending head order (the same order whatever the
+  // mode: dK/dV are deterministic) and cast into dk/dv (batch, seqlen_k,
+  // heads_kv, headdim).
+  const float* dk_partial;
+  const float* dv_partial;
   void* dk;
   void* dv;
   TensorStrides dk_stride, dv_stride;
@@ -115,12 +118,12 @@ struct BwdParams {
   void* dk;
   void* dv;
   TensorStrides dk_stride, dv_stride;
-  // GQA/MQA only (heads != heads_kv), else nullptr: fp32 (batch, heads_kv,
-  // seqlen_k, headdim) accumulators and int32 (batch, heads_kv, n_kv)
-  // semaphores, all zeroed by the caller; the postprocess casts into dk/dv.
-  float* dk_accum;
-  float* dv_accum;
-  int* dkv_semaphore;
+  // GQA/MQA only (heads != heads_kv), else nullptr: fp32 (batch, heads,
+  // seqlen_k, headdim) partials, one slab per query head, which the kernel
+  // writes (no adds, no zeroing needed) and the postprocess sums per group
+  // and casts into dk/dv.
+  float* dk_partial;
+  float* dv_partial;
 
   // The schedule: the flat int32 buffer of dash_fa3.schedule.metadata
   // (header | cta_offsets | tasks) on the device, and its header on the host

@@ -6,21 +6,19 @@
 // (each thread stores pairs of adjacent elements; rows past seqlen_k are not
 // written).
 //
-// GQA/MQA: the q heads of a group all add into the same dK/dV rows, so the
-// task adds its fp32 registers into fp32 accumulators (batch, heads_kv,
-// seqlen_k, d) with red.add; the postprocess casts them afterwards. In
-// deterministic mode the q heads of a group take turns in the schedule's fixed
-// order (task column rank_dkv), through one semaphore per (batch, head_kv, KV
-// tile); the ordering argument is the one of bwd_semaphore.h, with every add
-// in the generic proxy.
+// GQA/MQA: the q heads of a group all contribute to the same dK/dV rows. Each
+// task stores its fp32 registers into its own query head's slab of the
+// partials (batch, heads, seqlen_k, d); the postprocess sums each group's
+// slabs in ascending head order and casts. The sum's order is fixed, so dK/dV
+// are deterministic in both modes, and no task waits for another here (adds
+// into one shared accumulator would need atomics, and ordered adds would make
+// the heads of a group take turns).
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "common/gemm_sm90.h"
-#include "common/named_barriers.h"
 #include "kernels/bwd/bwd_mainloop.h"
-#include "kernels/bwd/bwd_semaphore.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
 
@@ -49,7 +47,7 @@ struct BwdEpilogue {
     int const n0 = kv * kBlockN;
     constexpr int kV = decltype(size<0, 2>(tdKrdK))::value;
 
-    if (p.dk_accum == nullptr) {
+    if (p.dk_partial == nullptr) {
       Tensor tdKout = make_tensor<Element>(typename FragDkv::layout_type{});
       Tensor tdVout = make_tensor<Element>(typename FragDkv::layout_type{});
       convert_fragment(tdKrdK, tdKout);
@@ -74,36 +72,24 @@ struct BwdEpilogue {
       return;
     }
 
-    int* sem = p.dkv_semaphore + (int64_t(b) * p.heads_kv + h_kv) * p.n_kv + kv;
-    if (p.deterministic) {
-      if (mma_tid == 0) { semaphore_wait_for(sem, row[schedule::kCRankDkv]); }
-      // Everyone waits until thread 0 has seen our turn come up.
-      named_barrier_sync(BwdBarrier::kDkvTurn, kMmaThreads);
-    }
-    int64_t const base = (int64_t(b) * p.heads_kv + h_kv) * p.seqlen_k;
+    // GQA: this query head's slab; every (batch, head, KV tile) has exactly one
+    // task, so plain stores suffice: no zeroing, no atomics, no turn-taking.
+    int const h = row[schedule::kCHead];
+    int64_t const base = (int64_t(b) * p.heads + h) * p.seqlen_k;
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       int const n = n0 + get<0>(tDcD(2 * r));
       if (n < p.seqlen_k) {
-        float* dk_row = p.dk_accum + (base + n) * kHeadDim;
-        float* dv_row = p.dv_accum + (base + n) * kHeadDim;
+        float* dk_row = p.dk_partial + (base + n) * kHeadDim;
+        float* dv_row = p.dv_partial + (base + n) * kHeadDim;
         CUTE_UNROLL
         for (int v = 0; v < kV; ++v) {
-          CUTE_UNROLL
-          for (int c = 0; c < 2; ++c) {
-            int const i = 4 * v + 2 * r + c;
-            int const d = get<1>(tDcD(i));
-            atomicAdd(dk_row + d, tdKrdK(i));
-            atomicAdd(dv_row + d, tdVrdV(i));
-          }
+          int const i = 4 * v + 2 * r;  // registers i, i + 1: columns d, d + 1 of row n
+          int const d = get<1>(tDcD(i));
+          *reinterpret_cast<float2*>(dk_row + d) = make_float2(tdKrdK(i), tdKrdK(i + 1));
+          *reinterpret_cast<float2*>(dv_row + d) = make_float2(tdVrdV(i), tdVrdV(i + 1));
         }
       }
-    }
-    if (p.deterministic) {
-      __threadfence();  // our adds are performed at gpu scope before the barrier
-      // Everyone waits until all 256 threads have added; then thread 0 passes the turn on.
-      named_barrier_sync(BwdBarrier::kDkvTurn, kMmaThreads);
-      if (mma_tid == 0) { semaphore_release_increment(sem); }
     }
   }
 };

@@ -11,9 +11,9 @@
 //     and uses static dispatch; its CTA count is the grid size. The schedule
 //     must have been validated (every needed pair once, ranks a permutation,
 //     no wait cycle for this grid) by dash_fa3.schedule before launch;
-//   - GQA (heads != heads_kv): dk_accum, dv_accum, dkv_semaphore given and
-//     zeroed; the kernel leaves dK/dV in the fp32 accumulators and the
-//     postprocess (run_bwd_postprocess) casts them into dk/dv.
+//   - GQA (heads != heads_kv): dk_partial, dv_partial given; the kernel
+//     leaves each query head's dK/dV there in fp32 and the postprocess
+//     (run_bwd_postprocess) sums each group's heads and casts into dk/dv.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -111,9 +111,8 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.dv_row_stride = a.dv_stride.row;
   p.dv_head_stride = a.dv_stride.head;
   bool const gqa = a.heads != a.heads_kv;
-  p.dk_accum = gqa ? a.dk_accum : nullptr;
-  p.dv_accum = gqa ? a.dv_accum : nullptr;
-  p.dkv_semaphore = gqa ? a.dkv_semaphore : nullptr;
+  p.dk_partial = gqa ? a.dk_partial : nullptr;
+  p.dv_partial = gqa ? a.dv_partial : nullptr;
   // The device buffer's views, and the header fields every step's decode
   // needs, from the host copy of its header (checked by check_schedule_header).
   p.cta_offsets = schedule::offsets_of(a.schedule);
@@ -159,8 +158,7 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   require(params.lse_log2 && params.dpsum && params.dq_accum && params.dq_semaphore,
           "lse_log2, dpsum, dq_accum and dq_semaphore (from the preprocess) must be given");
   bool const gqa = params.heads != params.heads_kv;
-  require(!gqa || (params.dk_accum && params.dv_accum && params.dkv_semaphore),
-          "GQA/MQA needs dk_accum, dv_accum and dkv_semaphore");
+  require(!gqa || (params.dk_partial && params.dv_partial), "GQA/MQA needs dk_partial and dv_partial");
   bwd::check_schedule_header<Traits>(params);
 
   typename Traits::Params p = bwd::make_bwd_params<Traits>(params);

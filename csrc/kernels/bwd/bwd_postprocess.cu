@@ -1,6 +1,7 @@
 // Backward postprocess: dQ[b,s,h,:] = softmax_scale * dQaccum[b,h,s,:], cast to
 // the input dtype and written in FA3's (batch, seqlen, heads, headdim) layout;
-// with GQA, in the same launch, dK/dV cast from their fp32 accumulators.
+// with GQA, in the same launch, dK/dV summed over each group's query heads from
+// their fp32 partials and cast.
 #include <cuda_runtime.h>
 
 #include "common/cuda_check.h"
@@ -14,9 +15,7 @@ constexpr int kThreads = 256;
 constexpr int kVec = 8;  // 8 outputs per thread: two float4 loads, one 16-byte store
 
 template <class Elem>
-__device__ void store_vec(void* dst, const float* src, float scale) {
-  const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
-  const float vals[kVec] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+__device__ void store_vec(void* dst, const float (&vals)[kVec], float scale) {
   uint4 packed;
   Elem* out = reinterpret_cast<Elem*>(&packed);
 #pragma unroll
@@ -24,13 +23,32 @@ __device__ void store_vec(void* dst, const float* src, float scale) {
   *reinterpret_cast<uint4*>(dst) = packed;
 }
 
+__device__ void load_vec(float (&vals)[kVec], const float* src) {
+  const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
+  vals[0] = lo.x, vals[1] = lo.y, vals[2] = lo.z, vals[3] = lo.w;
+  vals[4] = hi.x, vals[5] = hi.y, vals[6] = hi.z, vals[7] = hi.w;
+}
+
+// The sum over a GQA group's query heads, in ascending head order (a fixed
+// order: the result is the same bits in every mode and run).
+__device__ void group_sum(float (&acc)[kVec], const float* src, int group, int64_t head_stride) {
+  load_vec(acc, src);
+  for (int g = 1; g < group; ++g) {
+    float vals[kVec];
+    load_vec(vals, src + g * head_stride);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) acc[j] += vals[j];
+  }
+}
+
 // One grid-stride loop over the dQ chunks and then, with GQA, the dK/dV
-// chunks (both accumulators of a chunk in one step).
+// chunks (both tensors of a chunk in one step).
 template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p) {
   const int chunks_per_row = p.headdim / kVec;
   const int64_t total_q = int64_t(p.batch) * p.heads * p.seqlen_q * chunks_per_row;
-  const int64_t total_kv = p.dk_accum != nullptr ? int64_t(p.batch) * p.heads_kv * p.seqlen_k * chunks_per_row : 0;
+  const int64_t total_kv =
+      p.dk_partial != nullptr ? int64_t(p.batch) * p.heads_kv * p.seqlen_k * chunks_per_row : 0;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total_q + total_kv; i += stride) {
     // (b, h, s, chunk) with chunk fastest: consecutive threads read consecutive accumulator bytes.
@@ -44,16 +62,22 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
     rest /= seqlen;
     const int h = static_cast<int>(rest % heads);
     const int b = static_cast<int>(rest / heads);
+    float vals[kVec];
     if (is_q) {
-      const float* src = p.dq_accum + ((int64_t(b) * p.heads + h) * p.seqlen_q_rounded + s) * p.headdim + c * kVec;
+      load_vec(vals, p.dq_accum + ((int64_t(b) * p.heads + h) * p.seqlen_q_rounded + s) * p.headdim + c * kVec);
       Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + s * p.dq_stride.row + h * p.dq_stride.head;
-      store_vec<Elem>(dst + c * kVec, src, p.softmax_scale);
+      store_vec<Elem>(dst + c * kVec, vals, p.softmax_scale);
     } else {
-      const int64_t src = e * kVec;  // the accumulators are contiguous (b, h_kv, s, d)
+      // Query heads h * group ... h * group + group - 1 share KV head h.
+      const int group = p.heads / p.heads_kv;
+      const int64_t head_stride = int64_t(p.seqlen_k) * p.headdim;
+      const int64_t src = ((int64_t(b) * p.heads + int64_t(h) * group) * p.seqlen_k + s) * p.headdim + c * kVec;
       Elem* dk = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head;
       Elem* dv = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head;
-      store_vec<Elem>(dk + c * kVec, p.dk_accum + src, 1.f);
-      store_vec<Elem>(dv + c * kVec, p.dv_accum + src, 1.f);
+      group_sum(vals, p.dk_partial + src, group, head_stride);
+      store_vec<Elem>(dk + c * kVec, vals, 1.f);
+      group_sum(vals, p.dv_partial + src, group, head_stride);
+      store_vec<Elem>(dv + c * kVec, vals, 1.f);
     }
   }
 }
@@ -63,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
 void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaStream_t stream) {
   if (params.headdim % kVec != 0) throw std::invalid_argument("dash_fa3: postprocess needs headdim % 8 == 0");
   const int64_t total_kv =
-      params.dk_accum != nullptr ? int64_t(params.batch) * params.heads_kv * params.seqlen_k : 0;
+      params.dk_partial != nullptr ? int64_t(params.batch) * params.heads_kv * params.seqlen_k : 0;
   const int64_t total = (int64_t(params.batch) * params.heads * params.seqlen_q + total_kv) * (params.headdim / kVec);
   if (total == 0) return;
   int device = 0, sms = 0;

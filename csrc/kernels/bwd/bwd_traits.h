@@ -48,15 +48,12 @@ enum class BwdBarrier : uint32_t {
   // Both MMA warpgroups have written their rows of dS^T to sdS; both wait on
   // it before the dQ = dS K GEMM.
   kDsReady = 1,
-  // GQA dK/dV: the MMA warpgroups wait for their turn (deterministic mode)
-  // and, after their adds, for each other before releasing the turn.
-  kDkvTurn = 2,
   // kDqEmpty + b: dQ writer b has finished reading sdQ buffer b; the MMA
   // warpgroups wait on it before writing their next partial dQ into b.
-  kDqEmpty = 3,  // and 4
+  kDqEmpty = 2,  // and 3
   // kDqFull + b: the MMA warpgroups have written a partial dQ into sdQ buffer
   // b; dQ writer b waits on it before issuing the reduce-add.
-  kDqFull = 5,  // and 6
+  kDqFull = 4,  // and 5
 };
 
 template <int kHeadDim_, class Element_, bool kCausal_>
@@ -199,11 +196,11 @@ struct BwdTraits {
     void* dv;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    // GQA: fp32 accumulators (batch, heads_kv, seqlen_k, d) and one semaphore
-    // per (batch, head_kv, kv tile); nullptr for MHA.
-    float* dk_accum;
-    float* dv_accum;
-    int* dkv_semaphore;
+    // GQA: fp32 partials (batch, heads, seqlen_k, d), one slab per query head,
+    // each element written once; the postprocess sums a group's slabs in a
+    // fixed order. nullptr for MHA.
+    float* dk_partial;
+    float* dv_partial;
     // The schedule (csrc/schedules/schedule_metadata.h): CTA c runs task rows
     // [cta_offsets[c], cta_offsets[c + 1]) of the task table; the header's
     // fields that decode every step are launch constants, in rank.
