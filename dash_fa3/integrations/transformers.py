@@ -27,7 +27,9 @@ What it does with transformers' call:
 
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
 padding in the attention mask, packed sequences (varlen is not implemented
-yet: position_ids that restart inside a row are checked, except while
+yet: position_ids that restart inside a row are checked (on the GPU
+asynchronously: the error comes from a later attention call of the same or the
+next forward, not the first one), except while
 torch.compile traces), sliding-window, chunked or other custom mask patterns, a 4D mask handed
 in by the caller, a static (pre-allocated) KV cache whose keys run past the
 last query, dropout > 0, softcap, attention sinks, position bias, and fp32
@@ -131,15 +133,34 @@ def mask_for_dash_fa3(batch_size: int, q_length: int | None = None, kv_length: i
     return None
 
 
-_checked_positions: list = [None, -1]  # weak reference to the last position_ids found unpacked, its version
+_checked_positions: list = [None, -1]  # weak reference to the last position_ids checked, its version
+_pending_checks: list = []  # (event, pinned flag, shape) of position_ids checks still running on the GPU
+
+
+def _raise_if_packed(flag: bool, shape) -> None:
+    if flag:
+        _pending_checks.clear()
+        raise _refuse(f"packed sequences (position_ids of shape {tuple(shape)} restart inside a row); "
+                      f"varlen is not implemented yet")
+
+
+def _resolve_pending_checks() -> None:
+    """Raises for any finished position_ids check that found packing (never waits for the GPU)."""
+    while _pending_checks and _pending_checks[0][0].query():
+        _, flag, shape = _pending_checks.pop(0)
+        _raise_if_packed(bool(flag.item()), shape)
 
 
 def _check_unpacked(position_ids) -> None:
     """Refuses position_ids that restart inside a row (several documents packed in one row).
 
     transformers detects packing in its mask builder only without a KV cache, so the
-    attention function checks too. One host sync per new position_ids tensor (every
-    layer of a forward gets the same one); skipped while torch.compile traces."""
+    attention function checks too, once per new position_ids tensor (every layer of a
+    forward gets the same one). On the GPU the check must not stall the host, so it
+    runs asynchronously: its verdict is read by the first attention call after the
+    GPU has computed it, which raises then, within the same or the next forward.
+    Skipped while torch.compile traces."""
+    _resolve_pending_checks()
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
         return
     ref, version = _checked_positions
@@ -147,9 +168,16 @@ def _check_unpacked(position_ids) -> None:
         return
     if torch.compiler.is_compiling():
         return
-    if not bool((position_ids.diff(dim=-1) == 1).all()):
-        raise _refuse("packed sequences (position_ids restart inside a row); varlen is not implemented yet")
+    packed = (position_ids.diff(dim=-1) != 1).any()
     _checked_positions[:] = [weakref.ref(position_ids), position_ids._version]
+    if not position_ids.is_cuda:
+        _raise_if_packed(bool(packed), position_ids.shape)
+        return
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _pending_checks.append((event, flag, position_ids.shape))
 
 
 def _causal(module, kwargs) -> bool:
