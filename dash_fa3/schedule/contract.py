@@ -23,7 +23,8 @@ offsets).  How a row's steps decode into (Q tile, rank) is
 from __future__ import annotations
 
 MAGIC = 0x44415348  # 'DASH'
-METADATA_VERSION = 1
+# Bumped with every layout change (2: the GQA dK/dV turn column removed).
+METADATA_VERSION = 2
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -60,13 +61,12 @@ COLUMNS = (
     "lin_base", "lin_dir",             # later steps visit lin_base + lin_dir * (s - cyc_len), lin_dir = +-1
     "role",            # ROLE_LO (lo or single tile of its unit) / ROLE_HI
     "seg_begin", "seg_end",  # units [seg_begin, seg_end) of this head run in this task's wave (SHIFT)
-    "rank_dkv",        # turn of this q head in its GQA group's dK/dV adds
     "head_kv",
     "cta",             # static: the CTA that runs the row; dynamic: -1
     "unit",            # unit (pair) index within the head (informational)
 )
 (C_BATCH, C_HEAD, C_KV, C_N_STEPS, C_CYC_LEN, C_CYC_BASE, C_CYC_OFF, C_LIN_BASE, C_LIN_DIR,
- C_ROLE, C_SEG_BEGIN, C_SEG_END, C_RANK_DKV, C_HEAD_KV, C_CTA, C_UNIT) = range(len(COLUMNS))
+ C_ROLE, C_SEG_BEGIN, C_SEG_END, C_HEAD_KV, C_CTA, C_UNIT) = range(len(COLUMNS))
 NUM_COLS = len(COLUMNS)
 
 # Codes stored in the header and the rows (C++ enum name, codes in order).

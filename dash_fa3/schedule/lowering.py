@@ -46,7 +46,7 @@ def lower_to_static(s: Schedule, *, validate: bool = True) -> Schedule:
     lowered = Schedule(
         name=s.name, geometry=s.geometry, num_sms=s.num_sms, dispatch="static", num_ctas=s.num_ctas,
         task_batch=s.task_batch[perm], task_head=s.task_head[perm], task_kv=s.task_kv[perm],
-        task_cta=cta[perm], task_unit=s.task_unit[perm], rank_dkv=s.rank_dkv[perm],
+        task_cta=cta[perm], task_unit=s.task_unit[perm],
         step_offsets=offsets, step_q=s.step_q[step_idx], step_rank=s.step_rank[step_idx],
         step_wave=None, step_time=None, meta=meta,
     )

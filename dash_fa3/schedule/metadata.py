@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .contract import (C_BATCH, C_CTA, C_CYC_BASE, C_CYC_LEN, C_CYC_OFF, C_HEAD, C_HEAD_KV, C_KV,  # noqa: F401
-                       C_LIN_BASE, C_LIN_DIR, C_N_STEPS, C_RANK_DKV, C_ROLE, C_SEG_BEGIN, C_SEG_END, C_UNIT,
+                       C_LIN_BASE, C_LIN_DIR, C_N_STEPS, C_ROLE, C_SEG_BEGIN, C_SEG_END, C_UNIT,
                        COLUMNS, DISPATCH_DYNAMIC, DISPATCH_STATIC, H_BATCH, H_BLOCK_M, H_BLOCK_N, H_CAUSAL,
                        H_DISPATCH, H_HEADS, H_HEADS_KV, H_MAGIC, H_N_KV, H_N_Q, H_NUM_COLS, H_NUM_CTAS,
                        H_NUM_STEPS, H_NUM_TASKS, H_OFFSETS_LEN, H_PAIRS_HI, H_RANK_KIND, H_RECT_BEGIN,

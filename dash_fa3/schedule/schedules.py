@@ -2,8 +2,9 @@
 
 A schedule fixes (a) which tasks each CTA runs and in what order, (b) the order
 in which each task visits its Q tiles, (c) the rank of every (kv, q)
-contribution in the accumulation order of dQ tile q (and, for GQA, the order in
-which the q heads of a group add into dK/dV).
+contribution in the accumulation order of dQ tile q.  GQA adds nothing: each q
+head's task stores its own fp32 dK/dV partials and the postprocess sums a
+group's heads in a fixed order, so no task waits for another over dK/dV.
 
 The explicit orders (b) and (c) are built here from the schedule's *meaning*
 (rotations, reversed ranges; ranks by sorting contributions on their planned
@@ -70,7 +71,7 @@ class Schedule:
     """
 
     def __init__(self, *, name, geometry, num_sms, dispatch, num_ctas, task_batch, task_head,
-                 task_kv, task_cta, task_unit, rank_dkv, step_offsets, step_q, step_rank,
+                 task_kv, task_cta, task_unit, step_offsets, step_q, step_rank,
                  step_wave, step_time, meta):
         self.name = name
         self.geometry = geometry
@@ -82,7 +83,6 @@ class Schedule:
         self.task_kv = task_kv
         self.task_cta = task_cta
         self.task_unit = task_unit
-        self.rank_dkv = rank_dkv
         self.step_offsets = step_offsets
         self.step_q = step_q
         self.step_rank = step_rank
@@ -157,12 +157,6 @@ class Schedule:
             a.setflags(write=False)
             self._cache["step_dq"] = a
         return self._cache["step_dq"]
-
-    @property
-    def task_dkv_group(self) -> np.ndarray:
-        """Global (batch, head_kv, kv_tile) id each task adds its dK/dV into."""
-        g = self.geometry
-        return (self.task_batch * g.heads_kv + self.task_head // g.group) * g.n_kv + self.task_kv
 
     # the three things a schedule fixes
     def cta_tasks(self, cta: int) -> np.ndarray:
@@ -353,14 +347,12 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
     gid = hidx[step_task] * g.n_q + q
     skv = kv[step_task]
     rank = _ranks_by_key(gid, skv if ascending_rank else -skv)
-    rank_dkv = head % g.group
 
     rows = np.zeros((T, M.NUM_COLS), dtype=np.int64)
     rows[:, M.C_BATCH], rows[:, M.C_HEAD], rows[:, M.C_KV] = batch, head, kv
     rows[:, M.C_N_STEPS] = lens
     rows[:, M.C_LIN_BASE] = qb if ascending_q else g.n_q - 1
     rows[:, M.C_LIN_DIR] = 1 if ascending_q else -1
-    rows[:, M.C_RANK_DKV] = rank_dkv
     rows[:, M.C_HEAD_KV] = head // g.group
     rows[:, M.C_CTA] = -1
     rows[:, M.C_UNIT] = kv
@@ -371,7 +363,7 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
     meta = M.ScheduleMeta(header, np.zeros(0, dtype=np.int32), _i32(rows))
     return Schedule(name=name, geometry=g, num_sms=num_sms, dispatch="dynamic", num_ctas=num_ctas,
                     task_batch=batch, task_head=head, task_kv=kv, task_cta=np.full(T, -1, np.int64),
-                    task_unit=kv.copy(), rank_dkv=rank_dkv, step_offsets=offsets, step_q=q,
+                    task_unit=kv.copy(), step_offsets=offsets, step_q=q,
                     step_rank=rank, step_wave=None, step_time=None, meta=meta)
 
 
@@ -479,7 +471,6 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     tie = np.where(in_rect_leg, slot[step_task], -p[step_task])
     gid = hidx[step_task] * g.n_q + step_q
     rank = _ranks_by_key(gid, wave, t, tie)
-    rank_dkv = head % g.group
 
     num_ctas = min(S, U)
     cta = u_cta[row_unit]
@@ -494,7 +485,6 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     rows[:, M.C_LIN_DIR] = np.where(role == 0, 1, -1)
     rows[:, M.C_ROLE] = role
     rows[:, M.C_SEG_BEGIN], rows[:, M.C_SEG_END] = pa, pb
-    rows[:, M.C_RANK_DKV] = rank_dkv
     rows[:, M.C_HEAD_KV] = head // g.group
     rows[:, M.C_CTA] = cta
     rows[:, M.C_UNIT] = p
@@ -503,7 +493,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     meta = M.ScheduleMeta(header, _i32(cta_offsets), _i32(rows))
     return Schedule(name=name, geometry=g, num_sms=S, dispatch="static", num_ctas=num_ctas,
                     task_batch=batch, task_head=head, task_kv=kv, task_cta=cta, task_unit=p,
-                    rank_dkv=rank_dkv, step_offsets=offsets, step_q=step_q, step_rank=rank,
+                    step_offsets=offsets, step_q=step_q, step_rank=rank,
                     step_wave=wave, step_time=t, meta=meta)
 
 

@@ -5,8 +5,8 @@ Checks, in order:
 1. tasks: exactly one task per (batch, q_head, kv_tile) that has work;
 2. coverage: every (kv, q) pair the mask needs is visited exactly once, by the
    task of that KV tile;
-3. ranks: for every dQ tile the ranks of its contributions are 0..k-1; for
-   every GQA (batch, kv_head, kv_tile) the q heads' dK/dV ranks are 0..g-1;
+3. ranks: for every dQ tile the ranks of its contributions are 0..k-1 (GQA
+   dK/dV need no order: each q head stores its own partials);
 4. metadata: decoding the int32 task table with the device arithmetic
    (:func:`.metadata.decode_all`) reproduces the visiting orders and ranks
    exactly, and the header/rows are consistent (CTA offsets, counts);
@@ -14,8 +14,8 @@ Checks, in order:
 
    * static dispatch: all ``num_ctas <= num_sms`` CTAs are resident; the graph
      with program order on each CTA (steps, epilogues, task to task) and
-     semaphore order (rank k-1 -> rank k per dQ tile, dK/dV rank order per GQA
-     group) must be acyclic (Kahn's algorithm).  A wait on a task queued behind
+     semaphore order (rank k-1 -> rank k per dQ tile) must be acyclic (Kahn's
+     algorithm).  A wait on a task queued behind
      a waiting task on the same CTA is such a cycle.
    * dynamic dispatch (fa3/spt/descending): tasks are claimed from a global
      counter in queue order, so a task can be claimed only after every earlier
@@ -144,7 +144,6 @@ def check_structure(s) -> None:
     if np.any(s.step_rank < 0):
         _fail(s, "negative rank")
     _check_permutation(s, s.step_dq_tile, s.step_rank, "dQ tile")
-    _check_permutation(s, s.task_dkv_group, s.rank_dkv, "dK/dV (GQA) tile")
     # 4. metadata
     meta = s.meta
     h = meta.header
@@ -161,7 +160,7 @@ def check_structure(s) -> None:
             _fail(s, f"metadata header field {M.HEADER_FIELDS[idx]} = {int(h[idx])}, expected {val}")
     t = meta.tasks
     cols = {M.C_BATCH: s.task_batch, M.C_HEAD: s.task_head, M.C_KV: s.task_kv, M.C_N_STEPS: s.task_steps,
-            M.C_RANK_DKV: s.rank_dkv, M.C_HEAD_KV: s.task_head // g.group}
+            M.C_HEAD_KV: s.task_head // g.group}
     for idx, val in cols.items():
         if not np.array_equal(t[:, idx], val):
             _fail(s, f"metadata column {M.COLUMNS[idx]} disagrees with the schedule")
@@ -207,11 +206,9 @@ def check_deadlock_free(s):
         has = G.sync < G.NONE
         bad = np.flatnonzero(has & (G.sync >= idx))
         if bad.size:
-            v = int(bad[0])
-            if v < N:
-                _fail(s, f"deadlock risk: task {int(s.step_task[v])} (claimed #{int(s.step_task[v])}) waits on "
-                         f"task {int(s.step_task[G.sync[v]])}, which is claimed later")
-            _fail(s, f"deadlock risk: dK/dV add of task {v - N} waits on a later-claimed task")
+            v = int(bad[0])  # a step: epilogues wait on no other task
+            _fail(s, f"deadlock risk: task {int(s.step_task[v])} (claimed #{int(s.step_task[v])}) waits on "
+                     f"task {int(s.step_task[G.sync[v]])}, which is claimed later")
         return lambda: _dynamic_unit_model(s)
     G = fused_graph(s, chain_prev_task(s))
     task_cta = s.task_cta.astype(np.int64)
@@ -228,7 +225,6 @@ def check_deadlock_free(s):
                  f"e.g. {desc}")
     ce = ft.start[:N] + 1.0
     waits = int((ft.ready_start[:N] > ce + 1e-9).sum())
-    waits += int((ft.ready_start[N:] > ft.finish[s.step_offsets[1:] - 1] + 1e-9).sum())
     return waits, float(ft.finish.max()) if G.size else 0.0
 
 

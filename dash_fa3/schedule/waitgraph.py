@@ -1,7 +1,9 @@
 """The wait-for graph of a schedule: one node per step and per task epilogue,
 with each node's program-order predecessor (the step before it on its CTA) and
-semaphore predecessor (the contribution ranked just before it in its dQ tile,
-or the q head before it in its GQA dK/dV group).
+semaphore predecessor (the contribution ranked just before it in its dQ tile).
+An epilogue has no semaphore predecessor: it stores dK/dV (with GQA, into its
+own q head's fp32 partials, summed by the postprocess), waiting for no other
+task.
 
 Validation runs Kahn's algorithm on it (a schedule whose graph has a cycle can
 deadlock on the GPU and is refused); the model's static simulator
@@ -34,7 +36,8 @@ def chain_prev_task(schedule) -> np.ndarray:
 class FusedGraph:
     """One node per step (0..N-1) and per task epilogue (N..N+T-1).
     ``prog``/``sync`` hold the program-order and semaphore predecessor of each
-    node, ``NONE`` (= number of nodes) when there is none."""
+    node, ``NONE`` (= number of nodes) when there is none (always for
+    epilogues)."""
 
     num_steps: int
     num_tasks: int
@@ -64,10 +67,6 @@ def fused_graph(schedule, prev_task: np.ndarray) -> FusedGraph:
     order = np.lexsort((rank, gid))
     same = gid[order][1:] == gid[order][:-1]
     sync[order[1:][same]] = order[:-1][same]
-    dg, rd = schedule.task_dkv_group, schedule.rank_dkv
-    order = np.lexsort((rd, dg))
-    same = dg[order][1:] == dg[order][:-1]
-    sync[N + order[1:][same]] = N + order[:-1][same]
     return FusedGraph(N, T, prog, sync)
 
 
@@ -75,7 +74,7 @@ def fused_graph(schedule, prev_task: np.ndarray) -> FusedGraph:
 class FusedTimes:
     done: int               # nodes processed (== graph size iff acyclic)
     start: np.ndarray       # program-order start (compute start / epilogue start)
-    ready_start: np.ndarray # start of the post-wait part (reduce / epilogue add)
+    ready_start: np.ndarray # start of the post-wait part (reduce / epilogue)
     finish: np.ndarray
     rounds: int
 
@@ -85,7 +84,7 @@ def evaluate_fused(G: FusedGraph, pre: np.ndarray, post: np.ndarray, node_cta: n
     """Kahn's algorithm, a frontier at a time, computing node times on the way.
 
     A node starts when its program predecessor finishes; its first part takes
-    ``pre`` (compute); its second part (``post``: reduce / epilogue add) starts
+    ``pre`` (compute); its second part (``post``: reduce / epilogue) starts
     once the first is done and the semaphore predecessor has finished (plus
     ``latency`` if that ran on another CTA).  Unprocessed nodes at the end lie
     on or behind a cycle.

@@ -1,12 +1,12 @@
 // Inter-CTA semaphores of the deterministic backward: one int32 counter per
-// dQ tile (and, for GQA, per dK/dV tile). A contribution of rank r waits until
-// the counter reads r, adds, waits for its add to complete, then sets the
-// counter to r + 1. Counters start at zero (the preprocess zeroes them).
+// dQ tile. A contribution of rank r waits until the counter reads r, adds,
+// waits for its add to complete, then sets the counter to r + 1. Counters start
+// at zero (the preprocess zeroes them).
 //
-// Memory ordering. The adds into the fp32 accumulators are done by the bulk
-// copy engine (async proxy) for dQ and by ordinary red.add (generic proxy)
-// for GQA dK/dV; the counter is an ordinary global int (generic proxy).
-//   release side: [adds complete] -> fence.proxy.async.global (dQ: orders the
+// Memory ordering. The adds into the fp32 dQ accumulator are done by the bulk
+// copy engine (async proxy); the counter is an ordinary global int (generic
+// proxy).
+//   release side: [adds complete] -> fence.proxy.async.global (orders the
 //                 completed async-proxy writes before this thread's later
 //                 generic accesses) -> red.release.gpu (gpu-scope release:
 //                 everything this thread has observed so far, the completed

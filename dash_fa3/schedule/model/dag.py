@@ -2,15 +2,14 @@
 
 Nodes (the paper's model, DASH Sec. 3): every step of every task is a chain
 ``compute -> reduce``; a task's steps run back to back on one SM; a task ends
-with an epilogue (dK/dV store, or its ordered add into the fp32 dK/dV of a GQA
-group).  Edges:
+with an epilogue (its dK/dV store; with GQA into its q head's own fp32
+partials, so no epilogue waits for another).  Edges:
 
 * program order: reduce of step s -> compute of step s+1; last reduce ->
   epilogue; epilogue -> first compute of the next task on the same CTA;
 * accumulation order: reduce of the rank k-1 contribution to a dQ tile ->
   reduce of the rank k contribution (weight = semaphore latency when the two
-  run on different CTAs, 0 in the paper's model);
-* dK/dV order (GQA): epilogue of rank k-1 -> epilogue of rank k.
+  run on different CTAs, 0 in the paper's model).
 
 The makespan of a static schedule is the longest path.  For a dynamically
 dispatched schedule the program order is the CTA assignment that the greedy

@@ -3,9 +3,8 @@
 One row per SM.  Each step is drawn as its compute segment (solid, the colour
 of its head) followed by its reduce segment (same colour, hatched); a red bar
 marks the time a reduce waited for its semaphore (a collision), grey a task's
-epilogue (dK/dV store or ordered GQA add) and orange an epilogue that waited for
-the previous q head of its group.  A dashed line marks the lower bound.  Small charts print the Q tile of each step in its
-compute segment.  Large runs (more than ``max_detail_steps`` steps) draw one
+epilogue (dK/dV store).  A dashed line marks the lower bound.  Small charts
+print the Q tile of each step in its compute segment.  Large runs (more than ``max_detail_steps`` steps) draw one
 bar per task instead of per step, plus the waits.
 """
 
@@ -78,13 +77,6 @@ def plot_gantt(schedule, sim, path=None, *, title: str | None = None, max_detail
         ax.add_collection(PolyCollection(_verts(sim.step_cta[w_idx], sim.step_compute_end[w_idx],
                                                 sim.step_reduce_start[w_idx], bar_h * 0.35),
                                          facecolors="red", edgecolors="none"))
-    last = schedule.step_offsets[1:] - 1
-    ewait = sim.epilogue_start - sim.step_end[last] if last.size else np.zeros(0)
-    e_idx = np.flatnonzero(ewait > eps)
-    if e_idx.size:
-        ax.add_collection(PolyCollection(_verts(sim.task_cta[e_idx], sim.step_end[last[e_idx]],
-                                                sim.epilogue_start[e_idx], bar_h * 0.35),
-                                         facecolors="orange", edgecolors="none"))
     ep = sim.task_end - sim.epilogue_start
     p_idx = np.flatnonzero(ep > eps)
     if p_idx.size:
@@ -109,8 +101,6 @@ def plot_gantt(schedule, sim, path=None, *, title: str | None = None, max_detail
     handles.append(Patch(facecolor="red", label="semaphore wait"))
     if p_idx.size:
         handles.append(Patch(facecolor="0.35", label="epilogue (dK/dV)"))
-    if e_idx.size:
-        handles.append(Patch(facecolor="orange", label="dK/dV (GQA) wait"))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     if path is not None:

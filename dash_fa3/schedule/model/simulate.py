@@ -8,8 +8,10 @@ Cost model (per step of a task):
   tile has finished its reduce (+ ``latency`` when that ran on another SM: the
   semaphore signal crosses L2, 200 to 500+ cycles per the paper);
 * the SM is busy during compute and reduce and idle while it waits;
-* a task ends with an epilogue of cost ``epilogue`` (default 0) which, for GQA,
-  waits for the previous q head of its group (dK/dV ordered adds).
+* a task ends with an epilogue of cost ``epilogue`` (default 0): its dK/dV
+  store (with GQA, into its own q head's fp32 partials), which waits for no
+  other task.  The postprocess that sums a GQA group's partials is a separate
+  kernel after this one and is not modelled.
 
 ``scale="constant"`` (default): c and r per step are constants, matching the
 kernel, which runs full tiles (TMA pads ragged tiles, masked tiles are
@@ -72,7 +74,7 @@ class SimResult:
     work: float
     lower_bound: float          # work / num_sms
     sm_idle_fraction: float     # 1 - work / (num_sms * makespan)
-    waits: int                  # reduces (and GQA epilogue adds) that had to wait: collisions
+    waits: int                  # reduces that had to wait: collisions
     wait_time: float
     # timeline, one entry per step (schedule step order)
     step_cta: np.ndarray
@@ -116,10 +118,9 @@ def simulate(schedule, costs: CostModel | None = None, *, num_sms: int | None = 
     work = float(c.sum() + r.sum() + e * schedule.num_tasks)
     makespan = float(t_end.max()) if t_end.size else 0.0
     wait_step = rs - ce
-    wait_ep = ep_start - en[schedule.step_offsets[1:] - 1] if t_end.size else np.zeros(0)
     eps = 1e-9 * max(1.0, makespan)
-    waits = int((wait_step > eps).sum() + (wait_ep > eps).sum())
-    wait_time = float(wait_step.sum() + wait_ep.sum())
+    waits = int((wait_step > eps).sum())
+    wait_time = float(wait_step.sum())
     idle = max(0.0, 1.0 - work / (S * makespan)) if makespan > 0 else 0.0
     return SimResult(schedule=schedule.name, num_sms=S, makespan=makespan, work=work,
                      lower_bound=work / S, sm_idle_fraction=idle, waits=waits, wait_time=wait_time,
@@ -153,15 +154,9 @@ def _simulate_dynamic(schedule, c, r, e, latency, S):
     pred[order[1:][same]] = order[:-1][same]
     if np.any(pred >= np.arange(N)):
         raise RuntimeError(f"{schedule.name}: a contribution waits on a later-claimed one")
-    dg, rd = schedule.task_dkv_group, schedule.rank_dkv
-    order = np.lexsort((rd, dg))
-    same = dg[order][1:] == dg[order][:-1]
-    tpred = np.full(T, -1, dtype=np.int64)
-    tpred[order[1:][same]] = order[:-1][same]
 
     offs = schedule.step_offsets.tolist()
     cl, rl, pl = c.tolist(), r.tolist(), pred.tolist()
-    tpl = tpred.tolist()
     st = [0.0] * N
     rs = [0.0] * N
     en = [0.0] * N
@@ -196,14 +191,8 @@ def _simulate_dynamic(schedule, c, r, e, latency, S):
             cur = ce_w + rl[k]
             en[k] = cur
             scta[k] = cta
-        p = tpl[t]
-        es = cur
-        if p >= 0:
-            rd = ten[p] + (lat if (lat and tcta[p] != cta) else 0.0)
-            if rd > es:
-                es = rd
-        eps_[t] = es
-        ten[t] = es + e
+        eps_[t] = cur  # the epilogue follows the last reduce at once: it waits for no other task
+        ten[t] = cur + e
         heapq.heappush(heap, (ten[t], cta))
     st_a = np.asarray(st)
     return (np.asarray(scta, dtype=np.int64), st_a, st_a + c, np.asarray(rs), np.asarray(en),
