@@ -116,13 +116,24 @@ struct BwdMainloop {
     int const kv = row[schedule::kCKvTile];
     int const n0 = kv * kBlockN;
     int const q_unmasked = geo.q_unmasked_begin(kv);  // Q tiles from here on need no mask
+    // Without a causal mask only keys past seqlen_k are masked: q_unmasked is 0
+    // or n_q, so every step of the task needs the mask or none does, and these
+    // warpgroups need no Q tile. They then skip the decode, which on the shift
+    // schedules is a modulo behind two dependent loads of the task row on every
+    // step, ahead of the first GEMM.
+    bool const mask_every_step = !kCausal && q_unmasked > 0;
     int const causal_shift = p.seqlen_k - p.seqlen_q;  // key j visible to query i iff j <= i + shift
     float const scale_log2 = p.softmax_scale_log2;
 
     CUTE_NO_UNROLL
     for (int s = 0; s < n_steps; ++s) {
-      int const q = schedule::decode_step(geo, p.rank, row, s).q_tile;
-      int const m0 = q * kBlockM;
+      bool need_mask = mask_every_step;
+      int m0 = 0;  // first row of the Q tile; only the causal mask reads it
+      if constexpr (kCausal) {
+        int const q = schedule::decode_step(geo, p.rank, row, s).q_tile;
+        need_mask = q < q_unmasked;
+        m0 = q * kBlockM;
+      }
 
       FragSdP tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       FragSdP tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -137,7 +148,7 @@ struct BwdMainloop {
       // above the causal diagonal get -inf first; only tiles that hold such
       // entries pay for the test.
       float const* lse = smem.lse[read_q.index()];
-      if (q < q_unmasked) {
+      if (need_mask) {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
           int const n = n0 + get<0>(tScS(i));
