@@ -1,4 +1,4 @@
-"""Forward / backward TFLOP/s on the paper's grid (benchmarks/bench_grid.json, a
+"""Forward / backward TFLOP/s on the paper's grid (dash_fa3/schedule/bench_grid.json, a
 copy of the project's shared grid), for dash_fa3 and torch SDPA's flash and
 cuDNN backends in the same process.
 
@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dash_fa3 import ops  # noqa: E402
 from dash_fa3._timing import attention_flops, host_us, median_ms  # noqa: E402
 
-GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_grid.json")
+GRID = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dash_fa3", "schedule",
+                    "bench_grid.json")
 PEERS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 

@@ -1,5 +1,5 @@
 """dash_fa3 side by side with upstream FlashAttention-3 and cuDNN SDPA on the
-paper's grid (benchmarks/bench_grid.json), interleaved in rounds in one process.
+paper's grid (dash_fa3/schedule/bench_grid.json), interleaved in rounds in one process.
 
     python benchmarks/bench_peers.py [--direction fwd|bwd|both] [--hdims 64 128] [--seqlens 512 1024 ...]
                                      [--masks full causal] [--rounds 3] [--json out.json] [--png ratios.png]
@@ -51,7 +51,7 @@ import torch  # noqa: E402
 from dash_fa3._timing import attention_flops, median_ms  # noqa: E402
 from peers import fa3 as fa3_peer  # noqa: E402
 
-GRID = os.path.join(BENCH_DIR, "bench_grid.json")
+GRID = os.path.join(REPO, "dash_fa3", "schedule", "bench_grid.json")
 SCHEDULES = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
 PEERS = ("fa3", "cudnn")
 MASKS = ("full", "causal")

@@ -19,7 +19,7 @@ import bench_peers as bp  # noqa: E402
 from peers import build_fa3, fa3 as fa3_peer  # noqa: E402
 
 FA3_SRC = "/work/fa3-src"
-GRID = json.load(open(os.path.join(ROOT, "benchmarks", "bench_grid.json")))
+GRID = json.load(open(os.path.join(ROOT, "dash_fa3", "schedule", "bench_grid.json")))
 GRID_SWITCHES_OFF = ("SM80", "FP8", "FP16", "SPLIT", "PAGEDKV", "APPENDKV", "LOCAL", "SOFTCAP", "PACKGQA",
                      "CLUSTER", "VARLEN", "HDIM96", "HDIM192", "HDIM256", "HDIMDIFF64", "HDIMDIFF192")
 

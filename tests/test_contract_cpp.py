@@ -7,7 +7,6 @@ tests/cpp/contract_driver.cpp includes the kernels' own headers; no CUDA, no
 nvcc, no GPU. A change to one language alone fails here.
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -28,14 +27,7 @@ import build_config  # noqa: E402
 SMS = (132, 114, 7)  # H100/H200 SXM, H100 PCIe, a small count (many waves)
 
 
-def _grid():
-    grid = dict(DEFAULT_GRID)
-    with open(os.path.join(ROOT, "benchmarks", "bench_grid.json")) as f:
-        grid.update(json.load(f))
-    return list(grid_geometries(grid))
-
-
-GRID = _grid()
+GRID = list(grid_geometries(DEFAULT_GRID))
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,5 @@
 """Every schedule validates on the bench grid and on many random (awkward) shapes."""
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -15,16 +13,7 @@ from dash_fa3.schedule.export import DEFAULT_GRID, grid_geometries
 SMS = (132, 114)   # H100/H200 SXM, H100 PCIe
 
 
-def load_grid():
-    # benchmarks/bench_grid.json is the repository's copy of the paper's grid.
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_grid.json")
-    grid = dict(DEFAULT_GRID)
-    with open(path) as f:
-        grid.update(json.load(f))
-    return grid
-
-
-GRID = list(grid_geometries(load_grid()))
+GRID = list(grid_geometries(DEFAULT_GRID))
 
 
 @pytest.mark.parametrize("sms", SMS)
