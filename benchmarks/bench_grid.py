@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -29,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dash_fa3 import ops  # noqa: E402
-from dash_fa3._timing import attention_flops, host_us, median_ms  # noqa: E402
+from dash_fa3._timing import attention_flops, commit_label, host_us, median_ms  # noqa: E402
 
 GRID = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dash_fa3", "schedule",
                     "bench_grid.json")
@@ -80,9 +79,7 @@ def main(argv=None) -> int:
 
     peers = [p for p in args.peers.split(",") if p]
     device = torch.cuda.get_device_name()
-    # DASH_FA3_COMMIT names the commit where git cannot (a copied tree whose .git is stale).
-    commit = os.environ.get("DASH_FA3_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit_label()
     date = datetime.date.today().isoformat()
     det = [f"det-{x}" for x in args.schedules.split(",") if x] if args.direction == "bwd" else []
     cols = ["dash_fa3"] + det + peers

@@ -35,7 +35,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 
@@ -45,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dash_fa3  # noqa: E402
+from dash_fa3._timing import commit_label  # noqa: E402
 
 # (batch, seqlen, heads, heads_kv, headdim): the host-path issue's table.
 DEFAULT_SHAPES = ((4, 2048, 16, 4, 64), (2, 1024, 16, 4, 64), (1, 512, 8, 8, 128), (8, 4096, 32, 8, 128))
@@ -160,8 +160,7 @@ def main(argv=None) -> int:
         print("bench_host needs a CUDA GPU", file=sys.stderr)
         return 2
 
-    commit = os.environ.get("DASH_FA3_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit_label()
     print(f"# host cost per call, {torch.cuda.get_device_name()}, {datetime.date.today()}, commit {commit}, "
           f"torch {torch.__version__}, causal={bool(args.causal)}, bf16; us; median of {args.rounds} rounds "
           f"of {args.calls} back-to-back calls")

@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -91,9 +90,9 @@ def main(argv=None) -> int:
         print("bench_llama needs a CUDA GPU", file=sys.stderr)
         return 2
     import dash_fa3.integrations.transformers  # noqa: F401  (registers attn_implementation="dash_fa3")
+    from dash_fa3._timing import commit_label
 
-    commit = os.environ.get("DASH_FA3_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit_label()
     import transformers
 
     print(f"# Llama training tokens/s, {torch.cuda.get_device_name()}, {datetime.date.today()}, commit {commit}, "

@@ -38,7 +38,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -48,7 +47,7 @@ sys.path.insert(0, BENCH_DIR)
 
 import torch  # noqa: E402
 
-from dash_fa3._timing import attention_flops, median_ms  # noqa: E402
+from dash_fa3._timing import attention_flops, commit_label, median_ms  # noqa: E402
 from peers import fa3 as fa3_peer  # noqa: E402
 
 GRID = os.path.join(REPO, "dash_fa3", "schedule", "bench_grid.json")
@@ -443,18 +442,6 @@ def time_point(fns: dict, errors: dict, rounds: int, warmup: int, iters: int) ->
     return {n: t for n, t in round_ms.items() if t}, {n: s for n, s in samples.items() if s}
 
 
-def git_commit() -> str:
-    # DASH_FA3_COMMIT names the commit where git cannot (a copied tree whose .git is stale or absent).
-    env = os.environ.get("DASH_FA3_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=REPO).stdout.strip() or "unknown"
-    except FileNotFoundError:
-        return "unknown"
-
-
 def load_peer(args):
     """(FA3 or None, reason it is missing or None)."""
     if "fa3" not in args.peers:
@@ -476,7 +463,7 @@ def main(argv=None) -> int:
         print(f"error: FA3 is required (--require-fa3): {fa3_missing}", file=sys.stderr)
         return 2
 
-    device, date, commit = torch.cuda.get_device_name(), datetime.date.today().isoformat(), git_commit()
+    device, date, commit = torch.cuda.get_device_name(), datetime.date.today().isoformat(), commit_label()
     fa3_commit = fa3.commit if fa3 is not None else None
     names = [n for n in impl_names(args.direction, args.schedules)
              if impl_peer(n) == "ours" or (impl_peer(n) == "fa3" and fa3 is not None)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
 
 import torch
@@ -71,3 +73,16 @@ def host_us(fn, iters: int = 20) -> float:
         times.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def commit_label() -> str:
+    """The commit a benchmark table names: DASH_FA3_COMMIT where git cannot tell
+    (a copied tree whose .git is stale or absent), else the checkout's HEAD."""
+    env = os.environ.get("DASH_FA3_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except FileNotFoundError:
+        return "unknown"

@@ -199,7 +199,9 @@ def test_missing_fa3_is_reported_not_raised(tmp_path):
 
 def test_commit_override(monkeypatch):
     monkeypatch.setenv("DASH_FA3_COMMIT", "abc1234")
-    assert bp.git_commit() == "abc1234"
+    assert bp.commit_label() == "abc1234"
+    monkeypatch.delenv("DASH_FA3_COMMIT")
+    assert bp.commit_label() not in ("", "abc1234")
 
 
 # ---------------------------------------------------------------- build_fa3
