@@ -91,12 +91,15 @@ def test_auto_rule():
     full64 = dict(batch=1, heads=32, headdim=64, causal=False)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full64)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "fa3"
-    causal128 = Geometry.from_shape(batch=1, heads=16, headdim=128, seqlen_q=4096, causal=True)
-    assert resolve_schedule_name("auto", causal128) == "spt"
+    causal128 = dict(batch=1, heads=16, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal128)) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal128)) == "symmetric_shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal128)) == "symmetric_shift"
     full128 = dict(batch=1, heads=16, headdim=128, causal=False)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **full128)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **full128)) == "shift"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full128)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full128)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=32768, **full128)) == "fa3"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full128)) == "fa3"
     with pytest.raises(ValueError, match="unknown schedule"):
         resolve_schedule_name("nope", Geometry.model(4, 1))

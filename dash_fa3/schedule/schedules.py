@@ -39,14 +39,14 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     """Map ``auto`` to a concrete schedule; check the name.
 
     Deterministic, ``auto`` is the best measured deterministic schedule on the
-    bench grid (H200, 2026-11-21, commit ed7f5f7; benchmarks/RESULTS.md):
-    causal: ``spt`` (best, or within 6% of the best, at every grid point);
-    full: ``shift`` for 5..64 KV tiles with square tiles (head dim 64) and 5..32
-    with head dim 128's 64x128 tiles, else ``fa3`` (shift lost 2-15% there).
-    Rechecked on the H100 after the two-writer kernel (commit edd4860): the
-    pick is within 3% of the best schedule at every grid point except causal
-    4k (symmetric_shift ahead by 6% at head dim 128, 10% at 64) and head dim
-    64 causal 1k (5%).
+    bench grid (H100, 2026-11-22, commit a99797c, the side-by-side grid of
+    benchmarks/RESULTS.md): causal: ``symmetric_shift`` from 32 KV tiles on
+    (4k tokens), ``spt`` below; full: ``shift`` for 5..64 KV tiles with square
+    tiles (head dim 64) and 5..128 with head dim 128's 64x128 tiles, else
+    ``fa3``. That pick is within 1% of the best schedule at 23 of the 24 grid
+    points and 4% behind at head dim 64 causal 1k. A table of grid points
+    still: shapes off the grid get its nearest rule (the schedule issue asks
+    for a calibrated model instead).
     Non-deterministic, the accumulation order is free and ``auto`` is ``lpt``,
     the best-balanced task order.
     """
@@ -55,8 +55,8 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         if not deterministic:
             return "lpt"
         if g.causal:
-            return "spt"
-        shift_max_kv = 64 if g.block_m == g.block_n else 32
+            return "symmetric_shift" if g.n_kv >= 32 else "spt"
+        shift_max_kv = 64 if g.block_m == g.block_n else 128
         return "shift" if 4 < g.n_kv <= shift_max_kv else "fa3"
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
