@@ -38,7 +38,7 @@ _lib = _schemas.LIB
 # ---------------------------------------------------------------- forward
 
 
-def _fwd_cpu(q, k, v, softmax_scale, causal, sm_margin):
+def _fwd_reference(q, k, v, softmax_scale, causal, sm_margin):
     out, lse = reference.attention_ref(q, k, v, softmax_scale, causal)
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
@@ -49,7 +49,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, sm_margin):
     return q.new_empty((b, sq, h, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
-_lib.impl("fwd", _fwd_cpu, "CPU")
+_lib.impl("fwd", _fwd_reference, "CPU")
 
 
 # ---------------------------------------------------------------- backward
@@ -92,10 +92,10 @@ def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, sch
         ReferenceBackwardWarning,
         stacklevel=2,
     )
-    return _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin)
+    return _bwd_reference(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin)
 
 
-def _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
+def _bwd_reference(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
     dq, dk, dv = reference.attention_bwd_ref(dout, q, k, v, out, softmax_scale, causal)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
@@ -105,7 +105,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, sch
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_lib.impl("bwd", _bwd_cpu, "CPU")
+_lib.impl("bwd", _bwd_reference, "CPU")
 _lib.impl("bwd", _bwd_cuda, "CUDA")
 
 if not _ext.available():

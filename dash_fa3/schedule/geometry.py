@@ -189,11 +189,11 @@ class Geometry:
 
     @property
     def n_q(self) -> int:
-        return _cdiv(self.seqlen_q, self.block_m)
+        return self.tiles.n_q
 
     @property
     def n_kv(self) -> int:
-        return _cdiv(self.seqlen_k, self.block_n)
+        return self.tiles.n_kv
 
     @property
     def group(self) -> int:
