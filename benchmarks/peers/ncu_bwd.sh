@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Nsight Compute profiles of our backward and FA3's at the same grid points and
+# inputs (issue: backward at FA3 speed). Needs both builds (run_peer_grid.sh or
+# build_fa3.py + setup.py) and ncu on PATH; writes, per (impl, point), the
+# report and three text exports under $OUT/ncu:
+#   NAME.ncu-rep        the report (ncu --import NAME.ncu-rep to reopen)
+#   NAME.details.csv    every section of --set full (SOL, pipes, stalls, memory, occupancy)
+#   NAME.raw.csv        every collected metric
+#   NAME.sass.csv       per-SASS-instruction samples (stall reasons) of each kernel
+#   IMPLS    default "ours fa3"           (profile_bwd.py's IMPL names)
+#   POINTS   default "64:causal:8192 128:full:1024 128:causal:8192"  (hdim:mask:seqlen)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-build/peers/out}
+mkdir -p "$OUT/ncu"
+PY=${PYTHON:-python3}
+IMPLS=${IMPLS:-ours fa3}
+POINTS=${POINTS:-64:causal:8192 128:full:1024 128:causal:8192}
+status=0
+for point in $POINTS; do
+  IFS=: read -r hdim mask seqlen <<<"$point"
+  for impl in $IMPLS; do
+    name="${impl//:/-}_h${hdim}_${mask}_${seqlen}"
+    echo "== ncu $name"
+    if ! ncu --profile-from-start off --set full --import-source no --target-processes all \
+         -f -o "$OUT/ncu/$name" "$PY" benchmarks/peers/profile_bwd.py "$impl" "$hdim" "$mask" "$seqlen" \
+         >"$OUT/ncu/$name.log" 2>&1; then
+      tail -5 "$OUT/ncu/$name.log"; status=1; continue
+    fi
+    ncu --import "$OUT/ncu/$name.ncu-rep" --page details --csv >"$OUT/ncu/$name.details.csv"
+    ncu --import "$OUT/ncu/$name.ncu-rep" --page raw --csv >"$OUT/ncu/$name.raw.csv"
+    ncu --import "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu/$name.sass.csv" 2>&1
+  done
+done
+exit $status

@@ -1,0 +1,70 @@
+"""One backward call of ours or FA3's at one grid point, between
+cudaProfilerStart/Stop, for Nsight Compute (`benchmarks/peers/ncu_bwd.sh` drives it):
+
+    ncu --profile-from-start off ... python benchmarks/peers/profile_bwd.py IMPL HDIM MASK SEQLEN
+
+IMPL is `ours` (non-deterministic), `ours-det:SCHEDULE` or `fa3` / `fa3-det`.
+The shape is the grid's (bench_grid.json: 16384 tokens, hidden 2048, bf16).
+Two warm-up calls run before the profiled one, so ncu sees a steady state
+(cached schedule, loaded module); only the profiled call lies inside the
+profiler range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fa3 as fa3_peer  # noqa: E402
+
+GRID_TOKENS = 16384
+GRID_HIDDEN = 2048
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("impl")
+    ap.add_argument("hdim", type=int)
+    ap.add_argument("mask", choices=("full", "causal"))
+    ap.add_argument("seqlen", type=int)
+    ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR))
+    args = ap.parse_args(argv)
+
+    causal = args.mask == "causal"
+    shape = (GRID_TOKENS // args.seqlen, args.seqlen, GRID_HIDDEN // args.hdim, args.hdim)
+    g = torch.Generator(device="cuda").manual_seed(args.hdim * 7 + args.seqlen)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    scale = args.hdim ** -0.5
+
+    if args.impl.startswith("fa3"):
+        fa3 = fa3_peer.load_fa3(args.fa3_build)
+        call = fa3_peer.backward_fn(fa3, q, k, v, dout, causal, args.impl == "fa3-det", preallocate=True)
+    elif args.impl == "ours" or args.impl.startswith("ours-det:"):
+        from dash_fa3 import ops
+
+        det = args.impl != "ours"
+        schedule = args.impl.split(":", 1)[1] if det else "auto"
+        out, lse = ops.fwd(q, k, v, scale, causal, 0)
+
+        def call():
+            return ops.bwd(dout, q, k, v, out, lse, scale, causal, det, schedule, 0)
+    else:
+        ap.error(f"unknown impl {args.impl!r}")
+
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"profiled {args.impl} hdim {args.hdim} {args.mask} {args.seqlen}: shape {shape}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
