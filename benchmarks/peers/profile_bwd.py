@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (dash_fa3 built in place)
 import fa3 as fa3_peer  # noqa: E402
 
 GRID_TOKENS = 16384
