@@ -1,10 +1,17 @@
 // Epilogue role of the backward kernel, run by both MMA warpgroups at the end
 // of each task: dK = softmax_scale * (sum over steps of dS^T Q) and dV.
 //
-// MHA (heads == heads_kv): each (batch, head, KV tile) has exactly one task,
-// so dK and dV go straight from registers to global memory in the input type
-// (each thread stores pairs of adjacent elements; rows past seqlen_k are not
-// written).
+// MHA (heads == heads_kv): each (batch, head, KV tile) has exactly one task.
+// store_tma: the task's dK and dV go through shared memory, into the sK and
+// sV tiles the task no longer reads (stmatrix from the accumulators), and
+// leave with one TMA store each; the MMA warpgroups release sK/sV to the
+// producer (kKvEmpty) only once the copy engine has read them. Why: written
+// straight from the accumulators (one 4-byte store per register pair, half a
+// 32-byte sector per row and warp) the epilogue took about as long as 2.5 MMA
+// steps of the task on an H100 (Nsight Compute, hdim 128: 15% of the MMA
+// warps' stall samples at 1k tokens), while the tensor cores idled.
+// store_direct: tasks without steps (their KV tile sees no query; dK = dV = 0)
+// store from registers: their sK/sV may already hold the next task's K/V.
 //
 // GQA/MQA: the q heads of a group all contribute to the same dK/dV rows. Each
 // task stores its fp32 registers into its own query head's slab of the
@@ -16,8 +23,10 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include "common/gemm_sm90.h"
+#include "common/named_barriers.h"
 #include "kernels/bwd/bwd_mainloop.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
@@ -33,8 +42,54 @@ struct BwdEpilogue {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kMmaThreads = Traits::kNumMmaThreads;
 
-  CUTE_DEVICE static void store(Params const& p, FragDkv& tdKrdK, FragDkv& tdVrdV, int32_t const* row,
-                                int mma_tid) {
+  using SharedStorage = typename Traits::SharedStorage;
+
+  // MHA, a task with steps: every GEMM of this warpgroup has retired. Leaves
+  // sK/sV free for the producer (arrives on kKvEmpty) once the stores have
+  // read them.
+  CUTE_DEVICE static void store_tma(Params const& p, SharedStorage& smem, FragDkv& tdKrdK, FragDkv& tdVrdV,
+                                    int32_t const* row, int mma_tid) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdKrdK); ++i) { tdKrdK(i) *= p.softmax_scale; }
+    Tensor tdKout = make_tensor<Element>(typename FragDkv::layout_type{});
+    Tensor tdVout = make_tensor<Element>(typename FragDkv::layout_type{});
+    convert_fragment(tdKrdK, tdKout);
+    convert_fragment(tdVrdV, tdVout);
+
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmaDkv{});
+    auto thr_r2s = r2s.get_thread_slice(mma_tid);
+    // Wait until the other warpgroup's GEMMs have retired too: its dQ GEMM reads all of sK.
+    named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
+    copy(r2s, thr_r2s.retile_S(tdKout), thr_r2s.partition_D(sK));
+    copy(r2s, thr_r2s.retile_S(tdVout), thr_r2s.partition_D(sV));
+    // The generic-proxy stores above are read by the TMA store (async proxy).
+    cutlass::arch::fence_view_async_shared();
+    // Wait until both warpgroups have written their rows of dK and dV.
+    named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
+    if (mma_tid == 0) {
+      int const b = row[schedule::kCBatch];
+      int const h_kv = row[schedule::kCHeadKv];
+      int const kv = row[schedule::kCKvTile];
+      auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+      Tensor gdK = local_tile(p.tma_dk.get_tma_tensor(p.shape_k)(_, _, h_kv, b), tile, make_coord(kv, _0{}));
+      Tensor gdV = local_tile(p.tma_dv.get_tma_tensor(p.shape_k)(_, _, h_kv, b), tile, make_coord(kv, _0{}));
+      auto tma_dk = p.tma_dk.get_slice(_0{});
+      auto tma_dv = p.tma_dv.get_slice(_0{});
+      copy(p.tma_dk, tma_dk.partition_S(sK), tma_dk.partition_D(gdK));
+      copy(p.tma_dv, tma_dv.partition_S(sV), tma_dv.partition_D(gdV));
+      tma_store_arrive();
+      // sK/sV have been read: the next task's K and V may overwrite them.
+      tma_store_wait<0>();
+    }
+    // sK/sV free: lets the producer load the next task's K and V.
+    named_barrier_arrive(BwdBarrier::kKvEmpty, kMmaThreads + Traits::kWarpThreads);
+  }
+
+  // Tasks without steps (dK = dV = 0, nothing loaded) and GQA: straight from registers.
+  CUTE_DEVICE static void store_direct(Params const& p, FragDkv& tdKrdK, FragDkv& tdVrdV, int32_t const* row,
+                                       int mma_tid) {
     typename Traits::TiledMmaDkv mma_dkv;
     auto thr = mma_dkv.get_thread_slice(mma_tid);
     Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));

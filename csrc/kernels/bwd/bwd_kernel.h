@@ -77,16 +77,22 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       typename Mainloop::FragDkv tdKrdK, tdVrdV;
       clear(tdKrdK);
       clear(tdVrdV);
-      if (n_steps > 0) {
-        smem.kv_full.wait(kv_phase);
-        kv_phase ^= 1;
-        Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row,
-                           n_steps,
-                           mma_tid, tdKrdK, tdVrdV);
+      if (n_steps == 0) {
+        BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
+        continue;
+      }
+      smem.kv_full.wait(kv_phase);
+      kv_phase ^= 1;
+      Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps,
+                         mma_tid, tdKrdK, tdVrdV);
+      if (p.dk_partial == nullptr) {
+        // MHA: dK/dV leave through sK/sV, which are released to the producer afterwards.
+        BwdEpilogue<Traits>::store_tma(p, smem, tdKrdK, tdVrdV, row, mma_tid);
+      } else {
         // Every GEMM of the task has retired: sK and sV are free for the next task.
         Mainloop::init();
+        BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
       }
-      BwdEpilogue<Traits>::store(p, tdKrdK, tdVrdV, row, mma_tid);
     }
   }
 #endif

@@ -3,8 +3,8 @@
 // once.
 //
 // Requirements on the inputs (checked here, cheaply, with a clear error):
-//   - q, k, v, dout, dk, dv 16-byte aligned (dk/dv: 4-byte); q, k, v, dout
-//     strides multiples of 8 elements (TMA needs 16-byte aligned strides);
+//   - q, k, v, dout, dk, dv 16-byte aligned, their strides multiples of 8
+//     elements (TMA needs 16-byte aligned strides);
 //   - headdim == kHeadDim; heads % heads_kv == 0; seqlen_q_rounded is seqlen_q
 //     rounded up to bwd_block_m(kHeadDim) (kernel_contract.h);
 //   - the schedule header matches this call (shape, block sizes, mask kind)
@@ -96,6 +96,13 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Traits::SmemLayoutK{}, TileK{}, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gV, typename Traits::SmemLayoutK{}, TileK{}, _1{});
   p.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{}, gDq, take<0, 2>(typename Traits::SmemLayoutDq{}), TileQ{}, _1{});
+  auto gmem_out = [](void* ptr, auto shape, TensorStrides const& s) {
+    return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), shape, make_stride(s.row, _1{}, s.head, s.batch));
+  };
+  p.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gmem_out(a.dk, shape_k, a.dk_stride), typename Traits::SmemLayoutK{},
+                           TileK{}, _1{});
+  p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gmem_out(a.dv, shape_k, a.dv_stride), typename Traits::SmemLayoutK{},
+                           TileK{}, _1{});
   p.shape_q = shape_q;
   p.shape_k = shape_k;
   p.shape_dq = shape_dq;
@@ -151,10 +158,9 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   require(bwd::tma_strides_ok(params.q_stride) && bwd::tma_strides_ok(params.k_stride) &&
               bwd::tma_strides_ok(params.v_stride) && bwd::tma_strides_ok(params.do_stride),
           "q, k, v, dout strides (batch, row, head) must be multiples of 8 elements");
-  require(bwd::aligned(params.dk, 4) && bwd::aligned(params.dv, 4) && params.dk_stride.row % 2 == 0 &&
-              params.dk_stride.head % 2 == 0 && params.dk_stride.batch % 2 == 0 &&
-              params.dv_stride.row % 2 == 0 && params.dv_stride.head % 2 == 0 && params.dv_stride.batch % 2 == 0,
-          "dk, dv must be 4-byte aligned with even strides (written in element pairs)");
+  require(bwd::aligned(params.dk, 16) && bwd::aligned(params.dv, 16) && bwd::tma_strides_ok(params.dk_stride) &&
+              bwd::tma_strides_ok(params.dv_stride),
+          "dk, dv must be 16-byte aligned with strides (batch, row, head) multiples of 8 elements (TMA stores)");
   require(params.lse_log2 && params.dpsum && params.dq_accum && params.dq_semaphore,
           "lse_log2, dpsum, dq_accum and dq_semaphore (from the preprocess) must be given");
   bool const gqa = params.heads != params.heads_kv;

@@ -83,11 +83,11 @@ struct BwdMainloop {
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
     Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
-    // sdS and sdQ are written from registers through position-independent
-    // swizzle tensors: the 128-byte swizzle acts on the 32-bit element offset
-    // (exact because the buffers are 1024-byte aligned) and the stores are
-    // st.shared. Swizzling the 64-bit generic address instead kept 16 + 16
-    // 64-bit addresses live through the dS^T computation and made ptxas spill.
+    // sdQ is written from registers through a position-independent swizzle
+    // tensor: the 128-byte swizzle acts on the 32-bit element offset (exact
+    // because the buffer is 1024-byte aligned) and the stores are st.shared.
+    // Swizzling the 64-bit generic address instead kept 64-bit addresses live
+    // across the step and made ptxas spill.
     Tensor sDst = as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{}));
     Tensor sDq = as_position_independent_swizzle_tensor(
@@ -107,7 +107,9 @@ struct BwdMainloop {
     Tensor tDrQt = thr_dkv.partition_fragment_B(sQt);    // (.., stage)
     Tensor tQrDs = thr_dq.partition_fragment_A(sDs);     // (.., stage)
     Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
-    Tensor tSsDst = thr_sdp.partition_C(sDst);           // (.., stage), this thread's dS^T slots
+    auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(mma_tid);
+    Tensor tRsDst = thr_r2s_ds.partition_D(sDst);         // (.., stage), this thread's dS^T slots
     Tensor tQsDq = thr_dq.partition_C(sDq);
     // (KV row, Q row) of each accumulator register, tile-local.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
@@ -179,16 +181,13 @@ struct BwdMainloop {
 
       warpgroup_gemm<false, -1>(mma_dkv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
 
-      // dS^T -> sdS. Registers 2j, 2j+1 hold adjacent Q rows of one KV row,
-      // which are adjacent in the M-contiguous sdS: one 4-byte store per pair.
-      {
-        Tensor dst = tSsDst(_, _, _, ds_stage);
-        Element const* src = tDrDs.data();
-        CUTE_UNROLL
-        for (int i = 0; i < size(dst); i += 2) {
-          *reinterpret_cast<uint32_t*>(&dst(i)) = *reinterpret_cast<uint32_t const*>(src + i);
-        }
-      }
+      // dS^T -> sdS with stmatrix: each 8 x 8 block of the accumulator (8 KV
+      // rows x 8 adjacent Q rows) is one matrix whose rows are 16 contiguous
+      // bytes of the M-contiguous sdS; one STSM.x4 moves 8 registers' worth
+      // (4-byte stores took 4x the instructions, which queued in front of the
+      // WGMMAs on the MIO pipe).
+      copy(r2s_ds, thr_r2s_ds.retile_S(make_tensor(tDrDs.data(), typename FragSdP::layout_type{})),
+           tRsDst(_, _, _, ds_stage));
       // The generic-proxy stores above are read by WGMMA (async proxy) next.
       cutlass::arch::fence_view_async_shared();
 

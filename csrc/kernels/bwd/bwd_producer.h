@@ -34,6 +34,27 @@ struct BwdProducer {
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
+  }
+
+  // L2 prefetch of K and V of the CTA's next task with steps, if any: its
+  // load waits for this task's epilogue (MHA: dK/dV leave through sK/sV), so
+  // the load should find them in L2 rather than in DRAM.
+  CUTE_DEVICE static void prefetch_next_kv(Params const& p, int task, int end) {
+    for (int next = task + 1; next < end; ++next) {
+      int32_t const* row = schedule::task_row(p.tasks, next);
+      if (row[schedule::kCNSteps] <= 0) { continue; }
+      int const b = row[schedule::kCBatch];
+      int const h_kv = row[schedule::kCHeadKv];
+      auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+      auto coord = make_coord(row[schedule::kCKvTile], _0{});
+      Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, h_kv, b), tile, coord);
+      Tensor gV = local_tile(p.tma_v.get_tma_tensor(p.shape_k)(_, _, h_kv, b), tile, coord);
+      cute::prefetch(p.tma_k, p.tma_k.get_slice(_0{}).partition_S(gK));
+      cute::prefetch(p.tma_v, p.tma_v.get_slice(_0{}).partition_S(gV));
+      return;
+    }
   }
 
   // Run by all 32 lanes of the producer warp; lane 0 issues the copies and the
@@ -90,6 +111,7 @@ struct BwdProducer {
         smem.kv_full.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
         copy(p.tma_k.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK);
         copy(p.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
+        prefetch_next_kv(p, task, tasks.end);
       }
       for (int s = 0; s < n_steps; ++s) {
         int const q = schedule::decode_step(geo, p.rank, row, s).q_tile;

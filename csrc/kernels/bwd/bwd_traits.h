@@ -54,6 +54,10 @@ enum class BwdBarrier : uint32_t {
   // kDqFull + b: the MMA warpgroups have written a partial dQ into sdQ buffer
   // b; dQ writer b waits on it before issuing the reduce-add.
   kDqFull = 4,  // and 5
+  // MHA epilogue: both MMA warpgroups' GEMMs of the task have retired (the dQ
+  // GEMM of either warpgroup reads all of sK), then: both have written their
+  // dK/dV rows into sK/sV (the TMA store reads them).
+  kEpilogue = 6,
 };
 
 template <int kHeadDim_, class Element_, bool kCausal_>
@@ -151,6 +155,12 @@ struct BwdTraits {
       SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
       SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  // dK, dV (MHA): TMA stores of the whole (kBlockN, kHeadDim) tile from sK/sV
+  // (the K/V tile layout), rows past seqlen_k clipped by the copy engine.
+  using TmaDkv = decltype(make_tma_copy(
+      SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
+      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   using TmaDq = decltype(make_tma_copy(
       SM90_TMA_REDUCE_ADD{},
       make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
@@ -185,13 +195,16 @@ struct BwdTraits {
     TmaKV tma_k;
     TmaKV tma_v;
     TmaDq tma_dq;
+    TmaDkv tma_dk;  // MHA only: GQA writes fp32 partials (dk_partial) instead
+    TmaDkv tma_dv;
     GmemShape shape_q;   // (seqlen_q, d, heads, batch), also dO
     GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch), also V
     GmemShape shape_dq;  // (seqlen_q_rounded, d, heads, batch)
     float const* lse_log2;  // (batch, heads, seqlen_q_rounded)
     float const* dpsum;     // (batch, heads, seqlen_q_rounded)
     int* dq_semaphore;      // (batch, heads, n_q)
-    // MHA: dK, dV written directly, (batch, seqlen_k, heads_kv, d) with strides.
+    // dK, dV (batch, seqlen_k, heads_kv, d) with strides: MHA tasks with at
+    // least one step store them with tma_dk/tma_dv, tasks without steps directly.
     void* dk;
     void* dv;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
