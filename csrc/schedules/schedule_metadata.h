@@ -56,16 +56,25 @@ struct StepInfo {
   int rank;    // position of this contribution in dQ tile q_tile's accumulation order
 };
 
+// The Q-tile order of one task row: a cyclic leg (cyc_len steps over
+// [cyc_base, cyc_base + cyc_len), starting at offset cyc_off), then a linear
+// leg from lin_base in direction lin_dir. Read once per task, it gives each
+// step's Q tile without touching the row again (the MMA warps' per-step
+// decode then has no memory latency in front of the step's first GEMM).
+struct StepOrder {
+  int cyc_len, cyc_base, cyc_off, lin_base, lin_dir;
+
+  DASH_FA3_HD static StepOrder of(int32_t const* row) {
+    return {row[kCCycLen], row[kCCycBase], row[kCCycOff], row[kCLinBase], row[kCLinDir]};
+  }
+  DASH_FA3_HD int q_tile(int step) const {
+    return step < cyc_len ? cyc_base + (cyc_off + step) % cyc_len : lin_base + lin_dir * (step - cyc_len);
+  }
+};
+
 // Step `step` of task row `row` (0 <= step < row[kCNSteps]).
 DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, int32_t const* row, int step) {
-  // ---- which Q tile
-  int const cyc_len = row[kCCycLen];
-  int q;
-  if (step < cyc_len) {
-    q = row[kCCycBase] + (row[kCCycOff] + step) % cyc_len;
-  } else {
-    q = row[kCLinBase] + row[kCLinDir] * (step - cyc_len);
-  }
+  int const q = StepOrder::of(row).q_tile(step);
   int const kv = row[kCKvTile];
   // ---- dQ tile q receives contributions from KV tiles [0, kv_end)
   int const kv_end = geo.kv_range(q).end;

@@ -120,19 +120,19 @@ struct BwdMainloop {
     int const q_unmasked = geo.q_unmasked_begin(kv);  // Q tiles from here on need no mask
     // Without a causal mask only keys past seqlen_k are masked: q_unmasked is 0
     // or n_q, so every step of the task needs the mask or none does, and these
-    // warpgroups need no Q tile. They then skip the decode, which on the shift
-    // schedules is a modulo behind two dependent loads of the task row on every
-    // step, ahead of the first GEMM.
+    // warpgroups need no Q tile.
     bool const mask_every_step = !kCausal && q_unmasked > 0;
     int const causal_shift = p.seqlen_k - p.seqlen_q;  // key j visible to query i iff j <= i + shift
     float const scale_log2 = p.softmax_scale_log2;
+    // The task's Q-tile order, read from the row once (the ranks are the dQ writer's business).
+    schedule::StepOrder const order = schedule::StepOrder::of(row);
 
     CUTE_NO_UNROLL
     for (int s = 0; s < n_steps; ++s) {
       bool need_mask = mask_every_step;
       int m0 = 0;  // first row of the Q tile; only the causal mask reads it
       if constexpr (kCausal) {
-        int const q = schedule::decode_step(geo, p.rank, row, s).q_tile;
+        int const q = order.q_tile(s);
         need_mask = q < q_unmasked;
         m0 = q * kBlockM;
       }
