@@ -97,16 +97,27 @@ struct BwdMainloop {
     typename Traits::TiledMmaDkv mma_dkv;
     typename Traits::TiledMmaDq mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
-    auto thr_dkv = mma_dkv.get_thread_slice(mma_tid);
     auto thr_dq = mma_dq.get_thread_slice(mma_tid);
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (.., stage)
-    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);    // (.., stage)
-    Tensor tDrdOt = thr_dkv.partition_fragment_B(sdOt);  // (.., stage)
-    Tensor tDrQt = thr_dkv.partition_fragment_B(sQt);    // (.., stage)
-    Tensor tQrDs = thr_dq.partition_fragment_A(sDs);     // (.., stage)
-    Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+    // The shared-memory operand descriptors of a WGMMA depend only on the
+    // warpgroup. Sliced by a warpgroup's first thread index that the compiler
+    // knows to be warp-uniform (broadcast from lane 0), their arithmetic stays
+    // in uniform registers. Sliced by the thread index, each descriptor was
+    // computed per thread and moved to a uniform register (R2UR) in front of
+    // every WGMMA: on the H100 that was 52M R2UR and 57M extra IMAD per call at
+    // hdim 128 causal 8k, where FA3's kernel issues 2M and 7M.
+    int const wg_first_tid =
+        __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0) * Traits::kThreadsPerWarpgroup;
+    auto wg_sdp = mma_sdp.get_slice(wg_first_tid);
+    auto wg_dkv = mma_dkv.get_slice(wg_first_tid);
+    auto wg_dq = mma_dq.get_slice(wg_first_tid);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);
+    Tensor tSrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (.., stage)
+    Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);    // (.., stage)
+    Tensor tDrdOt = wg_dkv.partition_fragment_B(sdOt);  // (.., stage)
+    Tensor tDrQt = wg_dkv.partition_fragment_B(sQt);    // (.., stage)
+    Tensor tQrDs = wg_dq.partition_fragment_A(sDs);     // (.., stage)
+    Tensor tQrKt = wg_dq.partition_fragment_B(sKt);
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(mma_tid);
     Tensor tRsDst = thr_r2s_ds.partition_D(sDst);         // (.., stage), this thread's dS^T slots
