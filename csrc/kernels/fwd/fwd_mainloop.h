@@ -93,10 +93,17 @@ struct FwdMainloop {
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(mma_tid);
-    auto thr_pv = mma_pv.get_thread_slice(mma_tid);
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ)(_, _, _, q_state.index());  // smem descriptors
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);    // (.., stage)
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);   // (.., stage)
+    // The shared-memory operand descriptors depend only on the warpgroup:
+    // slicing by a warp-uniform first thread (broadcast from lane 0) keeps
+    // their arithmetic in uniform registers instead of per-thread registers
+    // moved with R2UR in front of every WGMMA (as in bwd_mainloop.h).
+    int const wg_first_tid =
+        __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0) * Traits::kThreadsPerWarpgroup;
+    auto wg_qk = mma_qk.get_slice(wg_first_tid);
+    auto wg_pv = mma_pv.get_slice(wg_first_tid);
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ)(_, _, _, q_state.index());  // smem descriptors
+    Tensor tSrK = wg_qk.partition_fragment_B(sK);    // (.., stage)
+    Tensor tOrV = wg_pv.partition_fragment_B(sVt);   // (.., stage)
     Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
     using FragS = decltype(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}));
