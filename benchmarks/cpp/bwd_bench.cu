@@ -364,7 +364,6 @@ struct Problem {
     pre.o_stride = pre.dout_stride = {int64_t(g.sq) * g.h * g.d, int64_t(g.h) * g.d, g.d};
     pre.dpsum = dpsum; pre.lse_log2 = lse_log2; pre.zero_begin = zero_span; pre.zero_vec16 = zero_bytes / 16;
     pre.batch = g.b; pre.seqlen_q = g.sq; pre.seqlen_q_rounded = sq_rounded; pre.heads = g.h; pre.headdim = g.d;
-    pre.block_m = bm;
     dash_fa3::run_bwd_preprocess(pre, dtype, stream);
     dash_fa3::BwdParams p{};
     p.q = q; p.k = k; p.v = v; p.dout = dout;

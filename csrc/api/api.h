@@ -55,8 +55,7 @@ at::Tensor kernel_view(const at::Tensor& t);
 struct BwdWorkspace;
 void check_preprocess_inputs(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse);
 void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
-                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, int64_t block_m,
-                           cudaStream_t stream);
+                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream);
 // GQA's dK/dV, summed by the postprocess from their per-head fp32 partials.
 struct DkvCast {
   const float* dk_partial;  // (batch, heads, seqlen_k, headdim)

@@ -75,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   const bool gqa = heads != heads_kv;
   const BwdWorkspace ws =
       make_bwd_workspace({batch, heads, rounded, seqlen_k, hdim, n_q, gqa}, dev);
-  launch_bwd_preprocess(out, dout, lse, ws, rounded, block_m, stream);
+  launch_bwd_preprocess(out, dout, lse, ws, rounded, stream);
 
   at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dv = at::empty_like(v, v.options().memory_format(at::MemoryFormat::Contiguous));

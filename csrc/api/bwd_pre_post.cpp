@@ -25,8 +25,7 @@ void check_preprocess_inputs(const at::Tensor& out, const at::Tensor& dout, cons
 }
 
 void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
-                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, int64_t block_m,
-                           cudaStream_t stream) {
+                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream) {
   BwdPreprocessParams p{};
   p.o = out.data_ptr();
   p.dout = dout.data_ptr();
@@ -42,7 +41,6 @@ void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const 
   p.seqlen_q_rounded = static_cast<int>(seqlen_q_rounded);
   p.heads = static_cast<int>(out.size(2));
   p.headdim = static_cast<int>(out.size(3));
-  p.block_m = static_cast<int>(block_m);
   run_bwd_preprocess(p, dtype_of(out, "out"), stream);
 }
 
@@ -76,8 +74,7 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
 }
 
 // Returns (dPsum, lse_log2, dq_accum, dq_semaphore), views of one workspace:
-//   dPsum, lse_log2: (batch, heads, seqlen_q_rounded) fp32, each tile of block_m
-//                    rows in the order of common/row_stat_layout.h
+//   dPsum, lse_log2: (batch, heads, seqlen_q_rounded) fp32
 //   dq_accum:        (batch, heads, seqlen_q_rounded, headdim) fp32, zeroed
 //   dq_semaphore:    (batch, heads, seqlen_q_rounded / block_m) int32, zeroed; one per dQ tile
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(const at::Tensor& out,
@@ -85,16 +82,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(const 
                                                                           const at::Tensor& lse,
                                                                           int64_t block_m) {
   check_preprocess_inputs(out, dout, lse);
-  // The statistics are permuted within tiles of block_m rows (common/row_stat_layout.h).
-  TORCH_CHECK(block_m >= 8 && block_m % 8 == 0, msg("dash_fa3: block_m must be a positive multiple of 8, got ",
-              block_m));
+  TORCH_CHECK(block_m >= 1, "dash_fa3: block_m must be >= 1");
   const int64_t batch = out.size(0), seqlen_q = out.size(1), heads = out.size(2), hdim = out.size(3);
   c10::cuda::CUDAGuard guard(out.device());
   const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
   const int64_t rounded = n_q * block_m;
   const BwdWorkspace ws =
       make_bwd_workspace({batch, heads, rounded, 0, hdim, n_q, false}, out.device());
-  launch_bwd_preprocess(out, dout, lse, ws, rounded, block_m, c10::cuda::getCurrentCUDAStream().stream());
+  launch_bwd_preprocess(out, dout, lse, ws, rounded, c10::cuda::getCurrentCUDAStream().stream());
   auto region = [&](int64_t offset, at::ScalarType type, at::IntArrayRef sizes) {
     int64_t numel = 1;
     for (int64_t n : sizes) numel *= n;

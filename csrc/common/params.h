@@ -54,10 +54,8 @@ struct BwdPreprocessParams {
   const float* lse;  // (batch, heads, seqlen_q), natural log
   TensorStrides o_stride, dout_stride;
 
-  // (batch, heads, seqlen_q_rounded), each tile of block_m rows in the order
-  // of common/row_stat_layout.h; padding rows hold +inf-free zeros.
-  float* dpsum;
-  float* lse_log2;
+  float* dpsum;     // (batch, heads, seqlen_q_rounded)
+  float* lse_log2;  // (batch, heads, seqlen_q_rounded); padding rows hold +inf-free zeros
   void* zero_begin;     // 16-byte aligned
   int64_t zero_vec16;   // bytes to zero from zero_begin, in 16-byte units
 
@@ -66,7 +64,6 @@ struct BwdPreprocessParams {
   int seqlen_q_rounded;
   int heads;
   int headdim;
-  int block_m;  // the main kernel's Q tile rows: a multiple of 8 dividing seqlen_q_rounded
 };
 
 // Backward postprocess: dQ = softmax_scale * dQaccum, cast to the input dtype;
@@ -112,8 +109,8 @@ struct BwdParams {
   TensorStrides q_stride, k_stride, v_stride, do_stride;
 
   // From the preprocess, all (batch, heads, seqlen_q_rounded[, headdim]):
-  const float* lse_log2;  // in row_stat_layout.h order within each Q tile
-  const float* dpsum;     // in row_stat_layout.h order within each Q tile
+  const float* lse_log2;
+  const float* dpsum;
   float* dq_accum;    // fp32, zeroed; the kernel reduce-adds into it
   int* dq_semaphore;  // (batch, heads, seqlen_q_rounded / block_m), zeroed
 

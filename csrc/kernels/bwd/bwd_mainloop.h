@@ -7,8 +7,6 @@
 //   dP^T = V dO^T        (SS WGMMA)    P is computed while dP still runs
 //   P^T  = exp2(S^T * scale_log2 - lse_log2[m])   (masked entries -> 0)
 //   dS^T = P^T * (dP^T - dPsum[m])
-//                        (lse_log2 and dPsum go to registers with 128-bit
-//                        loads, ahead of the S^T / dP^T waits: kStatWindowChunks)
 //   dV  += P^T dO        (RS WGMMA, P^T from registers)
 //   dS^T -> sdS          (shared memory, for the dQ GEMM of both warpgroups)
 //   dQ   = dS K          (SS WGMMA, after both warpgroups wrote sdS: kDsReady)
@@ -25,7 +23,6 @@
 
 #include "common/gemm_sm90.h"
 #include "common/named_barriers.h"
-#include "common/row_stat_layout.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
 
@@ -53,90 +50,6 @@ struct BwdMainloop {
                                                Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // P^T / dS^T accumulators re-viewed as the register A operand of dV / dK.
   using LayoutA = decltype(accumulator_as_a_operand(typename FragSdP::layout_type{}));
-
-  // ---- per-row statistics (lse_log2, dPsum) in registers
-  // The columns of S^T / dP^T are the step's kBlockM Q rows; the thread with
-  // lane % 4 = quad holds columns 8 jj + 2 quad + {0, 1}. The stage stores a
-  // tile's statistics in the order of common/row_stat_layout.h, where those
-  // kStatRun values are contiguous: kStatRun / 4 broadcast 128-bit loads.
-  static constexpr int kStatRun = kBlockM / kRowStatQuads;
-  static_assert(kStatRun % 4 == 0, "whole float4 loads");
-  using FragShape = decltype(shape(typename FragSdP::layout_type{}));
-  // One WGMMA tile per warpgroup: mode 0 is (column pair, row +8, 8-column block).
-  static_assert(rank(FragShape{}) == 3 && size<1>(FragShape{}) == 1 && size<2>(FragShape{}) == 1);
-  static_assert(rank(get<0>(FragShape{})) == 3 && size<0, 0>(FragShape{}) == 2 && size<0, 1>(FragShape{}) == 2 &&
-                size<0, 2>(FragShape{}) == kBlockM / 8);
-
-  // Slot within the thread's run of the statistic of accumulator register i:
-  // register (c0, r1, jj) of mode 0 holds column 8 jj + 2 quad + c0, stored at
-  // quad * kStatRun + 2 jj + c0 (the row half r1 is a KV row: no matter).
-  CUTE_HOST_DEVICE static constexpr int stat_slot(int i) {
-    auto const crd = idx2crd(i, get<0>(FragShape{}));
-    return 2 * get<2>(crd) + get<0>(crd);
-  }
-  // stat_slot against the tiled MMA's own C layout, (thread, register) ->
-  // KV row + kBlockN * Q row. A layout is the sum of its modes, index(tid, i)
-  // = index(tid, 0) + index(0, i), so checking each mode alone (and that the
-  // KV rows do not carry into the Q column) covers every (thread, register)
-  // without a quadratic constant evaluation.
-  static constexpr bool stat_slots_match_mma() {
-    auto const tv = typename Traits::TiledMmaSdP{}.get_layoutC_TV();
-    int thread_rows = 0;
-    int register_rows = 0;
-    for (int tid = 0; tid < kMmaThreads; ++tid) {
-      int const idx = tv(tid, 0);
-      if (idx / kBlockN != 2 * (tid % kRowStatQuads)) { return false; }
-      thread_rows = idx % kBlockN > thread_rows ? idx % kBlockN : thread_rows;
-    }
-    for (int i = 0; i < int(size(FragShape{})); ++i) {
-      auto const crd = idx2crd(i, get<0>(FragShape{}));
-      int const idx = tv(0, i);
-      if (idx / kBlockN != 8 * get<2>(crd) + get<0>(crd)) { return false; }
-      register_rows = idx % kBlockN > register_rows ? idx % kBlockN : register_rows;
-      for (int quad = 0; quad < kRowStatQuads; ++quad) {
-        if (row_stat_pos(kBlockM, idx / kBlockN + 2 * quad) != quad * kStatRun + stat_slot(i)) { return false; }
-      }
-    }
-    return thread_rows + register_rows < kBlockN;
-  }
-  static_assert(typename Traits::TiledMmaSdP{}.template tile_size_mnk<0>() == kBlockN);
-  static_assert(stat_slots_match_mma(), "row statistics slots disagree with the S^T accumulator layout");
-
-  // Each statistic streams through a window of kStatWindowChunks float4
-  // chunks (16 registers): lse_log2 from the moment the Q stage has landed
-  // (before the S^T wait) through the exp2 loop, dPsum from the end of that
-  // loop (before the dP^T wait) through the dS^T loop; each chunk a loop
-  // finishes with frees the registers for the next. Measured with ptxas: the
-  // whole runs (32 registers each at hdim 64) next to the S^T, dP^T, dK and
-  // dV accumulators spill, and so do dPsum loads inside the exp2 loop at hdim
-  // 128 (its base address stays live there).
-  static constexpr int kStatChunks = kStatRun / 4;
-  static constexpr int kStatWindowChunks = kStatChunks < 4 ? kStatChunks : 4;
-
-  // Chunk c of a thread's run (16-byte aligned: the stage arrays are
-  // alignas(16) and each run is kStatRun * 4 bytes) into stat[4c, 4c + 4);
-  // c past the run: nothing.
-  CUTE_DEVICE static void load_stat_chunk(float const* run, int c, float (&stat)[kStatRun]) {
-    if (c >= kStatChunks) { return; }
-    float4 const v = *reinterpret_cast<float4 const*>(run + 4 * c);
-    stat[4 * c] = v.x;
-    stat[4 * c + 1] = v.y;
-    stat[4 * c + 2] = v.z;
-    stat[4 * c + 3] = v.w;
-  }
-  // Register i is the last of the loops (which run i upwards) to read its chunk.
-  CUTE_HOST_DEVICE static constexpr bool last_of_chunk(int i) {
-    return i + 1 == int(size(FragShape{})) || stat_slot(i + 1) / 4 != stat_slot(i) / 4;
-  }
-  // The loops reach the chunks in order, so chunk c + kStatWindowChunks,
-  // loaded after chunk c's last register, is loaded before its first.
-  static constexpr bool stat_chunks_in_order() {
-    for (int i = 0; i + 1 < int(size(FragShape{})); ++i) {
-      if (stat_slot(i + 1) / 4 < stat_slot(i) / 4) { return false; }
-    }
-    return true;
-  }
-  static_assert(stat_chunks_in_order());
 
   // Called once by every MMA thread before the first task.
   CUTE_DEVICE static void init() {
@@ -224,7 +137,6 @@ struct BwdMainloop {
     float const scale_log2 = p.softmax_scale_log2;
     // The task's Q-tile order, read from the row once (the ranks are the dQ writer's business).
     schedule::StepOrder const order = schedule::StepOrder::of(row);
-    int const quad = mma_tid % kRowStatQuads;
 
     CUTE_NO_UNROLL
     for (int s = 0; s < n_steps; ++s) {
@@ -238,14 +150,7 @@ struct BwdMainloop {
 
       FragSdP tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       FragSdP tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      // lse_log2 is loaded as soon as the Q stage has landed, so the loads run
-      // under the GEMMs instead of after the S^T wait, where the first exp2
-      // stalled on them (see kStatWindowChunks).
       consumer_wait(pipeline_q, read_q);
-      float const* lse_run = smem.lse[read_q.index()] + quad * kStatRun;
-      float lse[kStatRun];
-      CUTE_UNROLL
-      for (int c = 0; c < kStatWindowChunks; ++c) { load_stat_chunk(lse_run, c, lse); }
       warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       consumer_wait(pipeline_do, read_do);
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
@@ -255,33 +160,27 @@ struct BwdMainloop {
       // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
       // above the causal diagonal get -inf first; only tiles that hold such
       // entries pay for the test.
+      float const* lse = smem.lse[read_q.index()];
       if (need_mask) {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
           int const n = n0 + get<0>(tScS(i));
           int const m = get<1>(tScS(i));
           bool const masked = n >= p.seqlen_k || (kCausal && n > m0 + m + causal_shift);
-          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse[stat_slot(i)]));
-          if (last_of_chunk(i)) { load_stat_chunk(lse_run, stat_slot(i) / 4 + kStatWindowChunks, lse); }
+          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse[m]));
         }
       } else {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
-          tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse[stat_slot(i)]));
-          if (last_of_chunk(i)) { load_stat_chunk(lse_run, stat_slot(i) / 4 + kStatWindowChunks, lse); }
+          tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse[get<1>(tScS(i))]));
         }
       }
-      // dPsum likewise ahead of the dP^T wait.
-      float const* dpsum_run = smem.dpsum[read_do.index()] + quad * kStatRun;
-      float dpsum[kStatRun];
-      CUTE_UNROLL
-      for (int c = 0; c < kStatWindowChunks; ++c) { load_stat_chunk(dpsum_run, c, dpsum); }
       warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
+      float const* dpsum = smem.dpsum[read_do.index()];
       CUTE_UNROLL
       for (int i = 0; i < size(tdPrdP); ++i) {
-        tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[stat_slot(i)]);
-        if (last_of_chunk(i)) { load_stat_chunk(dpsum_run, stat_slot(i) / 4 + kStatWindowChunks, dpsum); }
+        tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
       }
       // P^T is converted only now, after dS^T: converting it before the dP^T
       // wait kept the 16-bit P^T live next to fp32 S^T and dP^T (hdim 64:

@@ -3,10 +3,7 @@
 //   lse_log2[b,h,s] = lse[b,h,s] * log2(e)             (the main kernel uses exp2)
 //   the accumulators and semaphores of the main kernel = 0 (one span)
 // Rows s in [seqlen_q, seqlen_q_rounded) are padding for the main kernel's
-// last Q tile and get 0 in both outputs. Within each tile of block_m rows the
-// two outputs are stored in the order of common/row_stat_layout.h (row s at
-// tile * block_m + row_stat_pos(block_m, s % block_m)), which lets each MMA
-// thread of the main kernel load its rows' values with 128-bit loads.
+// last Q tile and get 0 in both outputs.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -15,7 +12,6 @@
 #include "common/cuda_check.h"
 #include "common/dtype.h"
 #include "common/launch.h"
-#include "common/row_stat_layout.h"
 
 namespace dash_fa3 {
 namespace {
@@ -68,9 +64,8 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessP
       acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     }
     if (lane_in_row == 0) {
-      const int64_t at = bh * p.seqlen_q_rounded + (s - s % p.block_m) + row_stat_pos(p.block_m, s % p.block_m);
-      p.dpsum[at] = acc;
-      p.lse_log2[at] = lse_log2;
+      p.dpsum[row] = acc;
+      p.lse_log2[row] = lse_log2;
     }
   }
 
@@ -86,9 +81,6 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessP
 
 void run_bwd_preprocess(const BwdPreprocessParams& params, DType dtype, cudaStream_t stream) {
   if (params.headdim % kVec != 0) throw std::invalid_argument("dash_fa3: preprocess needs headdim % 8 == 0");
-  if (params.block_m <= 0 || params.block_m % 8 != 0 || params.seqlen_q_rounded % params.block_m != 0) {
-    throw std::invalid_argument("dash_fa3: preprocess needs block_m % 8 == 0 dividing seqlen_q_rounded");
-  }
   const int64_t num_rows = int64_t(params.batch) * params.heads * params.seqlen_q_rounded;
   const int64_t blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (blocks == 0) return;
