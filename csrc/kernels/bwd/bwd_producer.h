@@ -33,7 +33,6 @@ struct BwdProducer {
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
   }
 
   // Run by all 32 lanes of the producer warp; lane 0 issues the copies and the
