@@ -1,7 +1,8 @@
 // The fragment order of a dQ tile: how the backward kernel's partial dQ sits
 // in shared memory (sdQ) and, tile by tile, in the fp32 dQ accumulator; the
-// postprocess reads it back. dash_fa3/bwd_layouts.py is the Python mirror and
-// tests/test_contract_cpp.py compares the two on every (m, c) of each head dim.
+// postprocess reads it back. dash_fa3/bwd_layouts.py is the Python mirror;
+// tests/test_contract_cpp.py compares the two on every (m, c) of each head dim,
+// and the mirror with the register layout of cute's own TiledMmaDq.
 //
 // Why not row-major: the MMA threads then wrote their accumulator pairs with
 // 64-bit shared stores into a 128-byte-swizzled tile, each a 2-way bank
