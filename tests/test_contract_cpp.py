@@ -1,10 +1,14 @@
 """The kernel contract compiled with the host compiler: the C++ schedule decode
-(csrc/schedules/schedule_metadata.h), the block ranges (csrc/common/block_range.h)
-and the generated tile sizes (kernel_contract.h) against their Python
-definitions, on every bench-grid schedule and on random shapes.
+(csrc/schedules/schedule_metadata.h), the block ranges (csrc/common/block_range.h),
+the generated tile sizes (kernel_contract.h) and the dQ fragment order
+(csrc/common/dq_accum_layout.h) against their Python definitions, on every
+bench-grid schedule, on random shapes and on every element of the dQ tiles.
 
 tests/cpp/contract_driver.cpp includes the kernels' own headers; no CUDA, no
-nvcc, no GPU. A change to one language alone fails here.
+nvcc, no GPU. A change to one language alone fails here. One check more,
+test_dq_fragment_order_is_cutes, compiles the backward's traits with nvcc (host
+code only, no GPU; skipped without nvcc) to compare the fragment order with the
+register layout of cute's own dQ MMA.
 """
 
 import os
@@ -15,8 +19,10 @@ import sys
 import numpy as np
 import pytest
 
+from dash_fa3 import bwd_layouts
 from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule
 from dash_fa3.schedule.export import DEFAULT_GRID, grid_geometries, read_bundle, write_bundle
+from dash_fa3.schedule.contract import BWD_BLOCK_SIZES
 from dash_fa3.schedule.geometry import TileGeometry
 from dash_fa3.schedule.metadata import decode_all
 
@@ -144,3 +150,80 @@ def test_bundle_round_trip(tmp_path):
     assert len(back) == len(metas)
     for a, b in zip(metas, back):
         assert np.array_equal(a.as_int32_array(), b.as_int32_array())
+
+
+def test_dq_fragment_order(driver):
+    """csrc/common/dq_accum_layout.h against dash_fa3/bwd_layouts.py: layout_ok on
+    many (block_m, hdim), and where it holds every element's offset, both from
+    (m, c) and from (warpgroup, thread, register)."""
+    cases = [(bm, d) for d, (bm, _) in sorted(BWD_BLOCK_SIZES.items())]
+    cases += [(bm, d) for bm in (32, 64, 96, 128, 256) for d in range(0, 272, 8)]
+    got = run_driver(driver, "dqfrag", stdin="\n".join(f"{bm} {d}" for bm, d in cases))
+    pos = 0
+    for bm, d in cases:
+        ok = bool(got[pos])
+        pos += 1
+        assert ok == bwd_layouts.layout_ok(bm, d), f"block_m={bm} hdim={d}: C++ layout_ok {ok}"
+        if not ok:
+            continue
+        assert got[pos] == bwd_layouts.atom_cols(bm, d), f"block_m={bm} hdim={d}: C++ atom {got[pos]}"
+        pos += 1
+        want = bwd_layouts.tile_permutation(bm, d).ravel()
+        mine = got[pos:pos + want.size]
+        pos += want.size
+        assert np.array_equal(mine, want), f"block_m={bm} hdim={d}: dq_frag_offset differs"
+        wg, tid, r = np.meshgrid(np.arange(bwd_layouts.WARPGROUPS), np.arange(bwd_layouts.WG_THREADS),
+                                 np.arange(bwd_layouts.wg_cols(bm, d) // 2), indexing="ij")
+        want = bwd_layouts.reg_offset(bm, d, wg, tid, r).ravel()
+        mine = got[pos:pos + want.size]
+        pos += want.size
+        assert np.array_equal(mine, want), f"block_m={bm} hdim={d}: register offsets differ"
+    assert pos == got.size
+
+
+@pytest.fixture(scope="module")
+def cute_driver(tmp_path_factory):
+    """tests/cpp/dq_frag_cute_driver.cpp: cute's own TiledMmaDq layouts, host code
+    compiled by nvcc (cutlass's headers need CUDA's even on the host)."""
+    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        pytest.skip(f"no nvcc at {nvcc} for the cute layout check")
+    try:
+        cutlass_include = build_config.cutlass_locator.include_dir()
+    except build_config.cutlass_locator.CutlassNotFound as exc:
+        pytest.skip(f"no CUTLASS headers for the cute layout check: {exc}")
+    out = tmp_path_factory.mktemp("dq_frag_cute")
+    build_config.write_contract_header(out)
+    exe = out / "dq_frag_cute_driver"
+    cmd = [nvcc, "-std=c++17", "-O1", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+           f"-I{ROOT}/csrc", f"-I{out}", f"-I{cutlass_include}", "-x", "cu",
+           os.path.join(ROOT, "tests", "cpp", "dq_frag_cute_driver.cpp"), "-o", str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(exe)
+
+
+def test_dq_fragment_order_is_cutes(cute_driver):
+    """Register i of MMA thread t holds the (m, c) that cute's partition_C gives
+    it in the kernel's TiledMmaDq: the kernel stores register group i // 4 at
+    the fragment-order offset of (warpgroup t // 128, t % 128, i), so this is
+    where dq_frag_offset must put (m, c)."""
+    got = run_driver(cute_driver)
+    pos, seen = 0, []
+    while pos < got.size:
+        block_m, hdim, regs = (int(x) for x in got[pos:pos + 3])
+        pos += 3
+        mc = got[pos:pos + 256 * regs * 2].reshape(256, regs, 2)
+        pos += mc.size
+        assert block_m == bwd_block_sizes(hdim)[0] and regs == bwd_layouts.wg_cols(block_m, hdim) // 2
+        t, r = np.arange(256)[:, None], np.arange(regs)[None, :]
+        row, col = bwd_layouts.reg_position(block_m, hdim, t // 128, t % 128, r)
+        assert np.array_equal(mc[..., 0], row) and np.array_equal(mc[..., 1], col), f"hdim {hdim}"
+        seen.append(hdim)
+    assert seen == [64, 96, 128]
+
+
+def test_dq_fragment_order_defined_for_every_bwd_head_dim():
+    """The postprocess accepts every head dim of the contract (the kernels 64/96/128, and 192/256)."""
+    for d, (bm, _) in BWD_BLOCK_SIZES.items():
+        assert bwd_layouts.layout_ok(bm, d), f"hdim {d}: no dQ fragment order for block_m {bm}"

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import poison_cuda_allocator
-from dash_fa3 import _ext
+from dash_fa3 import _ext, bwd_layouts
+from dash_fa3.schedule import bwd_block_sizes
 
 pytestmark = pytest.mark.gpu
 
@@ -55,20 +56,36 @@ def test_preprocess(shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_postprocess(shape, dtype):
+    """The accumulator holds each of the main kernel's Q tiles (bwd_block_m(d)
+    rows) in fragment order (dash_fa3/bwd_layouts.py): dq is scale times the
+    accumulator read back through that order."""
     b, s, h, d, block_m = shape
-    rounded = (s + block_m - 1) // block_m * block_m
+    tile_m = bwd_block_sizes(d)[0]
+    step = max(block_m, tile_m)  # both powers of two: rows a multiple of each
+    rounded = (s + step - 1) // step * step
     accum = torch.randn(b, h, rounded, d, device="cuda") * 10
     scale = 0.37
     poison_cuda_allocator(1 << 26)
     dq = _ext.ops().bwd_postprocess(accum, s, scale, dtype)
     assert dq.shape == (b, s, h, d) and dq.dtype == dtype
-    want = (accum[:, :, :s] * scale).to(dtype).transpose(1, 2)
+    perm = torch.from_numpy(bwd_layouts.tile_permutation(tile_m, d).ravel()).to(accum.device)
+    rows = accum.view(b, h, rounded // tile_m, tile_m * d)[..., perm].view(b, h, rounded, d)
+    want = (rows[:, :, :s] * scale).to(dtype).transpose(1, 2)
     assert torch.equal(dq, want)
 
 
 def test_postprocess_rejects_bad_accumulator():
     with pytest.raises(RuntimeError, match="dq_accum"):
         _ext.ops().bwd_postprocess(torch.zeros(2, 3, 64, device="cuda"), 64, 1.0, torch.bfloat16)
+
+
+def test_postprocess_rejects_accumulator_without_whole_tiles():
+    # hdim 128: the main kernel's tiles are 64 rows.
+    with pytest.raises(RuntimeError, match="not a multiple of the backward's block_m 64"):
+        _ext.ops().bwd_postprocess(torch.zeros(1, 2, 96, 128, device="cuda"), 90, 1.0, torch.bfloat16)
+    # hdim 72: 64-row tiles, 36 columns per warpgroup: no fragment order.
+    with pytest.raises(RuntimeError, match="no dQ accumulator layout for headdim 72"):
+        _ext.ops().bwd_postprocess(torch.zeros(1, 2, 64, 72, device="cuda"), 64, 1.0, torch.bfloat16)
 
 
 def test_preprocess_rejects_mismatched_dout():

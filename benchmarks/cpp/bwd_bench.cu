@@ -379,7 +379,7 @@ struct Problem {
     if (!dispatch_bwd(g.d, dtype, g.causal, p, stream))
       throw std::runtime_error("variant not built: hdim " + std::to_string(g.d));
     dash_fa3::BwdPostprocessParams post{};
-    post.dq_accum = dq_accum; post.dq = dq;
+    post.dq_accum = dq_accum; post.block_m = bm; post.dq = dq;
     post.dq_stride = {int64_t(g.sq) * g.h * g.d, int64_t(g.h) * g.d, g.d};
     post.softmax_scale = g.scale; post.batch = g.b; post.seqlen_q = g.sq; post.seqlen_q_rounded = sq_rounded;
     post.heads = g.h; post.headdim = g.d;

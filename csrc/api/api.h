@@ -22,7 +22,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const
                                                    const at::Tensor& schedule, const at::Tensor& schedule_header,
                                                    double softmax_scale, bool causal, bool deterministic);
 
-// The preprocess and postprocess steps alone (tests, benchmarks).
+// The preprocess and postprocess steps alone (tests, benchmarks). The
+// postprocess reads dq_accum as the main kernel leaves it: each
+// bwd_block_m(headdim)-row Q tile in fragment order (common/dq_accum_layout.h).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(
     const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse, int64_t block_m);
 at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double softmax_scale,
@@ -62,6 +64,7 @@ struct DkvCast {
   const float* dv_partial;
   at::Tensor dk, dv;  // (batch, seqlen_k, heads_kv, headdim)
 };
+// dq_accum: as the main kernel leaves it (fragment order, bwd_block_m(hdim)-row tiles).
 at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,
                                   int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
                                   at::ScalarType dtype, const at::Device& device, cudaStream_t stream,

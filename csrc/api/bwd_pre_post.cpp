@@ -7,6 +7,7 @@
 #include "api.h"
 #include "bwd_workspace.h"
 #include "message.h"
+#include "common/dq_accum_layout.h"
 #include "common/launch.h"
 
 namespace dash_fa3 {
@@ -48,9 +49,16 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
                                   int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
                                   at::ScalarType dtype, const at::Device& device, cudaStream_t stream,
                                   const DkvCast* dkv) {
+  // The main kernel's Q tiles, whose fragment order the accumulator holds.
+  const int block_m = bwd_block_m(static_cast<int>(hdim));
+  TORCH_CHECK(dq_frag_layout_ok(block_m, static_cast<int>(hdim)),
+              msg("dash_fa3: no dQ accumulator layout for headdim ", hdim, " (bwd_block_m ", block_m, ")"));
+  TORCH_CHECK(seqlen_q_rounded % block_m == 0, msg("dash_fa3: dq_accum has ", seqlen_q_rounded,
+              " rows per head, not a multiple of the backward's block_m ", block_m, " for headdim ", hdim));
   at::Tensor dq = at::empty({batch, seqlen_q, heads, hdim}, at::TensorOptions().dtype(dtype).device(device));
   BwdPostprocessParams p{};
   p.dq_accum = dq_accum;
+  p.block_m = block_m;
   p.dq = dq.data_ptr();
   p.dq_stride = bshd_strides(dq, "dq");
   p.softmax_scale = static_cast<float>(softmax_scale);
@@ -75,7 +83,8 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
 
 // Returns (dPsum, lse_log2, dq_accum, dq_semaphore), views of one workspace:
 //   dPsum, lse_log2: (batch, heads, seqlen_q_rounded) fp32
-//   dq_accum:        (batch, heads, seqlen_q_rounded, headdim) fp32, zeroed
+//   dq_accum:        (batch, heads, seqlen_q_rounded, headdim) fp32, zeroed (the main
+//                    kernel adds each Q tile into it in fragment order)
 //   dq_semaphore:    (batch, heads, seqlen_q_rounded / block_m) int32, zeroed; one per dQ tile
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(const at::Tensor& out,
                                                                           const at::Tensor& dout,
@@ -104,8 +113,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(const 
 at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double softmax_scale,
                            at::ScalarType dtype) {
   TORCH_CHECK(dq_accum.is_cuda() && dq_accum.scalar_type() == at::kFloat && dq_accum.is_contiguous() &&
-                  dq_accum.dim() == 4,
-              "dash_fa3: dq_accum must be a contiguous fp32 CUDA tensor (batch, heads, seqlen_q_rounded, headdim)");
+                  dq_accum.dim() == 4 && reinterpret_cast<uintptr_t>(dq_accum.data_ptr()) % 16 == 0,
+              "dash_fa3: dq_accum must be a contiguous, 16-byte aligned fp32 CUDA tensor (batch, heads, "
+              "seqlen_q_rounded, headdim)");
   const int64_t batch = dq_accum.size(0), heads = dq_accum.size(1), rounded = dq_accum.size(2),
                 hdim = dq_accum.size(3);
   TORCH_CHECK(seqlen_q >= 1 && seqlen_q <= rounded, msg("dash_fa3: seqlen_q must be in [1, ", rounded, "], got ",

@@ -3,8 +3,9 @@
 namespace dash_fa3 {
 namespace {
 
-// dq_accum is a TMA reduce-add target: 128-byte alignment keeps every region
-// (and so every tile) aligned however the sizes before it round.
+// dq_accum is a bulk reduce-add target (16-byte aligned addresses): 128-byte
+// alignment keeps every region, and so every dQ tile (a multiple of 128 bytes),
+// on cache-line boundaries however the sizes before it round.
 constexpr int64_t kAlign = 128;
 
 int64_t round_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }

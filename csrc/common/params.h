@@ -70,7 +70,11 @@ struct BwdPreprocessParams {
 // with GQA also dK, dV summed from their per-head fp32 partials and cast (one
 // launch for both).
 struct BwdPostprocessParams {
-  const float* dq_accum;  // (batch, heads, seqlen_q_rounded, headdim)
+  // (batch, heads, seqlen_q_rounded, headdim), 16-byte aligned; rows
+  // [q block_m, (q + 1) block_m) of a (batch, head) hold Q tile q in the main
+  // kernel's fragment order (common/dq_accum_layout.h).
+  const float* dq_accum;
+  int block_m;            // bwd_block_m(headdim): the tiles' rows
   void* dq;               // (batch, seqlen_q, heads, headdim), FA3 layout
   TensorStrides dq_stride;
   float softmax_scale;
@@ -111,7 +115,8 @@ struct BwdParams {
   // From the preprocess, all (batch, heads, seqlen_q_rounded[, headdim]):
   const float* lse_log2;
   const float* dpsum;
-  float* dq_accum;    // fp32, zeroed; the kernel reduce-adds into it
+  float* dq_accum;    // fp32, zeroed, 128-byte aligned; the kernel adds each Q tile into it in
+                      // fragment order (common/dq_accum_layout.h)
   int* dq_semaphore;  // (batch, heads, seqlen_q_rounded / block_m), zeroed
 
   // Outputs, (batch, seqlen_k, heads_kv, headdim) in the input dtype.

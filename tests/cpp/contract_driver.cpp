@@ -1,5 +1,6 @@
 // CPU driver of tests/test_contract_cpp.py: runs the kernels' plain-C++
-// headers (the schedule decode, the block ranges, the backward tile sizes) on
+// headers (the schedule decode, the block ranges, the backward tile sizes,
+// the dQ fragment order) on
 // inputs from Python, compiled with the host compiler (no CUDA), and writes
 // the results to stdout as raw native-endian int32.
 //
@@ -11,6 +12,12 @@
 //                                   begin, end, q_unmasked_begin
 //   contract_driver blocks          stdin: head dims; per head dim bwd_block_m,
 //                                   bwd_block_n
+//   contract_driver dqfrag          stdin: "block_m hdim" pairs; per pair
+//                                   dq_frag_layout_ok, then if it holds:
+//                                   dq_frag_atom_cols, dq_frag_offset of every
+//                                   (m, c), row-major,
+//                                   and the offset of every (warpgroup, tid, r)
+//                                   (dq_frag_wg_base + dq_frag_reg_offset)
 // A bundle is flat schedule buffers back to back (dash_fa3/schedule/export.py).
 #include <cstdint>
 #include <cstdio>
@@ -20,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "common/dq_accum_layout.h"
 #include "kernel_contract.h"
 #include "schedules/schedule_metadata.h"
 
@@ -94,6 +102,30 @@ int blocks() {
   return 0;
 }
 
+int dqfrag() {
+  std::vector<int32_t> out;
+  int block_m, hdim;
+  while (std::cin >> block_m >> hdim) {
+    bool const ok = dash_fa3::dq_frag_layout_ok(block_m, hdim);
+    out.push_back(ok ? 1 : 0);
+    if (!ok) { continue; }
+    out.push_back(dash_fa3::dq_frag_atom_cols(block_m, hdim));
+    for (int m = 0; m < block_m; ++m) {
+      for (int c = 0; c < hdim; ++c) { out.push_back(dash_fa3::dq_frag_offset(block_m, hdim, m, c)); }
+    }
+    int const regs = dash_fa3::dq_frag_wg_cols(block_m, hdim) / 2;
+    for (int wg = 0; wg < dash_fa3::kDqFragWarpgroups; ++wg) {
+      for (int tid = 0; tid < dash_fa3::kDqFragWgThreads; ++tid) {
+        for (int r = 0; r < regs; ++r) {
+          out.push_back(dash_fa3::dq_frag_wg_base(block_m, hdim, wg) + dash_fa3::dq_frag_reg_offset(tid, r));
+        }
+      }
+    }
+  }
+  emit(out);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -101,5 +133,6 @@ int main(int argc, char** argv) {
   if (cmd == "decode" && argc == 3) { return decode(argv[2]); }
   if (cmd == "geometry") { return geometry(); }
   if (cmd == "blocks") { return blocks(); }
-  return fail("usage: contract_driver decode BUNDLE | geometry | blocks");
+  if (cmd == "dqfrag") { return dqfrag(); }
+  return fail("usage: contract_driver decode BUNDLE | geometry | blocks | dqfrag");
 }

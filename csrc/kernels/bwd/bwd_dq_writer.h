@@ -1,8 +1,11 @@
 // dQ-writer role of the backward kernel: one warp per sdQ buffer (warps
 // 1 .. kStagesDq of warpgroup 0). Writer b moves the fp32 partial dQ of every
 // step whose CTA-wide step index is = b (mod kStagesDq) from sdQ buffer b into
-// the fp32 dQ accumulator (batch, heads, seqlen_q_rounded, d) with one TMA
-// reduce-add (cp.reduce.async.bulk.tensor ... .add, f32 elements).
+// the fp32 dQ accumulator (batch, heads, seqlen_q_rounded, d) with one 1-D
+// bulk reduce-add (cp.reduce.async.bulk ... .add.f32) of the whole tile: sdQ
+// and the accumulator's tile hold it in the same fragment order
+// (common/dq_accum_layout.h), kBlockM * d contiguous floats in both places,
+// so no tensor map is needed.
 //
 // Per step of writer b, in the schedule's order:
 //   wait kDqFull+b (the MMA warpgroups wrote sdQ buffer b)
@@ -45,9 +48,7 @@ struct BwdDqWriter {
   // Run by all 32 lanes of writer warp `buffer`; lane 0 issues and waits.
   CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int buffer) {
     bool const leader = (threadIdx.x % 32) == 0;
-    Tensor sDq = make_tensor(make_smem_ptr(smem.dq.data()), typename Traits::SmemLayoutDq{});
-    auto tma_dq = p.tma_dq.get_slice(_0{});
-    Tensor tDqsDq = tma_dq.partition_S(sDq);
+    float const* sdq = smem.dq.data() + buffer * Traits::kDqTileFloats;
     TileGeometry const geo = Traits::tile_geometry(p);
 
     // sdQ[buffer] starts out empty.
@@ -63,9 +64,8 @@ struct BwdDqWriter {
       if (n_steps <= 0) { continue; }
       int const b = row[schedule::kCBatch];
       int const h = row[schedule::kCHead];
-      Tensor gDq = local_tile(p.tma_dq.get_tma_tensor(p.shape_dq)(_, _, h, b),
-                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
-      Tensor tDqgDq = tma_dq.partition_D(gDq);
+      // Tile q of this (batch, head): rows [q kBlockM, (q + 1) kBlockM), contiguous.
+      float* dq_bh = p.dq_accum + (int64_t(b) * p.heads + h) * p.seqlen_q_rounded * kHeadDim;
       int* sem_bh = p.dq_semaphore + (int64_t(b) * p.heads + h) * p.n_q;
 
       // First step of this task that falls on our buffer.
@@ -81,8 +81,8 @@ struct BwdDqWriter {
             semaphore_wait_for(sem_bh + st.q_tile, st.rank);
             fence_proxy_async_global();
           }
-          copy(p.tma_dq, tDqsDq(_, _, _, buffer), tDqgDq(_, _, _, st.q_tile));
-          tma_store_arrive();
+          bulk_reduce_add_f32(dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats, sdq, Traits::kDqTileBytes);
+          bulk_commit_group();
           bulk_wait_all_read();
         }
         __syncwarp();

@@ -7,6 +7,9 @@
 //     elements (TMA needs 16-byte aligned strides);
 //   - headdim == kHeadDim; heads % heads_kv == 0; seqlen_q_rounded is seqlen_q
 //     rounded up to bwd_block_m(kHeadDim) (kernel_contract.h);
+//   - dq_accum (batch, heads, seqlen_q_rounded, headdim) fp32, zeroed, 128-byte
+//     aligned; the kernel adds each Q tile into it in fragment order
+//     (common/dq_accum_layout.h), which the postprocess reads back;
 //   - the schedule header matches this call (shape, block sizes, mask kind)
 //     and uses static dispatch; its CTA count is the grid size. The schedule
 //     must have been validated (every needed pair once, ranks a permutation,
@@ -76,7 +79,6 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   typename Traits::Params p{};
   auto shape_q = make_shape(a.seqlen_q, a.headdim, a.heads, a.batch);
   auto shape_k = make_shape(a.seqlen_k, a.headdim, a.heads_kv, a.batch);
-  auto shape_dq = make_shape(a.seqlen_q_rounded, a.headdim, a.heads, a.batch);
   auto gmem = [](void const* ptr, auto shape, TensorStrides const& s) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
                        make_stride(s.row, _1{}, s.head, s.batch));
@@ -85,17 +87,12 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   Tensor gdO = gmem(a.dout, shape_q, a.do_stride);
   Tensor gK = gmem(a.k, shape_k, a.k_stride);
   Tensor gV = gmem(a.v, shape_k, a.v_stride);
-  int64_t const dq_row = a.headdim;
-  int64_t const dq_head = dq_row * a.seqlen_q_rounded;
-  int64_t const dq_batch = dq_head * a.heads;
-  Tensor gDq = make_tensor(make_gmem_ptr(a.dq_accum), shape_dq, make_stride(dq_row, _1{}, dq_head, dq_batch));
   using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
   using TileK = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
   p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, _1{});
   p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, _1{});
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Traits::SmemLayoutK{}, TileK{}, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gV, typename Traits::SmemLayoutK{}, TileK{}, _1{});
-  p.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{}, gDq, take<0, 2>(typename Traits::SmemLayoutDq{}), TileQ{}, _1{});
   auto gmem_out = [](void* ptr, auto shape, TensorStrides const& s) {
     return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), shape, make_stride(s.row, _1{}, s.head, s.batch));
   };
@@ -105,9 +102,9 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
                            TileK{}, _1{});
   p.shape_q = shape_q;
   p.shape_k = shape_k;
-  p.shape_dq = shape_dq;
   p.lse_log2 = a.lse_log2;
   p.dpsum = a.dpsum;
+  p.dq_accum = a.dq_accum;  // a 1-D bulk reduce-add target: no tensor map
   p.dq_semaphore = a.dq_semaphore;
   p.dk = a.dk;
   p.dv = a.dv;

@@ -12,7 +12,8 @@
 //   dQ   = dS K          (SS WGMMA, after both warpgroups wrote sdS: kDsReady)
 //   dK  += dS^T Q        (RS WGMMA)
 //   dQ -> sdQ[step % 2], handed to the dQ writer (kDqEmpty+b / kDqFull+b)
-//                        while the dK GEMM still runs
+//                        while the dK GEMM still runs; 128-bit stores of
+//                        register groups in fragment order (common/dq_accum_layout.h)
 // dK here is unscaled; the epilogue multiplies it by softmax_scale.
 #pragma once
 
@@ -20,7 +21,9 @@
 #include <cutlass/arch/barrier.h>
 
 #include <cmath>
+#include <type_traits>
 
+#include "common/dq_accum_layout.h"
 #include "common/gemm_sm90.h"
 #include "common/named_barriers.h"
 #include "kernels/bwd/bwd_traits.h"
@@ -48,6 +51,17 @@ struct BwdMainloop {
                                                 Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using FragDq = decltype(partition_fragment_C(typename Traits::TiledMmaDq{},
                                                Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // One warpgroup's dQ accumulator: ((2, 2, A/8), 1, N/A) registers (N columns
+  // per warpgroup, A = one WGMMA's N), register r = flat index, as
+  // common/dq_accum_layout.h defines the fragment order (tests/test_contract_cpp.py
+  // compares it with cute's partition_C of this MMA).
+  static constexpr int kDqWgCols = dq_frag_wg_cols(kBlockM, kHeadDim);
+  static constexpr int kDqAtomCols = dq_frag_atom_cols(kBlockM, kHeadDim);
+  static_assert(std::is_same_v<decltype(shape(typename FragDq::layout_type{})),
+                               Shape<Shape<_2, _2, Int<kDqAtomCols / 8>>, _1, Int<kDqWgCols / kDqAtomCols>>>,
+                "dQ accumulator is not ((2, 2, A/8), 1, N/A)");
+  static_assert(size(FragDq{}) == kDqWgCols / 2 && size(FragDq{}) % kDqFragGroup == 0,
+                "dQ accumulator: N/2 registers per thread, whole groups of 4");
   // P^T / dS^T accumulators re-viewed as the register A operand of dV / dK.
   using LayoutA = decltype(accumulator_as_a_operand(typename FragSdP::layout_type{}));
 
@@ -62,6 +76,12 @@ struct BwdMainloop {
   }
   CUTE_DEVICE static BwdBarrier dq_full(int stage) {
     return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqFull) + stage);
+  }
+
+  // st.shared.v4.f32: a 128-bit store to a 32-bit shared-memory address.
+  CUTE_DEVICE static void store_shared_v4(uint32_t addr, float x, float y, float z, float w) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" : : "r"(addr), "f"(x), "f"(y), "f"(z), "f"(w)
+                 : "memory");
   }
 
   CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, PipelineState const& state) {
@@ -83,21 +103,25 @@ struct BwdMainloop {
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
     Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
-    // sdQ is written from registers through a position-independent swizzle
+    // sdS is written from registers through a position-independent swizzle
     // tensor: the 128-byte swizzle acts on the 32-bit element offset (exact
     // because the buffer is 1024-byte aligned) and the stores are st.shared.
     // Swizzling the 64-bit generic address instead kept 64-bit addresses live
-    // across the step and made ptxas spill.
+    // through the dS^T computation and made ptxas spill.
     Tensor sDst = as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{}));
-    Tensor sDq = as_position_independent_swizzle_tensor(
-        make_tensor(make_smem_ptr(smem.dq.data()), typename Traits::SmemLayoutDq{}));
+    // This thread's first dQ slot in sdQ stage 0 (32-bit shared address): its
+    // register group g goes to (g * 128 + wg_tid) * 4 of its warpgroup's region.
+    int const dq_wg = mma_tid / kDqFragWgThreads;
+    int const dq_wg_tid = mma_tid % kDqFragWgThreads;
+    int const dq_thread_offset = dq_frag_wg_base(kBlockM, kHeadDim, dq_wg) + dq_frag_reg_offset(dq_wg_tid, 0);
+    uint32_t const sdq_thread =
+        cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
 
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmaDkv mma_dkv;
     typename Traits::TiledMmaDq mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
-    auto thr_dq = mma_dq.get_thread_slice(mma_tid);
     // The shared-memory operand descriptors of a WGMMA depend only on the
     // warpgroup. Sliced by a warpgroup's first thread index that the compiler
     // knows to be warp-uniform (broadcast from lane 0), their arithmetic stays
@@ -121,7 +145,6 @@ struct BwdMainloop {
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(mma_tid);
     Tensor tRsDst = thr_r2s_ds.partition_D(sDst);         // (.., stage), this thread's dS^T slots
-    Tensor tQsDq = thr_dq.partition_C(sDq);
     // (KV row, Q row) of each accumulator register, tile-local.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
 
@@ -213,10 +236,15 @@ struct BwdMainloop {
       // Wait until the dQ writer has finished reading this sdQ buffer (two steps ago).
       named_barrier_sync(dq_empty(dq_stage), kDqHandoffThreads);
       {
-        Tensor dst = tQsDq(_, _, _, dq_stage);
+        // One 128-bit store per group of 4 registers, in fragment order: a
+        // warp's stores of one group cover 512 contiguous bytes, so each is
+        // 4 wavefronts, the minimum (64-bit pair stores into the swizzled
+        // row-major tile were 2-way bank conflicts).
+        uint32_t const dst = sdq_thread + uint32_t(dq_stage) * Traits::kDqTileBytes;
         CUTE_UNROLL
-        for (int i = 0; i < size(tQrDq); i += 2) {
-          *reinterpret_cast<float2*>(&dst(i)) = make_float2(tQrDq(i), tQrDq(i + 1));
+        for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
+          store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
+                          tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
         }
       }
       // sdQ is read by the bulk copy engine (async proxy).

@@ -1,10 +1,18 @@
-// Backward postprocess: dQ[b,s,h,:] = softmax_scale * dQaccum[b,h,s,:], cast to
-// the input dtype and written in FA3's (batch, seqlen, heads, headdim) layout;
-// with GQA, in the same launch, dK/dV summed over each group's query heads from
-// their fp32 partials and cast.
+// Backward postprocess: dQ[b,s,h,:] = softmax_scale * (row s of dQaccum[b,h]),
+// cast to the input dtype and written in FA3's (batch, seqlen, heads, headdim)
+// layout; with GQA, in the same launch, dK/dV summed over each group's query
+// heads from their fp32 partials and cast.
+//
+// The accumulator holds each block_m-row Q tile in the main kernel's fragment
+// order (common/dq_accum_layout.h), not row by row: rows m and m + 8 (m % 16
+// < 8) x 8 columns are 16 consecutive floats there. One thread reads those 64
+// bytes (4 x 16-byte loads, whole 32-byte sectors) and writes the two rows'
+// 8 columns (2 x 16-byte stores); consecutive threads take consecutive column
+// chunks, so a warp's stores cover whole output rows.
 #include <cuda_runtime.h>
 
 #include "common/cuda_check.h"
+#include "common/dq_accum_layout.h"
 #include "common/dtype.h"
 #include "common/launch.h"
 
@@ -12,7 +20,8 @@ namespace dash_fa3 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kVec = 8;  // 8 outputs per thread: two float4 loads, one 16-byte store
+constexpr int kVec = 8;  // 8 outputs per row and thread: one 16-byte store
+constexpr int kRowPair = 8;  // a dQ thread writes rows m and m + kRowPair of a 16-row block
 
 template <class Elem>
 __device__ void store_vec(void* dst, const float (&vals)[kVec], float scale) {
@@ -41,32 +50,61 @@ __device__ void group_sum(float (&acc)[kVec], const float* src, int group, int64
   }
 }
 
-// One grid-stride loop over the dQ chunks and then, with GQA, the dK/dV
-// chunks (both tensors of a chunk in one step).
+// Row pairs (m, m + 8) of 16-row blocks: the dQ rows a thread writes are
+// pair_row(pair) and pair_row(pair) + kRowPair.
+__host__ __device__ constexpr int pair_row(int pair) {
+  return (pair / kRowPair) * 2 * kRowPair + pair % kRowPair;
+}
+
+// Row pairs per (batch, head): every pair with a row below seqlen_q. Their rows
+// stay below seqlen_q_rounded, a multiple of block_m and so of 16.
+__host__ __device__ constexpr int row_pairs(int seqlen_q) {
+  return (seqlen_q + 2 * kRowPair - 1) / (2 * kRowPair) * kRowPair;
+}
+
+// One grid-stride loop over the dQ work (row pair, chunk) and then, with GQA,
+// the dK/dV chunks (both tensors of a chunk in one step).
 template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p) {
   const int chunks_per_row = p.headdim / kVec;
-  const int64_t total_q = int64_t(p.batch) * p.heads * p.seqlen_q * chunks_per_row;
+  const int pairs = row_pairs(p.seqlen_q);
+  const int64_t total_q = int64_t(p.batch) * p.heads * pairs * chunks_per_row;
   const int64_t total_kv =
       p.dk_partial != nullptr ? int64_t(p.batch) * p.heads_kv * p.seqlen_k * chunks_per_row : 0;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total_q + total_kv; i += stride) {
-    // (b, h, s, chunk) with chunk fastest: consecutive threads read consecutive accumulator bytes.
+    // dQ: (b, h, row pair, chunk); dK/dV: (b, h_kv, s, chunk); chunk fastest.
     const bool is_q = i < total_q;
     const int64_t e = is_q ? i : i - total_q;
-    const int seqlen = is_q ? p.seqlen_q : p.seqlen_k;
+    const int rows = is_q ? pairs : p.seqlen_k;
     const int heads = is_q ? p.heads : p.heads_kv;
     const int c = static_cast<int>(e % chunks_per_row);
     int64_t rest = e / chunks_per_row;
-    const int s = static_cast<int>(rest % seqlen);
-    rest /= seqlen;
+    const int s = static_cast<int>(rest % rows);  // dQ: the row pair
+    rest /= rows;
     const int h = static_cast<int>(rest % heads);
     const int b = static_cast<int>(rest / heads);
     float vals[kVec];
     if (is_q) {
-      load_vec(vals, p.dq_accum + ((int64_t(b) * p.heads + h) * p.seqlen_q_rounded + s) * p.headdim + c * kVec);
-      Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + s * p.dq_stride.row + h * p.dq_stride.head;
-      store_vec<Elem>(dst + c * kVec, vals, p.softmax_scale);
+      // Rows lo and lo + 8 of tile lo / block_m, columns 8c .. 8c + 7: 16
+      // consecutive floats, float4 k = (lo, 8c+2k), (lo, 8c+2k+1), (hi, ...), (hi, ...).
+      const int lo = pair_row(s);
+      const int tile = lo / p.block_m;
+      const float4* src = reinterpret_cast<const float4*>(
+          p.dq_accum + ((int64_t(b) * p.heads + h) * p.seqlen_q_rounded + int64_t(tile) * p.block_m) * p.headdim +
+          dq_frag_offset(p.block_m, p.headdim, lo - tile * p.block_m, c * kVec));
+      float hi_vals[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec / 2; ++k) {
+        const float4 v = src[k];
+        vals[2 * k] = v.x, vals[2 * k + 1] = v.y;
+        hi_vals[2 * k] = v.z, hi_vals[2 * k + 1] = v.w;
+      }
+      Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + lo * p.dq_stride.row + h * p.dq_stride.head;
+      if (lo < p.seqlen_q) store_vec<Elem>(dst + c * kVec, vals, p.softmax_scale);
+      if (lo + kRowPair < p.seqlen_q) {
+        store_vec<Elem>(dst + kRowPair * p.dq_stride.row + c * kVec, hi_vals, p.softmax_scale);
+      }
     } else {
       // Query heads h * group ... h * group + group - 1 share KV head h.
       const int group = p.heads / p.heads_kv;
@@ -86,9 +124,15 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
 
 void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaStream_t stream) {
   if (params.headdim % kVec != 0) throw std::invalid_argument("dash_fa3: postprocess needs headdim % 8 == 0");
+  if (!dq_frag_layout_ok(params.block_m, params.headdim) || params.seqlen_q_rounded % params.block_m != 0 ||
+      params.seqlen_q > params.seqlen_q_rounded) {
+    throw std::invalid_argument("dash_fa3: postprocess needs a dQ fragment order for (block_m, headdim) and "
+                                "seqlen_q <= seqlen_q_rounded, a multiple of block_m");
+  }
   const int64_t total_kv =
       params.dk_partial != nullptr ? int64_t(params.batch) * params.heads_kv * params.seqlen_k : 0;
-  const int64_t total = (int64_t(params.batch) * params.heads * params.seqlen_q + total_kv) * (params.headdim / kVec);
+  const int64_t total =
+      (int64_t(params.batch) * params.heads * row_pairs(params.seqlen_q) + total_kv) * (params.headdim / kVec);
   if (total == 0) return;
   int device = 0, sms = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");

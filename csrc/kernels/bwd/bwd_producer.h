@@ -33,7 +33,6 @@ struct BwdProducer {
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
   }

@@ -1,6 +1,7 @@
-// Inter-CTA semaphores of the deterministic backward: one int32 counter per
-// dQ tile. A contribution of rank r waits until the counter reads r, adds,
-// waits for its add to complete, then sets the counter to r + 1. Counters start
+// Inter-CTA semaphores of the deterministic backward, and the bulk reduce-add
+// and bulk-group waits they order. One int32 counter per dQ tile. A
+// contribution of rank r waits until the counter reads r, adds, waits for its
+// add to complete, then sets the counter to r + 1. Counters start
 // at zero (the preprocess zeroes them).
 //
 // Memory ordering. The adds into the fp32 dQ accumulator are done by the bulk
@@ -20,6 +21,7 @@
 // next rank's add race with ours (suspected in flash-attention issue 2244).
 #pragma once
 
+#include <cute/arch/util.hpp>
 #include <cute/config.hpp>
 
 #include <cstdint>
@@ -46,6 +48,21 @@ CUTE_DEVICE void semaphore_release_increment(int* sem) {
 CUTE_DEVICE void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
+
+// Adds `bytes` (a multiple of 16; both addresses 16-byte aligned) of fp32
+// from shared memory into global memory, element by element, as one bulk
+// async operation of the async proxy (one thread). A plain 1-D copy: the dQ
+// tiles are contiguous in both places (common/dq_accum_layout.h), so no tensor
+// map is needed. Completes with the bulk async-group it is committed to.
+CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :
+               : "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "memory");
+}
+
+// Closes the bulk async-group of this thread's bulk operations issued since the last commit.
+CUTE_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // Waits until every bulk async-group this thread committed has COMPLETED,
 // its global writes included.

@@ -17,6 +17,9 @@
 //    accumulator) and read by both warpgroups. The dQ tile is split between
 //    the warpgroups along M when kBlockM = 128 (hdim 64) and along the head
 //    dim when kBlockM = 64 (hdim 96/128), so each warpgroup's WGMMA is 64 x N.
+//  * The partial dQ goes to shared memory and on to the fp32 accumulator in
+//    the accumulator registers' own order (common/dq_accum_layout.h): 128-bit
+//    stores without bank conflicts, and one 1-D bulk reduce-add per tile.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,6 +29,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "common/block_range.h"
+#include "common/dq_accum_layout.h"
 #include "common/gemm_sm90.h"
 #include "kernel_contract.h"  // generated: bwd_block_m / bwd_block_n
 #include "schedules/schedule_metadata.h"
@@ -110,6 +114,14 @@ struct BwdTraits {
                            Shape<Int<kBlockM / kDqWgM>, Int<kHeadDim / kDqWgN>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWgM>, Int<kDqWgN>, _1>>{}));
+  // The fragment order of dQ (common/dq_accum_layout.h) describes this MMA:
+  // its warpgroup split and the N of its atom (at hdim 96 cute picks 16-wide
+  // atoms, which alternate between the warpgroups).
+  static_assert(dq_frag_layout_ok(kBlockM, kHeadDim) && kNumMmaWarpgroups == kDqFragWarpgroups &&
+                    kDqWgM == (kBlockM == 2 * kDqFragWgRows ? 2 : 1),
+                "dQ fragment order not defined for this tile");
+  static_assert(size<1>(typename TiledMmaDq::AtomShape_MNK{}) == dq_frag_atom_cols(kBlockM, kHeadDim),
+                "dQ WGMMA atom differs from dq_frag_atom_cols");
 
   // ---- shared-memory layouts
   // Q, dO: (kBlockM, kHeadDim, stage), head dim contiguous (as TMA writes it).
@@ -132,11 +144,14 @@ struct BwdTraits {
   using SmemLayoutDst = decltype(composition(
       SmemLayoutDs{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesDs>>{},
                                   Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
-  // Partial dQ, fp32 (kBlockM, kHeadDim), head dim contiguous with 128-byte
-  // swizzle: the TMA reduce-add reads it, the accumulator pairs write it
-  // without bank conflicts.
-  using SmemLayoutDq = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, float, kHeadDim>(),
-                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStagesDq>>{}));
+  // Partial dQ, fp32: per stage one flat tile of kBlockM x kHeadDim floats in
+  // fragment order (common/dq_accum_layout.h), the order of the global
+  // accumulator's tiles, so one 1-D bulk reduce-add moves it. (A row-major
+  // 128-byte-swizzled tile took 64-bit stores of accumulator pairs, each a
+  // 2-way bank conflict.)
+  static constexpr int kDqTileFloats = kBlockM * kHeadDim;
+  static constexpr uint32_t kDqTileBytes = kDqTileFloats * sizeof(float);
+  static_assert(kDqTileBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or dPsum of one tile
@@ -144,7 +159,7 @@ struct BwdTraits {
   static_assert(kRowStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
   // ---- TMA
-  // Q, K, V, dO as (row, dim, head, batch); dq_accum as (row, dim, head, batch) fp32.
+  // Q, K, V, dO as (row, dim, head, batch).
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
   using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
   using TmaQ = decltype(make_tma_copy(
@@ -161,22 +176,19 @@ struct BwdTraits {
       SM90_TMA_STORE{},
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
       SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-  using TmaDq = decltype(make_tma_copy(
-      SM90_TMA_REDUCE_ADD{},
-      make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}),
-      take<0, 2>(SmemLayoutDq{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
-  // 128-byte swizzled TMA destinations must be 1024-byte aligned.
+  // 128-byte swizzled TMA destinations must be 1024-byte aligned (sdQ, a
+  // bulk-copy source, needs 16; it keeps 1024).
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDs>> ds;
-    alignas(1024) cute::array_aligned<float, cosize_v<SmemLayoutDq>> dq;
+    alignas(1024) cute::array_aligned<float, kDqTileFloats * kStagesDq> dq;  // stage s at s * kDqTileFloats
     alignas(16) float lse[kStages][kBlockM];    // log2-domain LSE rows of the Q stage
     alignas(16) float dpsum[kStages][kBlockM];  // dPsum rows of the dO stage
     alignas(16) typename Pipeline::SharedStorage pipeline_q;
@@ -194,14 +206,15 @@ struct BwdTraits {
     TmaQ tma_do;
     TmaKV tma_k;
     TmaKV tma_v;
-    TmaDq tma_dq;
     TmaDkv tma_dk;  // MHA only: GQA writes fp32 partials (dk_partial) instead
     TmaDkv tma_dv;
     GmemShape shape_q;   // (seqlen_q, d, heads, batch), also dO
     GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch), also V
-    GmemShape shape_dq;  // (seqlen_q_rounded, d, heads, batch)
     float const* lse_log2;  // (batch, heads, seqlen_q_rounded)
     float const* dpsum;     // (batch, heads, seqlen_q_rounded)
+    // (batch, heads, seqlen_q_rounded, d) fp32; rows [q kBlockM, (q + 1) kBlockM)
+    // of a (batch, head) hold Q tile q in fragment order (common/dq_accum_layout.h).
+    float* dq_accum;
     int* dq_semaphore;      // (batch, heads, n_q)
     // dK, dV (batch, seqlen_k, heads_kv, d) with strides: MHA tasks with at
     // least one step store them with tma_dk/tma_dv, tasks without steps directly.
