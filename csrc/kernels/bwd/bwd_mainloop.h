@@ -62,6 +62,16 @@ struct BwdMainloop {
                 "dQ accumulator is not ((2, 2, A/8), 1, N/A)");
   static_assert(size(FragDq{}) == kDqWgCols / 2 && size(FragDq{}) % kDqFragGroup == 0,
                 "dQ accumulator: N/2 registers per thread, whole groups of 4");
+  // kBlockM = 64 (hdim 96/128): the LSE values of a step are loaded into
+  // registers before the S^T GEMM (16 registers; at kBlockM = 128 the 32 they
+  // would take make ptxas spill). The register order this assumes: per
+  // warpgroup one 64 x kBlockM atom, accumulator ((2, 2, kBlockM / 8), 1, 1).
+  static constexpr bool kLseEarly = kBlockM == 64;
+  static_assert(!kLseEarly || (decltype(size<0, 0>(typename FragSdP::layout_type{}))::value == 2 &&
+                                decltype(size<0, 1>(typename FragSdP::layout_type{}))::value == 2 &&
+                                decltype(size<0, 2>(typename FragSdP::layout_type{}))::value == kBlockM / 8 &&
+                                decltype(size(typename FragSdP::layout_type{}))::value == kBlockM / 2),
+                "one 64 x kBlockM S^T atom per warpgroup");
   // P^T / dS^T accumulators re-viewed as the register A operand of dV / dK.
   using LayoutA = decltype(accumulator_as_a_operand(typename FragSdP::layout_type{}));
 
@@ -174,6 +184,18 @@ struct BwdMainloop {
       FragSdP tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       FragSdP tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       consumer_wait(pipeline_q, read_q);
+      float const* lse = smem.lse[read_q.index()];
+      // kBlockM = 64: this thread's LSE values, loaded before the S^T GEMM so
+      // the exp2 below does not wait for shared memory after the GEMM wait.
+      float lse_early[kLseEarly ? kBlockM / 4 : 1];
+      if constexpr (kLseEarly) {
+        CUTE_UNROLL
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          float2 const v = *reinterpret_cast<float2 const*>(lse + 8 * j + 2 * (mma_tid % 4));
+          lse_early[2 * j] = v.x;
+          lse_early[2 * j + 1] = v.y;
+        }
+      }
       warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       consumer_wait(pipeline_do, read_do);
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
@@ -183,19 +205,20 @@ struct BwdMainloop {
       // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
       // above the causal diagonal get -inf first; only tiles that hold such
       // entries pay for the test.
-      float const* lse = smem.lse[read_q.index()];
+      // Register i of S^T holds Q column 8 * (i / 4) + 2 * (lane % 4) + i % 2.
+      auto lse_of = [&](int i) { return kLseEarly ? lse_early[2 * (i / 4) + i % 2] : lse[get<1>(tScS(i))]; };
       if (need_mask) {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
           int const n = n0 + get<0>(tScS(i));
           int const m = get<1>(tScS(i));
           bool const masked = n >= p.seqlen_k || (kCausal && n > m0 + m + causal_shift);
-          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse[m]));
+          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
         }
       } else {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
-          tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse[get<1>(tScS(i))]));
+          tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
         }
       }
       warpgroup_wait<0>();  // dP^T is ready
@@ -247,14 +270,14 @@ struct BwdMainloop {
                           tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
         }
       }
-      // sdQ is read by the bulk copy engine (async proxy).
-      cutlass::arch::fence_view_async_shared();
-      // Tell the dQ writer that this sdQ buffer holds this step's partial dQ.
-      named_barrier_arrive(dq_full(dq_stage), kDqHandoffThreads);
-
       warpgroup_wait<0>();  // dK retired: the Q and dO stages and sdS are read
       warpgroup_fence_operand(tdVrdV);
       warpgroup_fence_operand(tdKrdK);
+      // sdQ is read by the bulk copy engine (async proxy). Fenced after the dK
+      // wait, by when the stores have drained, so the fence costs nothing.
+      cutlass::arch::fence_view_async_shared();
+      // Tell the dQ writer that this sdQ buffer holds this step's partial dQ.
+      named_barrier_arrive(dq_full(dq_stage), kDqHandoffThreads);
       pipeline_q.consumer_release(read_q);
       pipeline_do.consumer_release(read_do);
       ++read_q;
