@@ -206,7 +206,13 @@ struct BwdMainloop {
       // above the causal diagonal get -inf first; only tiles that hold such
       // entries pay for the test.
       // Register i of S^T holds Q column 8 * (i / 4) + 2 * (lane % 4) + i % 2.
-      auto lse_of = [&](int i) { return kLseEarly ? lse_early[2 * (i / 4) + i % 2] : lse[get<1>(tScS(i))]; };
+      auto lse_of = [&](int i) {
+        if constexpr (kLseEarly) {
+          return lse_early[2 * (i / 4) + i % 2];
+        } else {
+          return lse[get<1>(tScS(i))];
+        }
+      };
       if (need_mask) {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
