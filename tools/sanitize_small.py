@@ -1,0 +1,23 @@
+"""Small fwd+bwd calls for compute-sanitizer: every built head dim of 64 and
+128, full and causal masks, both modes, MHA and GQA (4 query heads on 2 KV
+heads), 200 query and 333 key tokens (ragged tiles). Run on the GPU machine:
+
+    compute-sanitizer --tool memcheck|racecheck|synccheck --error-exitcode 9 python tools/sanitize_small.py
+"""
+
+import torch
+
+import dash_fa3
+
+for d in (64, 128):
+    for causal in (False, True):
+        for det in (False, True):
+            for hq, hk in ((2, 2), (4, 2)):
+                q = torch.randn(1, 200, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                k = torch.randn(1, 333, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                v = torch.randn(1, 333, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                out = dash_fa3.flash_attn_func(q, k, v, causal=causal, deterministic=det)
+                out = out[0] if isinstance(out, tuple) else out
+                out.float().sum().backward()
+torch.cuda.synchronize()
+print("sanitize_small: all calls ran")
