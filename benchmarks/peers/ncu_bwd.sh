@@ -7,6 +7,7 @@
 #   NAME.details.csv    every section of --set full (SOL, pipes, stalls, memory, occupancy)
 #   NAME.raw.csv        every collected metric
 #   NAME.sass.csv       per-SASS-instruction samples (stall reasons) of each kernel
+#   summary.md          ncu_summary.py's tables: ours against FA3 per point, top stalls
 #   IMPLS    default "ours fa3"           (profile_bwd.py's IMPL names)
 #   POINTS   default "64:causal:8192 128:full:1024 128:causal:8192"  (hdim:mask:seqlen)
 set -uo pipefail
@@ -32,4 +33,5 @@ for point in $POINTS; do
     ncu --import "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu/$name.sass.csv" 2>&1
   done
 done
+"$PY" benchmarks/peers/ncu_summary.py "$OUT/ncu" --top 15 >"$OUT/ncu/summary.md" || status=1
 exit $status
