@@ -46,8 +46,9 @@ enum class WarpRole : int { kProducer = 0, kDqWriter = 1, kIdle = 2, kMma = 3 };
 // Named barriers of the backward kernel (ids are offset past CUTLASS's
 // reserved ones by named_barrier_*).
 enum class BwdBarrier : uint32_t {
-  // The MMA warpgroups are done with sK/sV of the current task; the producer
-  // waits on it before loading the next task's K and V.
+  // The MMA warpgroups are done with sK/sV of the current task (MHA: also the
+  // epilogue's TMA stores have read dK/dV out of them); the producer waits on
+  // it before loading the next task's K and V.
   kKvEmpty = 0,
   // Both MMA warpgroups have written their rows of dS^T to sdS; both wait on
   // it before the dQ = dS K GEMM.
