@@ -82,7 +82,7 @@ struct BwdDqWriter {
             fence_proxy_async_global();
           }
           bulk_reduce_add_f32(dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats, sdq, Traits::kDqTileBytes);
-          bulk_commit_group();
+          tma_store_arrive();
           bulk_wait_all_read();
         }
         __syncwarp();

@@ -28,6 +28,7 @@
 #include "common/gemm_sm90.h"
 #include "common/named_barriers.h"
 #include "kernels/bwd/bwd_mainloop.h"
+#include "kernels/bwd/bwd_semaphore.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
 
@@ -72,16 +73,15 @@ struct BwdEpilogue {
       int const b = row[schedule::kCBatch];
       int const h_kv = row[schedule::kCHeadKv];
       int const kv = row[schedule::kCKvTile];
-      auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-      Tensor gdK = local_tile(p.tma_dk.get_tma_tensor(p.shape_k)(_, _, h_kv, b), tile, make_coord(kv, _0{}));
-      Tensor gdV = local_tile(p.tma_dv.get_tma_tensor(p.shape_k)(_, _, h_kv, b), tile, make_coord(kv, _0{}));
+      Tensor gdK = Traits::kv_tile(p.tma_dk, p, b, h_kv, kv);
+      Tensor gdV = Traits::kv_tile(p.tma_dv, p, b, h_kv, kv);
       auto tma_dk = p.tma_dk.get_slice(_0{});
       auto tma_dv = p.tma_dv.get_slice(_0{});
       copy(p.tma_dk, tma_dk.partition_S(sK), tma_dk.partition_D(gdK));
       copy(p.tma_dv, tma_dv.partition_S(sV), tma_dv.partition_D(gdV));
       tma_store_arrive();
       // sK/sV have been read: the next task's K and V may overwrite them.
-      tma_store_wait<0>();
+      bulk_wait_all_read();
     }
     // sK/sV free: lets the producer load the next task's K and V.
     named_barrier_arrive(BwdBarrier::kKvEmpty, kMmaThreads + Traits::kWarpThreads);

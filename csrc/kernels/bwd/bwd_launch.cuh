@@ -79,27 +79,24 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   typename Traits::Params p{};
   auto shape_q = make_shape(a.seqlen_q, a.headdim, a.heads, a.batch);
   auto shape_k = make_shape(a.seqlen_k, a.headdim, a.heads_kv, a.batch);
-  auto gmem = [](void const* ptr, auto shape, TensorStrides const& s) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
-                       make_stride(s.row, _1{}, s.head, s.batch));
+  // (row, dim, head, batch) view of a (batch, seqlen, heads, d) tensor; ptr an Element pointer.
+  auto gmem = [](auto* ptr, auto shape, TensorStrides const& s) {
+    return make_tensor(make_gmem_ptr(ptr), shape, make_stride(s.row, _1{}, s.head, s.batch));
   };
-  Tensor gQ = gmem(a.q, shape_q, a.q_stride);
-  Tensor gdO = gmem(a.dout, shape_q, a.do_stride);
-  Tensor gK = gmem(a.k, shape_k, a.k_stride);
-  Tensor gV = gmem(a.v, shape_k, a.v_stride);
+  Tensor gQ = gmem(static_cast<Element const*>(a.q), shape_q, a.q_stride);
+  Tensor gdO = gmem(static_cast<Element const*>(a.dout), shape_q, a.do_stride);
+  Tensor gK = gmem(static_cast<Element const*>(a.k), shape_k, a.k_stride);
+  Tensor gV = gmem(static_cast<Element const*>(a.v), shape_k, a.v_stride);
   using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
   using TileK = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
   p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, _1{});
   p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, _1{});
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Traits::SmemLayoutK{}, TileK{}, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gV, typename Traits::SmemLayoutK{}, TileK{}, _1{});
-  auto gmem_out = [](void* ptr, auto shape, TensorStrides const& s) {
-    return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), shape, make_stride(s.row, _1{}, s.head, s.batch));
-  };
-  p.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gmem_out(a.dk, shape_k, a.dk_stride), typename Traits::SmemLayoutK{},
-                           TileK{}, _1{});
-  p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gmem_out(a.dv, shape_k, a.dv_stride), typename Traits::SmemLayoutK{},
-                           TileK{}, _1{});
+  p.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gmem(static_cast<Element*>(a.dk), shape_k, a.dk_stride),
+                           typename Traits::SmemLayoutK{}, TileK{}, _1{});
+  p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gmem(static_cast<Element*>(a.dv), shape_k, a.dv_stride),
+                           typename Traits::SmemLayoutK{}, TileK{}, _1{});
   p.shape_q = shape_q;
   p.shape_k = shape_k;
   p.lse_log2 = a.lse_log2;

@@ -46,10 +46,9 @@ struct BwdProducer {
       if (row[schedule::kCNSteps] <= 0) { continue; }
       int const b = row[schedule::kCBatch];
       int const h_kv = row[schedule::kCHeadKv];
-      auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-      auto coord = make_coord(row[schedule::kCKvTile], _0{});
-      Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, h_kv, b), tile, coord);
-      Tensor gV = local_tile(p.tma_v.get_tma_tensor(p.shape_k)(_, _, h_kv, b), tile, coord);
+      int const kv = row[schedule::kCKvTile];
+      Tensor gK = Traits::kv_tile(p.tma_k, p, b, h_kv, kv);
+      Tensor gV = Traits::kv_tile(p.tma_v, p, b, h_kv, kv);
       cute::prefetch(p.tma_k, p.tma_k.get_slice(_0{}).partition_S(gK));
       cute::prefetch(p.tma_v, p.tma_v.get_slice(_0{}).partition_S(gV));
       return;
@@ -93,10 +92,8 @@ struct BwdProducer {
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
       Tensor gdO = local_tile(p.tma_do.get_tma_tensor(p.shape_q)(_, _, h, b),
                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, h_kv, b),
-                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(kv, _0{}));
-      Tensor gV = local_tile(p.tma_v.get_tma_tensor(p.shape_k)(_, _, h_kv, b),
-                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(kv, _0{}));
+      Tensor gK = Traits::kv_tile(p.tma_k, p, b, h_kv, kv);
+      Tensor gV = Traits::kv_tile(p.tma_v, p, b, h_kv, kv);
       Tensor tQgQ = tma_q.partition_S(gQ);    // (TMA, TMA_M, TMA_D, m)
       Tensor tdOgdO = tma_do.partition_S(gdO);
       Tensor tKgK = tma_k.partition_S(gK);

@@ -53,16 +53,14 @@ CUTE_DEVICE void fence_proxy_async_global() {
 // from shared memory into global memory, element by element, as one bulk
 // async operation of the async proxy (one thread). A plain 1-D copy: the dQ
 // tiles are contiguous in both places (common/dq_accum_layout.h), so no tensor
-// map is needed. Completes with the bulk async-group it is committed to.
+// map is needed. Completes with the bulk async-group it is committed to
+// (cute's tma_store_arrive commits the group).
 CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                :
                : "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
                : "memory");
 }
-
-// Closes the bulk async-group of this thread's bulk operations issued since the last commit.
-CUTE_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // Waits until every bulk async-group this thread committed has COMPLETED,
 // its global writes included.

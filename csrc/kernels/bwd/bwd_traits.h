@@ -243,6 +243,14 @@ struct BwdTraits {
   CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
     return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, kCausal};
   }
+
+  // KV tile kv of (batch b, KV head h_kv) in the TMA view of a K-shaped tensor
+  // (K, V loads; dK, dV stores): (kBlockN, kHeadDim).
+  template <class TmaCopy>
+  CUTE_DEVICE static auto kv_tile(TmaCopy const& tma, Params const& p, int b, int h_kv, int kv) {
+    return local_tile(tma.get_tma_tensor(p.shape_k)(_, _, h_kv, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                      make_coord(kv, _0{}));
+  }
 };
 
 }  // namespace dash_fa3::bwd
