@@ -8,13 +8,14 @@
 // so no tensor map is needed.
 //
 // Per step of writer b, in the schedule's order:
-//   wait kDqFull+b (the MMA warpgroups wrote sdQ buffer b)
 //   deterministic: wait until sem[batch, h, q] == rank (the schedule's rank of this
-//                  (KV tile, Q tile) contribution)
-//   issue the reduce-add, commit
-//   wait until sdQ[b] has been READ -> arrive kDqEmpty+b (the MMA warpgroups
-//                  may write buffer b again while the add is still landing)
-//   deterministic: wait until the add has COMPLETED, then sem[batch, h, q] += 1
+//                  (KV tile, Q tile) contribution); this needs nothing of the
+//                  step's dQ, so it overlaps the MMA warpgroups' work
+//   per MMA warpgroup w: wait dq_full(b, w) (w wrote its half of sdQ buffer b),
+//                  issue that half's reduce-add, commit
+//   per w: wait until w's half has been READ -> arrive dq_empty(b, w) (w may
+//                  write its half again while the add is still landing)
+//   deterministic: wait until both adds have COMPLETED, then sem[batch, h, q] += 1
 // Why one warp per buffer: in deterministic mode one step's hand-off is a
 // serial chain (acquire spin, add, completion wait, release) about as long as
 // a whole MMA step; with a single writer that chain, not the tensor cores,
@@ -43,7 +44,6 @@ struct BwdDqWriter {
   using Mainloop = BwdMainloop<Traits>;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
-  static constexpr int kDqHandoffThreads = Traits::kNumMmaThreads + Traits::kWarpThreads;
 
   // Run by all 32 lanes of writer warp `buffer`; lane 0 issues and waits.
   CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int buffer) {
@@ -52,7 +52,10 @@ struct BwdDqWriter {
     TileGeometry const geo = Traits::tile_geometry(p);
 
     // sdQ[buffer] starts out empty.
-    named_barrier_arrive(Mainloop::dq_empty(buffer), kDqHandoffThreads);
+    CUTE_UNROLL
+    for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
+      named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
+    }
     // Index of the next step among all steps of this CTA; the MMA warpgroups
     // write step i into sdQ[i % kStagesDq].
     int cta_step = 0;
@@ -73,23 +76,40 @@ struct BwdDqWriter {
       cta_step += n_steps;
       for (int s = first; s < n_steps; s += Traits::kStagesDq) {
         schedule::StepInfo const st = schedule::decode_step(geo, p.rank, row, s);
-        // Wait until the MMA warpgroups have written this step's partial dQ to sdQ[buffer].
-        named_barrier_sync(Mainloop::dq_full(buffer), kDqHandoffThreads);
-        if (leader) {
-          if (p.deterministic) {
-            // Our turn: every contribution of lower rank has completed its add.
-            semaphore_wait_for(sem_bh + st.q_tile, st.rank);
-            fence_proxy_async_global();
-          }
-          bulk_reduce_add_f32(dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats, sdq, Traits::kDqTileBytes);
-          tma_store_arrive();
-          bulk_wait_all_read();
-        }
-        __syncwarp();
-        // sdQ[buffer] has been read: the MMA warpgroups may overwrite it.
-        named_barrier_arrive(Mainloop::dq_empty(buffer), kDqHandoffThreads);
         if (leader && p.deterministic) {
-          bulk_wait_all_complete();  // the add itself has landed in global memory
+          // Our turn: every contribution of lower rank has completed its add.
+          semaphore_wait_for(sem_bh + st.q_tile, st.rank);
+          fence_proxy_async_global();
+        }
+        float* dq_tile = dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats;
+        CUTE_UNROLL
+        for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
+          // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
+          named_barrier_sync(Mainloop::dq_full(buffer, wg), Traits::kDqHandoffThreads);
+          if (leader) {
+            // A Q tile's accumulator receives an add from every KV tile of its
+            // head, spread over the kernel: keep it in L2 between them.
+            bulk_reduce_add_f32(dq_tile + wg * Traits::kDqHalfFloats, sdq + wg * Traits::kDqHalfFloats,
+                                Traits::kDqHalfBytes, uint64_t(TMA::CacheHintSm90::EVICT_LAST));
+            tma_store_arrive();
+          }
+        }
+        static_assert(Traits::kNumMmaWarpgroups == 2, "one bulk group per warpgroup half: wait_read<1>, <0>");
+        CUTE_UNROLL
+        for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
+          if (leader) {
+            if (wg == 0) {
+              bulk_wait_read<1>();
+            } else {
+              bulk_wait_read<0>();
+            }
+          }
+          __syncwarp();
+          // Warpgroup wg's half of sdQ[buffer] has been read: wg may overwrite it.
+          named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
+        }
+        if (leader && p.deterministic) {
+          bulk_wait_all_complete();  // both adds have landed in global memory
           fence_proxy_async_global();
           semaphore_release_increment(sem_bh + st.q_tile);  // hand the turn to rank + 1
         }

@@ -11,8 +11,8 @@
 //   dS^T -> sdS          (shared memory, for the dQ GEMM of both warpgroups)
 //   dQ   = dS K          (SS WGMMA, after both warpgroups wrote sdS: kDsReady)
 //   dK  += dS^T Q        (RS WGMMA)
-//   dQ -> sdQ[step % 2], handed to the dQ writer (kDqEmpty+b / kDqFull+b)
-//                        while the dK GEMM still runs; 128-bit stores of
+//   dQ -> sdQ[step % 2], this warpgroup's half handed to the dQ writer
+//                        (dq_empty / dq_full) while the dK GEMM still runs; 128-bit stores of
 //                        register groups in fragment order (common/dq_accum_layout.h)
 // dK here is unscaled; the epilogue multiplies it by softmax_scale.
 #pragma once
@@ -43,7 +43,6 @@ struct BwdMainloop {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr bool kCausal = Traits::kCausal;
   static constexpr int kMmaThreads = Traits::kNumMmaThreads;
-  static constexpr int kDqHandoffThreads = Traits::kNumMmaThreads + Traits::kWarpThreads;
 
   using FragSdP = decltype(partition_fragment_C(typename Traits::TiledMmaSdP{},
                                                 Shape<Int<kBlockN>, Int<kBlockM>>{}));
@@ -81,11 +80,12 @@ struct BwdMainloop {
     named_barrier_arrive(BwdBarrier::kKvEmpty, kMmaThreads + Traits::kWarpThreads);
   }
 
-  CUTE_DEVICE static BwdBarrier dq_empty(int stage) {
-    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqEmpty) + stage);
+  // The hand-off barriers of MMA warpgroup wg's half of sdQ buffer stage.
+  CUTE_DEVICE static BwdBarrier dq_empty(int stage, int wg) {
+    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqEmpty) + 2 * stage + wg);
   }
-  CUTE_DEVICE static BwdBarrier dq_full(int stage) {
-    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqFull) + stage);
+  CUTE_DEVICE static BwdBarrier dq_full(int stage, int wg) {
+    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqFull) + 2 * stage + wg);
   }
 
   // st.shared.v4.f32: a 128-bit store to a 32-bit shared-memory address.
@@ -139,8 +139,8 @@ struct BwdMainloop {
     // computed per thread and moved to a uniform register (R2UR) in front of
     // every WGMMA: on the H100 that was 52M R2UR and 57M extra IMAD per call at
     // hdim 128 causal 8k, where FA3's kernel issues 2M and 7M.
-    int const wg_first_tid =
-        __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0) * Traits::kThreadsPerWarpgroup;
+    int const wg = __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0);
+    int const wg_first_tid = wg * Traits::kThreadsPerWarpgroup;
     auto wg_sdp = mma_sdp.get_slice(wg_first_tid);
     auto wg_dkv = mma_dkv.get_slice(wg_first_tid);
     auto wg_dq = mma_dq.get_slice(wg_first_tid);
@@ -261,9 +261,14 @@ struct BwdMainloop {
       warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
       warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
       warpgroup_fence_operand(tQrDq);
+      // dO and dPsum of this stage are read (dP^T and dV retired): the producer
+      // may load the next dO while dK still runs.
+      pipeline_do.consumer_release(read_do);
+      ++read_do;
 
-      // Wait until the dQ writer has finished reading this sdQ buffer (two steps ago).
-      named_barrier_sync(dq_empty(dq_stage), kDqHandoffThreads);
+      // Wait until the dQ writer has finished reading this warpgroup's half of
+      // this sdQ buffer (two steps ago).
+      named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
       {
         // One 128-bit store per group of 4 registers, in fragment order: a
         // warp's stores of one group cover 512 contiguous bytes, so each is
@@ -276,18 +281,17 @@ struct BwdMainloop {
                           tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
         }
       }
-      warpgroup_wait<0>();  // dK retired: the Q and dO stages and sdS are read
+      warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
       warpgroup_fence_operand(tdVrdV);
       warpgroup_fence_operand(tdKrdK);
       // sdQ is read by the bulk copy engine (async proxy). Fenced after the dK
       // wait, by when the stores have drained, so the fence costs nothing.
       cutlass::arch::fence_view_async_shared();
-      // Tell the dQ writer that this sdQ buffer holds this step's partial dQ.
-      named_barrier_arrive(dq_full(dq_stage), kDqHandoffThreads);
+      // Tell the dQ writer that this warpgroup's half of the sdQ buffer holds
+      // this step's partial dQ.
+      named_barrier_arrive(dq_full(dq_stage, wg), Traits::kDqHandoffThreads);
       pipeline_q.consumer_release(read_q);
-      pipeline_do.consumer_release(read_do);
       ++read_q;
-      ++read_do;
       ds_stage ^= 1;
       dq_stage ^= 1;
     }

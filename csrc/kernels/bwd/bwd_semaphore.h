@@ -54,11 +54,12 @@ CUTE_DEVICE void fence_proxy_async_global() {
 // async operation of the async proxy (one thread). A plain 1-D copy: the dQ
 // tiles are contiguous in both places (common/dq_accum_layout.h), so no tensor
 // map is needed. Completes with the bulk async-group it is committed to
-// (cute's tma_store_arrive commits the group).
-CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+// (cute's tma_store_arrive commits the group). `l2_policy` is an L2 cache
+// policy (cute's TMA::CacheHintSm90 values).
+CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, uint32_t bytes, uint64_t l2_policy) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;"
                :
-               : "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes), "l"(l2_policy)
                : "memory");
 }
 
@@ -68,10 +69,16 @@ CUTE_DEVICE void bulk_wait_all_complete() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-// Waits until every bulk async-group this thread committed has finished
-// reading its shared-memory source (the writes may still be in flight).
-CUTE_DEVICE void bulk_wait_all_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+// Waits until all but the kPending most recent bulk async-groups this thread
+// committed have finished reading their shared-memory sources (the writes may
+// still be in flight).
+template <int kPending>
+CUTE_DEVICE void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" : : "n"(kPending) : "memory");
 }
+
+// Waits until every bulk async-group this thread committed has finished
+// reading its shared-memory source.
+CUTE_DEVICE void bulk_wait_all_read() { bulk_wait_read<0>(); }
 
 }  // namespace dash_fa3::bwd

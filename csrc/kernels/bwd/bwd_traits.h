@@ -43,8 +43,7 @@ using namespace cute;
 // Warpgroups 1-2: MMA.
 enum class WarpRole : int { kProducer = 0, kDqWriter = 1, kIdle = 2, kMma = 3 };
 
-// Named barriers of the backward kernel (ids are offset past CUTLASS's
-// reserved ones by named_barrier_*).
+// Named barriers of the backward kernel (hardware ids: common/named_barriers.h).
 enum class BwdBarrier : uint32_t {
   // The MMA warpgroups are done with sK/sV of the current task (MHA: also the
   // epilogue's TMA stores have read dK/dV out of them); the producer waits on
@@ -53,16 +52,20 @@ enum class BwdBarrier : uint32_t {
   // Both MMA warpgroups have written their rows of dS^T to sdS; both wait on
   // it before the dQ = dS K GEMM.
   kDsReady = 1,
-  // kDqEmpty + b: dQ writer b has finished reading sdQ buffer b; the MMA
-  // warpgroups wait on it before writing their next partial dQ into b.
-  kDqEmpty = 2,  // and 3
-  // kDqFull + b: the MMA warpgroups have written a partial dQ into sdQ buffer
-  // b; dQ writer b waits on it before issuing the reduce-add.
-  kDqFull = 4,  // and 5
+  // kDqEmpty + 2 b + w (dq_empty(b, w)): dQ writer b has finished reading
+  // MMA warpgroup w's half of sdQ buffer b; warpgroup w waits on it before
+  // writing its next partial dQ there. Per warpgroup, so that neither waits
+  // for the other at the hand-off (they already meet at kDsReady).
+  kDqEmpty = 2,  // .. 5
+  // kDqFull + 2 b + w (dq_full(b, w)): MMA warpgroup w has written its half
+  // of a partial dQ into sdQ buffer b; dQ writer b waits on it before issuing
+  // that half's reduce-add.
+  kDqFull = 6,  // .. 9
   // MHA epilogue: both MMA warpgroups' GEMMs of the task have retired (the dQ
   // GEMM of either warpgroup reads all of sK), then: both have written their
   // dK/dV rows into sK/sV (the TMA store reads them).
-  kEpilogue = 6,
+  kEpilogue = 10,
+  kCount,
 };
 
 template <int kHeadDim_, class Element_, bool kCausal_>
@@ -152,7 +155,14 @@ struct BwdTraits {
   // 2-way bank conflict.)
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
   static constexpr uint32_t kDqTileBytes = kDqTileFloats * sizeof(float);
-  static_assert(kDqTileBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+  // Each MMA warpgroup's half of a tile (its region in fragment order) is
+  // handed to the dQ writer and reduce-added on its own.
+  static constexpr int kDqHalfFloats = kDqTileFloats / kNumMmaWarpgroups;
+  static constexpr uint32_t kDqHalfBytes = kDqHalfFloats * sizeof(float);
+  static_assert(kDqHalfBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+  static_assert(dq_frag_wg_base(kBlockM, kHeadDim, 1) == kDqHalfFloats, "warpgroup halves of sdQ");
+  // Threads of one dq_empty / dq_full barrier: one MMA warpgroup and one dQ writer warp.
+  static constexpr int kDqHandoffThreads = kThreadsPerWarpgroup + kWarpThreads;
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or dPsum of one tile

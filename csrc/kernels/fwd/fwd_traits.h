@@ -27,8 +27,7 @@ using namespace cute;
 // the MMA consumers, each owning 64 rows of the 128-row query tile.
 enum class WarpRole : int { kProducer = 0, kMma = 1 };
 
-// Named barriers of the forward kernel (ids are offset past CUTLASS's
-// reserved ones by named_barrier_*).
+// Named barriers of the forward kernel (hardware ids: common/named_barriers.h).
 // (Q, K and V hand-offs between the producer and the MMA warpgroups use the
 // mbarriers of their TMA pipelines, not named barriers.)
 enum class FwdBarrier : uint32_t {
@@ -36,6 +35,7 @@ enum class FwdBarrier : uint32_t {
   // issuing its GEMMs of one step, then passes the turn to the other one.
   kMmaTurn0 = 0,
   kMmaTurn1 = 1,
+  kCount,
 };
 
 // Tile shape per head dim (16-bit inputs). kBlockM is fixed at 128 (two MMA
