@@ -111,16 +111,10 @@ struct BwdProducer {
       }
       for (int s = 0; s < n_steps; ++s) {
         int const q = schedule::decode_step(geo, p.rank, row, s).q_tile;
+        // dO first: the MMA warpgroups free a dO stage in the middle of a step
+        // (when dV retires) and a Q stage only at its end, so loading dO first
+        // lets it start half a step earlier instead of queueing behind Q.
         // Q and dO of one tile are read by every KV tile of the head: keep them in L2.
-        pipeline_q.producer_acquire(write_q);
-        if (leader) {
-          uint64_t* bar = pipeline_q.producer_get_barrier(write_q);
-          copy(p.tma_q.with(*bar, 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, _, _, q),
-               tQsQ(_, _, _, write_q.index()));
-          SM90_BULK_COPY_G2S::copy(p.lse_log2 + stat_offset + q * kBlockM, bar, smem.lse[write_q.index()],
-                                   Traits::kRowStatBytes);
-        }
-        ++write_q;
         pipeline_do.producer_acquire(write_do);
         if (leader) {
           uint64_t* bar = pipeline_do.producer_get_barrier(write_do);
@@ -130,6 +124,15 @@ struct BwdProducer {
                                    Traits::kRowStatBytes);
         }
         ++write_do;
+        pipeline_q.producer_acquire(write_q);
+        if (leader) {
+          uint64_t* bar = pipeline_q.producer_get_barrier(write_q);
+          copy(p.tma_q.with(*bar, 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, _, _, q),
+               tQsQ(_, _, _, write_q.index()));
+          SM90_BULK_COPY_G2S::copy(p.lse_log2 + stat_offset + q * kBlockM, bar, smem.lse[write_q.index()],
+                                   Traits::kRowStatBytes);
+        }
+        ++write_q;
       }
     }
   }
