@@ -16,3 +16,9 @@ pass ``deterministic`` and ``schedule`` through, and raise a clear error for
 what they cannot express (a mask, dropout, a window); they never fall back to
 another attention.
 """
+
+
+class UnsupportedAttention(ValueError):
+    """The model asked for attention that dash_fa3 cannot compute exactly; nothing fell back.
+
+    Every adapter raises it (and re-exports it under its own module)."""

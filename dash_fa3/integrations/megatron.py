@@ -55,6 +55,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..interface import flash_attn_func
+from . import UnsupportedAttention
 
 __all__ = ["DashFA3DotProductAttention", "UnsupportedAttention", "get_gpt_layer_dash_fa3_spec"]
 
@@ -67,10 +68,6 @@ if _version < (0, 19):
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _FULL_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
-
-
-class UnsupportedAttention(ValueError):
-    """The model asked for attention that dash_fa3 cannot compute exactly; nothing fell back."""
 
 
 def _refuse(what: str) -> UnsupportedAttention:

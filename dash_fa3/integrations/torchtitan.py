@@ -66,6 +66,7 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan.protocols.module import Module
 
 from ..interface import flash_attn_func
+from . import UnsupportedAttention
 
 __all__ = ["DashFA3Attention", "UnsupportedAttention", "apply", "use_dash_fa3"]
 
@@ -80,10 +81,6 @@ CAUSAL = (-1, 0)
 FULL = (-1, -1)
 _REPLACED = (FlexAttention, VarlenAttention, ScaledDotProductAttention)
 _REPLACED_CONFIGS = tuple(cls.Config for cls in _REPLACED)
-
-
-class UnsupportedAttention(ValueError):
-    """The model asked for attention that dash_fa3 cannot compute exactly; nothing fell back."""
 
 
 def _refuse(what: str) -> UnsupportedAttention:
