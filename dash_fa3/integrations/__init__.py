@@ -5,9 +5,20 @@ module is imported, so ``import dash_fa3`` never pulls a framework in:
 
 - ``dash_fa3.integrations.transformers``: Hugging Face transformers 5.x;
   importing it registers ``attn_implementation="dash_fa3"``.
+- ``dash_fa3.integrations.torchtitan``: TorchTitan 0.3.x; ``use_dash_fa3(model_config)``
+  or ``apply(model)`` swaps the decoder's inner attention for ``DashFA3Attention``.
+- ``dash_fa3.integrations.megatron``: Megatron-Core 0.19.x;
+  ``DashFA3DotProductAttention`` replaces ``DotProductAttention`` as a layer spec's
+  core attention (``get_gpt_layer_dash_fa3_spec``).
 
 Adapters translate layouts and arguments into ``dash_fa3.flash_attn_func``,
 pass ``deterministic`` and ``schedule`` through, and raise a clear error for
 what they cannot express (a mask, dropout, a window); they never fall back to
 another attention.
 """
+
+
+class UnsupportedAttention(ValueError):
+    """The model asked for attention that dash_fa3 cannot compute exactly; nothing fell back.
+
+    Every adapter raises it (and re-exports it under its own module)."""

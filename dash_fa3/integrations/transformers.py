@@ -48,6 +48,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
 from ..interface import flash_attn_func
+from . import UnsupportedAttention
 
 __all__ = ["NAME", "UnsupportedAttention", "attention_forward", "mask_for_dash_fa3", "register", "set_defaults",
            "get_defaults"]
@@ -62,10 +63,6 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 _UNSET = object()
 _defaults = {"deterministic": None, "schedule": "auto"}
-
-
-class UnsupportedAttention(ValueError):
-    """The model asked for attention that dash_fa3 cannot compute exactly; nothing fell back."""
 
 
 def set_defaults(*, deterministic=_UNSET, schedule=_UNSET) -> None:

@@ -1,0 +1,210 @@
+"""Megatron-Core (0.19.x): dash_fa3 as the ``core_attention`` of Megatron's attention layers.
+
+``DashFA3DotProductAttention`` takes the constructor and ``forward`` of
+``megatron.core.transformer.dot_product_attention.DotProductAttention`` (the
+local, non-Transformer-Engine core attention), so it goes wherever a layer
+spec names a core attention::
+
+    from dash_fa3.integrations.megatron import get_gpt_layer_dash_fa3_spec
+    spec = get_gpt_layer_dash_fa3_spec(normalization="RMSNorm")   # get_gpt_layer_local_spec's arguments
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=..., max_sequence_length=...)
+
+What it does with Megatron's call:
+
+- layout: Megatron hands (seq, batch, heads, dim) tensors; a ``transpose(0, 1)``
+  turns them into dash_fa3's (batch, seq, heads, dim) without a copy (a copy
+  happens only if the last dim is not contiguous). The output is
+  (seq, batch, heads * dim), as from ``DotProductAttention`` (one copy, as there).
+- GQA: key/value come with ``num_query_groups`` heads and go in unrepeated.
+- heads per tensor-parallel rank come from the tensors' shapes.
+- ``softmax_scale``: the constructor's, else ``config.softmax_scale``, else
+  1/sqrt(``kv_channels``); ``apply_query_key_layer_scaling`` does not change
+  it (in ``DotProductAttention`` it divides the scores by the layer number and
+  multiplies them back in the softmax).
+- masks (Megatron's ``attention_mask`` is a bool tensor, True = masked out):
+  ``AttnMaskType.causal`` (or ``padding_causal``) runs causal attention when
+  the mask is None, all False, or exactly the causal mask that Megatron's
+  dataloader builds (checked once per mask tensor: a device sync on the GPU);
+  ``no_mask`` / ``padding`` run full attention when the mask is None or all False.
+- ``deterministic``: True when ``config.deterministic_mode`` is set, else the
+  constructor's ``deterministic``, else ``torch.are_deterministic_algorithms_enabled()``
+  at each call; ``schedule`` is the constructor's (``"auto"``). Set them
+  through ``get_gpt_layer_dash_fa3_spec(deterministic=..., schedule=...)``.
+
+Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
+``packed_seq_params`` (THD / varlen is not implemented yet), ``attention_bias``,
+attention dropout > 0 while training (``config.attention_dropout = 0.0``;
+Megatron's default is 0.1), any other mask (padding, documents, an
+``arbitrary`` mask type), sliding windows (``config.window_size``), softmax
+offsets / sinks (``config.softmax_type`` other than "vanilla"), ``qk_clip``,
+context parallelism (``context_parallel_size > 1``), extra core-attention
+keywords, and fp32 inputs (dash_fa3 computes in bf16/fp16: ``bf16=True``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+
+import torch
+
+import megatron.core
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from ..interface import flash_attn_func
+from . import UnsupportedAttention
+
+__all__ = ["DashFA3DotProductAttention", "UnsupportedAttention", "get_gpt_layer_dash_fa3_spec"]
+
+_version = tuple(int(p) for p in megatron.core.__version__.split(".")[:2] if p.isdigit())
+if _version < (0, 19):
+    raise ImportError(
+        f"dash_fa3.integrations.megatron needs megatron-core 0.19.x, found {megatron.core.__version__}: "
+        f"pip install megatron-core==0.19.2 (Python >= 3.12)"
+    )
+
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_FULL_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
+
+
+def _refuse(what: str) -> UnsupportedAttention:
+    return UnsupportedAttention(
+        f"DashFA3DotProductAttention cannot compute {what}. It runs full or causal attention over unpadded, "
+        f"unpacked sequences (no varlen yet), without context parallelism, and does not fall back to another "
+        f"attention; use the local or Transformer Engine spec for this model or input"
+    )
+
+
+_checked_masks: dict = {}  # id(mask) -> (weak reference, version, verdict): "causal", "none" or None
+
+
+def _mask_kind(mask: torch.Tensor, seqlen_q: int, seqlen_k: int):
+    """"none" for an all-False mask, "causal" for Megatron's causal mask, else None.
+
+    Every layer of a forward gets the same mask tensor, so each is checked once."""
+    entry = _checked_masks.get(id(mask))
+    if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+        return entry[2]
+    if mask.dtype != torch.bool:
+        raise _refuse(f"an attention_mask of dtype {mask.dtype} (Megatron's masks are bool, True = masked out)")
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (seqlen_q, seqlen_k):
+        raise _refuse(f"an attention_mask of shape {tuple(mask.shape)} for {seqlen_q} queries and {seqlen_k} "
+                      f"keys (expected (batch or 1, heads or 1, {seqlen_q}, {seqlen_k}))")
+    if not bool(mask.any()):
+        kind = "none"
+    else:
+        causal = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device).triu(1 + seqlen_k - seqlen_q)
+        kind = "causal" if bool((mask == causal).all()) else None
+    for key in [k for k, (ref, *_) in _checked_masks.items() if ref() is None]:
+        del _checked_masks[key]
+    _checked_masks[id(mask)] = (weakref.ref(mask), mask._version, kind)
+    return kind
+
+
+class DashFA3DotProductAttention(MegatronModule):
+    """Megatron core attention running ``dash_fa3.flash_attn_func``: a drop-in for
+    ``DotProductAttention`` (same constructor arguments, plus ``deterministic`` and
+    ``schedule``); forward takes (seq, batch, heads, dim) and returns (seq, batch, heads * dim)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, *, deterministic: bool | None = None,
+                 schedule: str = "auto"):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise _refuse(f"context parallelism (context_parallel_size={config.context_parallel_size})")
+        self.layer_number = max(1, layer_number)
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
+            raise _refuse(f"sliding-window attention (window_size={config.window_size}) in layer "
+                          f"{self.layer_number}")
+        if config.softmax_type != "vanilla":
+            raise _refuse(f"softmax_type={config.softmax_type!r} (a softmax offset / attention sink)")
+        if getattr(config, "qk_clip", False):
+            raise _refuse("qk_clip (it needs the maximum attention logit of each head)")
+        if not isinstance(attn_mask_type, AttnMaskType):
+            raise TypeError(f"attn_mask_type must be an AttnMaskType, got {attn_mask_type!r}")
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
+        if not isinstance(schedule, str):
+            raise TypeError(f"schedule must be a schedule name (str), got {schedule!r}")
+        from ..validation import check_schedule
+
+        check_schedule(schedule)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.attention_dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if softmax_scale is None:
+            softmax_scale = getattr(config, "softmax_scale", None)
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
+        self.softmax_offset = None  # read by Megatron's attention in some paths; dash_fa3 has none
+        self.deterministic = deterministic
+        self.schedule = schedule
+
+    def extra_repr(self) -> str:
+        return (f"attn_mask_type={self.attn_mask_type.name}, softmax_scale={self.softmax_scale:.4g}, "
+                f"deterministic={self.deterministic}, schedule={self.schedule!r}")
+
+    def _causal(self, attention_mask, attn_mask_type: AttnMaskType, seqlen_q: int, seqlen_k: int) -> bool:
+        if attn_mask_type in _CAUSAL_TYPES:
+            if attention_mask is None or _mask_kind(attention_mask, seqlen_q, seqlen_k) in ("causal", "none"):
+                return True
+            raise _refuse(f"an attention_mask that is not the causal mask ({attn_mask_type.name}: padding, "
+                          f"document or custom masks)")
+        if attn_mask_type in _FULL_TYPES:
+            if attention_mask is None or _mask_kind(attention_mask, seqlen_q, seqlen_k) == "none":
+                return False
+            raise _refuse(f"a {attn_mask_type.name} mask that masks tokens out (padded batches)")
+        raise _refuse(f"attn_mask_type={attn_mask_type.name}")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                attn_mask_type: AttnMaskType | None = None, attention_bias=None, packed_seq_params=None,
+                **kwargs) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise _refuse("packed sequences (packed_seq_params, the THD layout); varlen is not implemented yet")
+        if attention_bias is not None:
+            raise _refuse(f"an attention_bias (shape {tuple(attention_bias.shape)})")
+        unknown = sorted(name for name, v in kwargs.items() if v is not None)
+        if unknown:
+            raise _refuse(f"the extra core-attention arguments {', '.join(unknown)}")
+        if self.training and self.attention_dropout_p > 0:
+            raise _refuse(f"attention dropout (p={self.attention_dropout_p}) while training; set "
+                          f"config.attention_dropout = 0.0")
+        if query.dtype not in (torch.bfloat16, torch.float16):
+            raise UnsupportedAttention(
+                f"DashFA3DotProductAttention computes in bf16/fp16, but query is {query.dtype}: train with "
+                f"bf16=True (or fp16=True)"
+            )
+        seqlen_q, batch, heads, headdim = query.shape
+        causal = self._causal(attention_mask, attn_mask_type or self.attn_mask_type, seqlen_q, key.shape[0])
+        deterministic = True if self.config.deterministic_mode else self.deterministic
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out = flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
+                              deterministic=deterministic, schedule=self.schedule)
+        return out.transpose(0, 1).reshape(seqlen_q, batch, heads * out.shape[-1])
+
+
+def get_gpt_layer_dash_fa3_spec(*args, deterministic: bool | None = None, schedule: str = "auto", **kwargs):
+    """``get_gpt_layer_local_spec(*args, **kwargs)`` with ``DashFA3DotProductAttention`` as the
+    self-attention's core attention. Multi-latent attention (MLA) is refused: its core
+    attention gets value heads of another dim than the query's."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.attention import SelfAttention
+
+    from ..validation import check_schedule
+
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
+    check_schedule(schedule)
+    spec = get_gpt_layer_local_spec(*args, **kwargs)
+    if spec.submodules.self_attention.module is not SelfAttention:
+        raise _refuse(f"the self-attention {spec.submodules.self_attention.module.__name__} (multi-latent "
+                      f"attention or another variant)")
+    spec.submodules.self_attention.submodules.core_attention = functools.partial(
+        DashFA3DotProductAttention, deterministic=deterministic, schedule=schedule)
+    return spec
