@@ -8,8 +8,9 @@ The model is a Hugging Face transformers Llama (4 layers, heads 8/2, head dim
 64, bf16, AdamW) built from one seed for every run, through
 ``dash_fa3.integrations.transformers`` (``attn_implementation="dash_fa3"``).
 The data is synthetic and learnable without a download: each sequence is a
-random prefix followed by copies of it, so the loss falls as the model learns
-to copy (induction heads). Every run sees the same batches.
+random walk through a fixed sparse token chain (4 successors per token),
+repeated, so the loss falls as the model learns the chain's bigrams and then
+to copy the repeats through attention. Every run sees the same batches.
 
 Determinism of the whole step, not only attention: the dash_fa3 runs enable
 ``torch.use_deterministic_algorithms`` (embedding and cross-entropy backward
@@ -39,6 +40,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 
 RUNS = ("dash_fa3 det #1", "dash_fa3 det #2", "sdpa")
+BRANCHING = 4  # successors per token in the synthetic data
 
 
 def _positive(text: str) -> int:
@@ -71,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads-kv", type=_positive, default=2)
     ap.add_argument("--headdim", type=_positive, default=64)
     ap.add_argument("--vocab", type=_positive, default=4096)
-    ap.add_argument("--prefix", type=_positive, default=64, help="length of the random prefix that is repeated")
-    ap.add_argument("--lr", type=_positive_float, default=1e-3)
+    ap.add_argument("--prefix", type=_positive, default=256, help="length of the random walk that is repeated")
+    ap.add_argument("--lr", type=_positive_float, default=1e-3, help="peak learning rate (linear warm-up over 10%% of the steps)")
     ap.add_argument("--schedule", default="auto", help="dash_fa3's deterministic schedule")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -88,15 +90,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_batches(args) -> list[torch.Tensor]:
-    """`steps` batches of (batch, seqlen) token ids: a random prefix of `prefix`
-    tokens, repeated to the sequence length. The same for every run (CPU generator)."""
+def transitions(args) -> torch.Tensor:
+    """(vocab, BRANCHING) table: the tokens that may follow each token."""
     g = torch.Generator().manual_seed(args.seed + 1)
+    return torch.randint(0, args.vocab, (args.vocab, BRANCHING), generator=g)
+
+
+def make_batches(args) -> list[torch.Tensor]:
+    """`steps` batches of (batch, seqlen) token ids. Each row is a walk of
+    `prefix` tokens through a fixed random chain (every token has BRANCHING
+    equally likely successors: ln(BRANCHING) nats to learn from bigrams),
+    repeated to the sequence length (the copies are learnable only through
+    attention). The same for every run (CPU generator)."""
+    succ = transitions(args)
+    g = torch.Generator().manual_seed(args.seed + 2)
     reps = -(-args.seqlen // args.prefix)
     batches = []
     for _ in range(args.steps):
-        prefix = torch.randint(0, args.vocab, (args.batch, args.prefix), generator=g)
-        batches.append(prefix.repeat(1, reps)[:, : args.seqlen].contiguous())
+        walk = torch.empty(args.batch, args.prefix, dtype=torch.long)
+        walk[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=g)
+        choice = torch.randint(0, BRANCHING, (args.batch, args.prefix), generator=g)
+        for i in range(1, args.prefix):
+            walk[:, i] = succ[walk[:, i - 1], choice[:, i]]
+        batches.append(walk.repeat(1, reps)[:, : args.seqlen].contiguous())
     return batches
 
 
@@ -121,6 +137,8 @@ def train(args, run: str, batches) -> dict:
     torch.use_deterministic_algorithms(dash)
     model = build_model(args, "dash_fa3" if dash else "sdpa")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    warmup = max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
     kwargs = {"deterministic": True, "schedule": args.schedule} if dash else {}
     losses = []
     if args.device == "cuda":
@@ -131,6 +149,7 @@ def train(args, run: str, batches) -> dict:
         loss = model(input_ids=ids, labels=ids, **kwargs).loss
         loss.backward()
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().float())
     losses = torch.stack(losses).cpu()

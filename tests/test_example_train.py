@@ -24,15 +24,19 @@ def example():
     return module
 
 
-def test_batches_repeat_a_random_prefix_and_are_reproducible(example):
+def test_batches_repeat_a_walk_of_the_chain_and_are_reproducible(example):
     args = example.parse_args(["--device", "cpu", "--steps", "4", "--batch", "3", "--seqlen", "100", "--prefix", "32"])
     a, b = example.make_batches(args), example.make_batches(args)
     assert len(a) == 4 and all(torch.equal(x, y) for x, y in zip(a, b))
     x = a[0]
     assert x.shape == (3, 100)
     assert torch.equal(x[:, 32:64], x[:, :32]) and torch.equal(x[:, 96:], x[:, :4])
-    assert not torch.equal(a[0], a[1])  # fresh prefixes every step
+    assert not torch.equal(a[0], a[1])  # fresh walks every step
     assert int(x.max()) < args.vocab
+    succ = example.transitions(args)
+    for row in x:  # every step of a walk follows the chain
+        for t0, t1 in zip(row[:31].tolist(), row[1:32].tolist()):
+            assert t1 in succ[t0].tolist()
 
 
 @pytest.mark.parametrize("bad", [["--heads", "6", "--heads-kv", "4"], ["--prefix", "2048"], ["--steps", "0"],
