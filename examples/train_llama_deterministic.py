@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 
 # cuBLAS picks reduction orders per workspace; a fixed workspace makes its GEMMs
@@ -186,7 +187,7 @@ def plot(path: str, args, results: dict, title: str) -> None:
                color=[styles[n][0] for n in names])
     ax_tps.set_xticks(range(len(names)), [n.replace(" det ", "\ndet ") for n in names])
     ax_tps.set_ylabel("tokens/s (thousands)")
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
