@@ -69,6 +69,11 @@ def bwd_impls(schedules) -> tuple[str, ...]:
     return ("FA3 nd", "FA3 det", "cuDNN bwd", "ours nd", *(det_name(s) for s in schedules), "ours auto")
 
 
+def nondeterministic(names) -> list[str]:
+    """names without the deterministic backwards (--nd-only)."""
+    return [n for n in names if n not in ("FA3 det", "ours auto") and not n.startswith("ours det ")]
+
+
 def impl_names(direction: str, schedules) -> tuple[str, ...]:
     """Every implementation timed for a direction, in the first round's order."""
     return (FWD_IMPLS if direction != "bwd" else ()) + (bwd_impls(schedules) if direction != "fwd" else ())
@@ -127,6 +132,9 @@ def parse_args(argv=None, grid=None):
     ap.add_argument("--check-tol", type=float, default=0.02,
                     help="relative (Frobenius) difference above which a peer disagrees with us")
     ap.add_argument("--no-check", action="store_true", help="skip the per-point agreement check")
+    ap.add_argument("--nd-only", action="store_true",
+                    help="time only the non-deterministic backwards (ours nd, FA3 nd, cuDNN) and forwards, e.g. "
+                         "for a DASH_FA3_BWD_FIXED_STEPS=1 measurement build, which has no deterministic mode")
     ap.add_argument("--seed", type=int, default=0, help="base seed; each point adds its own offset")
     ap.add_argument("--json", help="write every raw sample and the table's figures here")
     ap.add_argument("--png", help="draw the ratios per grid point here (matplotlib)")
@@ -468,6 +476,8 @@ def main(argv=None) -> int:
     names = [n for n in impl_names(args.direction, args.schedules)
              if impl_peer(n) == "ours" or (impl_peer(n) == "fa3" and fa3 is not None)
              or (impl_peer(n) == "cudnn" and "cudnn" in args.peers)]
+    if args.nd_only:
+        names = nondeterministic(names)
     cols = columns(args.direction, args.schedules)
     fa3_desc = (f"FA3 {fa3_commit[:12]}" + ("" if fa3_commit == fa3_peer.build_fa3.PINNED_COMMIT else " (not the pinned commit)")
                 + f" (hdims {','.join(map(str, fa3.info.get('hdims', [])))})") if fa3 is not None else "FA3 n/a"

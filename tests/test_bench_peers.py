@@ -495,3 +495,10 @@ def test_main_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     # Both directions of FA3's backward ran, with the deterministic flag passed through.
     assert {c[1]["deterministic"] for c in fa3.module.calls if c[0] == "bwd"} == {False, True}
+
+
+def test_nd_only_drops_every_deterministic_backward():
+    names = bp.impl_names("both", bp.SCHEDULES)
+    kept = bp.nondeterministic(names)
+    assert set(kept) == {"FA3 fwd", "cuDNN fwd", "ours fwd", "FA3 nd", "cuDNN bwd", "ours nd"} & set(names)
+    assert "ours nd" in kept and "FA3 nd" in kept

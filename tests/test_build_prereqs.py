@@ -135,3 +135,13 @@ def test_setup_py_cpu_only_builds_no_extension(tmp_path):
 def test_no_exact_torch_pin():
     text = open(os.path.join(ROOT, "pyproject.toml")).read() + open(os.path.join(ROOT, "setup.py")).read()
     assert "torch==" not in text and "torch>=2.9" in text
+
+
+def test_measurement_knobs_default_off_and_checked():
+    assert build_config.measurement_defines({}) == []
+    assert build_config.measurement_defines({"DASH_FA3_BWD_FIXED_STEPS": "0"}) == []
+    assert build_config.measurement_defines({"DASH_FA3_BWD_FIXED_STEPS": "1"}) == ["-DDASH_FA3_BWD_FIXED_STEPS=1"]
+    with pytest.raises(SystemExit, match="DASH_FA3_BWD_FIXED_STEPS='yes'"):
+        build_config.measurement_defines({"DASH_FA3_BWD_FIXED_STEPS": "yes"})
+    if "DASH_FA3_BWD_FIXED_STEPS" not in os.environ:  # the default build's flags define nothing
+        assert not any("FIXED_STEPS" in f for f in build_config.NVCC_FLAGS + build_config.CXX_FLAGS)

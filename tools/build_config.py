@@ -175,7 +175,29 @@ COMMON_SOURCES = [
 
 DTYPE_ENUM = {"bf16": "kBF16", "fp16": "kFP16"}
 
-CXX_FLAGS = ["-O3", "-std=c++17", "-DNDEBUG"]
+
+# Measurement builds (never the default): environment variable -> what it
+# defines for every translation unit. DASH_FA3_BWD_FIXED_STEPS=1: the backward
+# without per-step schedule reads and without the deterministic mode's
+# semaphore code (kernels/bwd/bwd_traits.h, kFixedSteps); such a build refuses
+# deterministic calls.
+MEASUREMENT_KNOBS = {"DASH_FA3_BWD_FIXED_STEPS": ("0", "1")}
+
+
+def measurement_defines(env=None) -> list[str]:
+    """-D flags for the measurement knobs set in env (default os.environ); rejects bad values."""
+    env = os.environ if env is None else env
+    flags = []
+    for name, allowed in MEASUREMENT_KNOBS.items():
+        value = env.get(name, "0") or "0"
+        if value not in allowed:
+            raise SystemExit(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+        if value != "0":
+            flags.append(f"-D{name}={value}")
+    return flags
+
+
+CXX_FLAGS = ["-O3", "-std=c++17", "-DNDEBUG", *measurement_defines()]
 
 NVCC_FLAGS = [
     "-O3",
@@ -195,6 +217,7 @@ NVCC_FLAGS = [
     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-U__CUDA_NO_BFLOAT162_OPERATORS__",
     "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
+    *measurement_defines(),
 ]
 
 

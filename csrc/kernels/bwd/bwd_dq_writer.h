@@ -74,9 +74,12 @@ struct BwdDqWriter {
       // First step of this task that falls on our buffer.
       int const first = (buffer - cta_step % Traits::kStagesDq + Traits::kStagesDq) % Traits::kStagesDq;
       cta_step += n_steps;
+      schedule::StepOrder const order = schedule::StepOrder::of(row);  // kFixedSteps only
       for (int s = first; s < n_steps; s += Traits::kStagesDq) {
-        schedule::StepInfo const st = schedule::decode_step(geo, p.rank, row, s);
-        if (leader && p.deterministic) {
+        schedule::StepInfo const st = Traits::kFixedSteps ? schedule::StepInfo{order.q_tile(s), 0}
+                                                          : schedule::decode_step(geo, p.rank, row, s);
+        bool const deterministic = !Traits::kFixedSteps && p.deterministic;
+        if (leader && deterministic) {
           // Our turn: every contribution of lower rank has completed its add.
           semaphore_wait_for(sem_bh + st.q_tile, st.rank);
           fence_proxy_async_global();
@@ -108,7 +111,7 @@ struct BwdDqWriter {
           // Warpgroup wg's half of sdQ[buffer] has been read: wg may overwrite it.
           named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
         }
-        if (leader && p.deterministic) {
+        if (leader && deterministic) {
           bulk_wait_all_complete();  // both adds have landed in global memory
           fence_proxy_async_global();
           semaphore_release_increment(sem_bh + st.q_tile);  // hand the turn to rank + 1

@@ -143,6 +143,9 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
   require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
   require(params.heads % params.heads_kv == 0, "heads must be a multiple of heads_kv");
+  require(!(Traits::kFixedSteps && params.deterministic),
+          "this extension is a DASH_FA3_BWD_FIXED_STEPS=1 measurement build, which has no deterministic mode: "
+          "rebuild without that variable");
   int const n_q = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   require(params.seqlen_q_rounded == n_q * Traits::kBlockM,
           "seqlen_q_rounded must be seqlen_q rounded up to block_m = " + std::to_string(Traits::kBlockM));

@@ -76,7 +76,6 @@ struct BwdProducer {
     PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
     uint64_t& kv_full = reinterpret_cast<uint64_t&>(smem.kv_full);
-    TileGeometry const geo = Traits::tile_geometry(p);
 
     CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
     for (int task = tasks.begin; task < tasks.end; ++task) {
@@ -109,8 +108,10 @@ struct BwdProducer {
         copy(p.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
         prefetch_next_kv(p, task, tasks.end);
       }
+      // The task's Q-tile order, read from the row once.
+      schedule::StepOrder const order = schedule::StepOrder::of(row);
       for (int s = 0; s < n_steps; ++s) {
-        int const q = schedule::decode_step(geo, p.rank, row, s).q_tile;
+        int const q = order.q_tile(s);
         // dO first: the MMA warpgroups free a dO stage in the middle of a step
         // (when dV retires) and a Q stage only at its end, so loading dO first
         // lets it start half a step earlier instead of queueing behind Q.

@@ -68,6 +68,11 @@ enum class BwdBarrier : uint32_t {
   kCount,
 };
 
+// Measurement build, never the default (tools/build_config.py MEASUREMENT_KNOBS).
+#ifndef DASH_FA3_BWD_FIXED_STEPS
+#define DASH_FA3_BWD_FIXED_STEPS 0
+#endif
+
 template <int kHeadDim_, class Element_, bool kCausal_>
 struct BwdTraits {
   using Element = Element_;
@@ -97,6 +102,13 @@ struct BwdTraits {
   // producer and the dQ writer decode schedule steps and hold TMA
   // coordinates: 24 registers made them spill.
   static constexpr int kProducerRegisters = 40;
+  // What the schedule as data costs (DESIGN.md wants it within noise): with
+  // DASH_FA3_BWD_FIXED_STEPS=1 the dQ writers read each task's Q-tile order
+  // once, as the producer and the MMA warps always do, instead of decoding
+  // every step (Q tile and rank) from the task row, and the semaphore wait
+  // and release are compiled out. Non-deterministic calls only (the launcher
+  // refuses the others).
+  static constexpr bool kFixedSteps = DASH_FA3_BWD_FIXED_STEPS != 0;
   static constexpr int kMmaRegisters = 232;
 
   // ---- MMAs
