@@ -107,9 +107,10 @@ setup(
     # A lower bound only: the extension builds against whatever torch is installed.
     install_requires=["torch>=2.9", "numpy"],
     extras_require={
-        # What the README's test command and examples need. megatron-core 0.19 is not here:
-        # it needs Python >= 3.12 (tests/test_integration_megatron.py skips without it).
-        "test": ["pytest", "hypothesis", "matplotlib", "transformers>=5,<6", "torchtitan==0.3.0"],
+        # What the README's test command and examples need. megatron-core 0.19 needs
+        # Python >= 3.12; on older Pythons tests/test_integration_megatron.py skips.
+        "test": ["pytest", "hypothesis", "matplotlib", "transformers>=5,<6", "torchtitan==0.3.0",
+                 'megatron-core==0.19.2; python_version >= "3.12"'],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

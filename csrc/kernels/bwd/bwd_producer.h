@@ -108,6 +108,20 @@ struct BwdProducer {
         copy(p.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
         prefetch_next_kv(p, task, tasks.end);
       }
+      // Loads Q tile q's rows of one Q-shaped tensor (Q or dO) and its per-row
+      // statistic (LSE or dPsum) into the next stage of `pipeline`. Q and dO
+      // of one tile are read by every KV tile of the head: keep them in L2.
+      auto load_stage = [&](Pipeline& pipeline, PipelineState& write, auto const& tma, auto const& tXgX,
+                            auto& tXsX, float const* stat, auto& smem_stat, int q) {
+        pipeline.producer_acquire(write);
+        if (leader) {
+          uint64_t* bar = pipeline.producer_get_barrier(write);
+          copy(tma.with(*bar, 0, TMA::CacheHintSm90::EVICT_LAST), tXgX(_, _, _, q), tXsX(_, _, _, write.index()));
+          SM90_BULK_COPY_G2S::copy(stat + stat_offset + q * kBlockM, bar, smem_stat[write.index()],
+                                   Traits::kRowStatBytes);
+        }
+        ++write;
+      };
       // The task's Q-tile order, read from the row once.
       schedule::StepOrder const order = schedule::StepOrder::of(row);
       for (int s = 0; s < n_steps; ++s) {
@@ -115,25 +129,8 @@ struct BwdProducer {
         // dO first: the MMA warpgroups free a dO stage in the middle of a step
         // (when dV retires) and a Q stage only at its end, so loading dO first
         // lets it start half a step earlier instead of queueing behind Q.
-        // Q and dO of one tile are read by every KV tile of the head: keep them in L2.
-        pipeline_do.producer_acquire(write_do);
-        if (leader) {
-          uint64_t* bar = pipeline_do.producer_get_barrier(write_do);
-          copy(p.tma_do.with(*bar, 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, _, _, q),
-               tdOsdO(_, _, _, write_do.index()));
-          SM90_BULK_COPY_G2S::copy(p.dpsum + stat_offset + q * kBlockM, bar, smem.dpsum[write_do.index()],
-                                   Traits::kRowStatBytes);
-        }
-        ++write_do;
-        pipeline_q.producer_acquire(write_q);
-        if (leader) {
-          uint64_t* bar = pipeline_q.producer_get_barrier(write_q);
-          copy(p.tma_q.with(*bar, 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, _, _, q),
-               tQsQ(_, _, _, write_q.index()));
-          SM90_BULK_COPY_G2S::copy(p.lse_log2 + stat_offset + q * kBlockM, bar, smem.lse[write_q.index()],
-                                   Traits::kRowStatBytes);
-        }
-        ++write_q;
+        load_stage(pipeline_do, write_do, p.tma_do, tdOgdO, tdOsdO, p.dpsum, smem.dpsum, q);
+        load_stage(pipeline_q, write_q, p.tma_q, tQgQ, tQsQ, p.lse_log2, smem.lse, q);
       }
     }
   }
