@@ -1,0 +1,127 @@
+"""The Megatron-Core adapter through the Hopper kernels: a tiny GPT on the GPU
+against Megatron's own local-spec model, and the deterministic mode's bits.
+
+Needs a Hopper GPU, the built extension and megatron-core 0.19 (Python >= 3.12);
+skips with the reason otherwise. Megatron is set up as for one GPU: a gloo
+process group of world size 1, ``initialize_model_parallel(1, 1)`` and its CUDA
+RNG tracker seeded."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", minversion="0.19",
+                    reason="megatron-core 0.19 is not installed (pip install megatron-core==0.19.2; Python >= 3.12)")
+
+import torch.distributed as dist  # noqa: E402
+
+from dash_fa3.integrations import megatron as dm  # noqa: E402
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Our error may be at most this multiple of Megatron's own bf16 model's error
+# (both against its fp32 model), plus a small floor.
+ERR_FACTOR = 2.0
+ERR_FLOOR = 2e-3
+VOCAB, SEQLEN = 1000, 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel():
+    if not torch.cuda.is_available():
+        pytest.skip("GPU test: no CUDA device")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def config(**overrides):
+    kw = dict(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, kv_channels=64,
+              ffn_hidden_size=1024, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+              normalization="RMSNorm", add_bias_linear=False, init_method_std=0.05)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def gpt(cfg, spec, seed):
+    torch.manual_seed(seed)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQLEN,
+                    position_embedding_type="rope")
+
+
+def test_gpt_on_the_kernels_matches_megatron():
+    seed = 3
+    ref = gpt(config(), get_gpt_layer_local_spec(normalization="RMSNorm"), seed)
+    eager = gpt(config(bf16=True), get_gpt_layer_local_spec(normalization="RMSNorm"), seed)
+    ours = gpt(config(bf16=True), dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm"), seed)
+    eager.load_state_dict(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    ref, eager, ours = ref.cuda(), eager.cuda().to(torch.bfloat16), ours.cuda().to(torch.bfloat16)
+    assert all(isinstance(a, dm.DashFA3DotProductAttention)
+               for a in (layer.self_attention.core_attention for layer in ours.decoder.layers))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randint(0, VOCAB, (2, SEQLEN), device="cuda", generator=g)
+    pos = torch.arange(SEQLEN, device="cuda").expand_as(x)
+    results = {}
+    for name, model in (("ref", ref), ("eager", eager), ("ours", ours)):
+        logits = model(x, pos, attention_mask=None)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+        loss.backward()
+        results[name] = (logits.detach().double(), {n: p.grad.detach().double() for n, p in model.named_parameters()})
+    ref_logits, ref_grads = results["ref"]
+
+    def err(a, b):
+        return (a - b).abs().max().item()
+
+    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
+    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs Megatron bf16 {e_eager:.3g}"
+    checked = 0
+    for name, gref in ref_grads.items():
+        if "self_attention" not in name:
+            continue
+        scale = gref.abs().max().item()
+        e_ours, e_eager = err(results["ours"][1][name], gref) / scale, err(results["eager"][1][name], gref) / scale
+        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs Megatron bf16 {e_eager:.3g}"
+        checked += 1
+    assert checked >= 4
+
+
+def test_deterministic_mode_gives_the_same_bits():
+    """config.deterministic_mode: the core attention's input gradients are bitwise repeatable."""
+    attn = dm.DashFA3DotProductAttention(config(bf16=True, deterministic_mode=True), layer_number=1,
+                                         attn_mask_type=dm.AttnMaskType.causal)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    s, b, h, hkv, d = SEQLEN, 2, 8, 2, 64
+    q = torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(s, b, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(s, b, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = torch.randn(s, b, h * d, device="cuda", dtype=torch.bfloat16, generator=g)
+    grads = []
+    for _ in range(5):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attn(*leaves, attention_mask=None)
+        grads.append(torch.autograd.grad(out, leaves, dout))
+    for other in grads[1:]:
+        for a, b_ in zip(grads[0], other):
+            assert torch.equal(a.view(torch.int16), b_.view(torch.int16))
