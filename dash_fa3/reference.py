@@ -80,6 +80,8 @@ def window_bounds(window_size=(-1, -1), causal: bool = False) -> tuple[int, int]
     right bound by 0 when causal; here causal with a right bound other than -1
     or 0 is an error, since the caller asked for two different masks."""
     left, right = (-1 if w is None else int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {tuple(window_size)}")
     if causal:
         if right > 0:
             raise ValueError(

@@ -151,6 +151,9 @@ def test_visible_mask_matches_the_formula():
     assert torch.equal(reference.visible_mask(5, 5, causal=True), reference.causal_mask(5, 5))
     with pytest.raises(ValueError, match="causal=True means window_size"):
         reference.visible_mask(4, 4, (2, 3), causal=True)
+    with pytest.raises(ValueError, match="entries must be >= -1"):
+        reference.attention_ref(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8),
+                                window_size=(-3, 0))
 
 
 # ---------------------------------------------------------------- varlen
@@ -352,6 +355,8 @@ I32 = torch.int32
      ValueError, "cu_seqlens_k must be non-decreasing"),
     (dict(cu_seqlens_q=torch.tensor([0, 2, 5], dtype=I32)), ValueError, r"cu_seqlens_q must end at .*\(6, q"),
     (dict(cu_seqlens_k=torch.tensor([0, 3, 8], dtype=I32)), ValueError, r"cu_seqlens_k must end at .*\(7, k"),
+    (dict(cu_seqlens_k=torch.tensor([0, 3, 7], dtype=I32, device="meta")), ValueError,
+     "cu_seqlens_k must be on q's device cpu, got meta"),
     (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q=3 is smaller than the longest document \(4 tokens\)"),
     (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be a non-negative int"),
     (dict(max_seqlen_k=4.0), ValueError, "max_seqlen_k must be a non-negative int"),
@@ -427,3 +432,11 @@ def test_cuda_windows_that_mask_nothing_more_run_the_kernels():
     q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert torch.equal(dash_fa3.flash_attn_func(q, k, v, window_size=(-1, 0)), dash_fa3.flash_attn_func(q, k, v, causal=True))
     assert torch.equal(dash_fa3.flash_attn_func(q, k, v, window_size=(63, 63)), dash_fa3.flash_attn_func(q, k, v))
+
+
+def test_window_skips_key_blocks_outside_it():
+    # O(window) work per row: rows [40, 44) with window (3, 2) meet keys [37, 45] only.
+    x = torch.zeros(1, 100, 1, 8)
+    L = reference._Layout(x, x, None, False, torch.float32, 4, (3, 2), 0.0)
+    blocks = [(j0, j1) for j0, j1, _ in L.key_blocks(40, 44)]
+    assert blocks[0][0] == 37 and blocks[-1][1] == 46 and sum(j1 - j0 for j0, j1 in blocks) == 9
