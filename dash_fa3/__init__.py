@@ -6,12 +6,13 @@ import without torch.
 
 import importlib
 
-__all__ = ["flash_attn_func", "reference", "variants", "schedule", "ReferenceBackwardWarning", "SlowReferenceWarning",
-           "distributed", "checkpoint"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "reference", "variants", "schedule",
+           "ReferenceBackwardWarning", "SlowReferenceWarning", "distributed", "checkpoint"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "flash_attn_func": ("interface", "flash_attn_func"),
+    "flash_attn_varlen_func": ("interface", "flash_attn_varlen_func"),
     "ReferenceBackwardWarning": ("ops", "ReferenceBackwardWarning"),
     "SlowReferenceWarning": ("reference", "SlowReferenceWarning"),
 }

@@ -1,19 +1,70 @@
-"""``flash_attn_func``: a drop-in for FlashAttention-3's ``flash_attn_interface.flash_attn_func``.
+"""``flash_attn_func`` and ``flash_attn_varlen_func``: drop-ins for FlashAttention-3's
+``flash_attn_interface`` functions of those names.
 
 Argument names, order and return convention follow FA3. FA3 features that
 dash_fa3 does not implement raise ``NotImplementedError`` rather than being
 ignored. dash_fa3 adds ``schedule=``, the deterministic backward's schedule.
+
+Sliding windows (``window_size``), ``softcap`` and packed variable-length
+batches (``flash_attn_varlen_func``) run on CPU tensors (the fp32 reference);
+the Hopper kernels do not implement them yet (issue 17), so on CUDA tensors
+they raise ``NotImplementedError``. A window that masks nothing beyond causal
+or full attention (FA3 normalises it the same way: a side reaching past the
+sequence is unbounded, and ``(-1, 0)`` is causal) runs the kernels as usual.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from . import ops, reference, validation
 
 
-def _unsupported(feature: str) -> NotImplementedError:
-    return NotImplementedError(f"dash_fa3.flash_attn_func does not support {feature}")
+def _unsupported(feature: str, func: str = "flash_attn_func") -> NotImplementedError:
+    return NotImplementedError(f"dash_fa3.{func} does not support {feature}")
+
+
+def _check_fa3_extras(func, qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa, flags,
+                      sm_margin):
+    """The FA3 arguments dash_fa3 accepts only at their defaults, and the flag types."""
+    if qv is not None:
+        raise _unsupported("qv", func)
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        raise _unsupported("fp8 descaling (q_descale/k_descale/v_descale)", func)
+    if attention_chunk not in (0, None):
+        raise _unsupported(f"attention_chunk={attention_chunk}", func)
+    # FA3's callers pass num_splits=0 (its heuristic) or 1 and pack_gqa=None/False: both mean one split, no packing.
+    if num_splits not in (0, 1):
+        raise _unsupported(f"num_splits={num_splits}", func)
+    if pack_gqa not in (None, False):
+        raise _unsupported(f"pack_gqa={pack_gqa!r}", func)
+    for name, flag in flags:
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
+        raise ValueError(f"sm_margin must be a non-negative int, got {sm_margin!r}")
+
+
+def _softmax_scale(softmax_scale, headdim: int) -> float:
+    if softmax_scale is None:
+        return reference.default_softmax_scale(headdim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+            math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _effective_window(window, causal, seqlen_q, seqlen_k):
+    """(left, right) with causal folded in and, as FA3 does, a side that reaches past the
+    sequence made unbounded (-1): the same mask, so (-1, -1) / (-1, 0) run the full / causal kernels."""
+    left, right = reference.window_bounds(window, causal)
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1:
+        right = -1
+    return left, right
 
 
 def flash_attn_func(
@@ -51,32 +102,90 @@ def flash_attn_func(
     Returns out, or (out, softmax_lse) with return_attn_probs; softmax_lse is
     (batch, heads, seqlen_q) fp32, natural log.
     """
-    if qv is not None:
-        raise _unsupported("qv")
-    if q_descale is not None or k_descale is not None or v_descale is not None:
-        raise _unsupported("fp8 descaling (q_descale/k_descale/v_descale)")
-    if tuple(window_size) not in ((-1, -1), (None, None)):
-        raise _unsupported(f"local attention (window_size={tuple(window_size)})")
-    if attention_chunk not in (0, None):
-        raise _unsupported(f"attention_chunk={attention_chunk}")
-    if softcap not in (0, 0.0, None):
-        raise _unsupported(f"softcap={softcap}")
-    # FA3's callers pass num_splits=0 (its heuristic) or 1 and pack_gqa=None/False: both mean one split, no packing.
-    if num_splits not in (0, 1):
-        raise _unsupported(f"num_splits={num_splits}")
-    if pack_gqa not in (None, False):
-        raise _unsupported(f"pack_gqa={pack_gqa!r}")
-    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
-        raise ValueError(f"sm_margin must be a non-negative int, got {sm_margin!r}")
+    _check_fa3_extras("flash_attn_func", qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa,
+                      (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)),
+                      sm_margin)
+    window = validation.check_window_size(window_size)
+    softcap = validation.check_softcap(softcap)
+    left, right = (-1, 0 if causal else -1)
+    if (window != (-1, -1) or causal) and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and (
+            q.dim() == k.dim() == 4):
+        left, right = _effective_window(window, causal, q.shape[1], k.shape[1])
+        if window == (-1, -1):  # plain causal stays on the causal kernel even where it masks nothing (seqlen_q 1)
+            right = 0
+    plain = left < 0 and right in (-1, 0) and softcap == 0  # the kernels' masks: full or causal
+    validation.check_attention_inputs(q, k, v, causal=plain and right == 0, schedule=schedule)
+    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
+    if plain:
+        out, lse = ops.attention(q, k, v, softmax_scale, right == 0, sm_margin, deterministic, schedule)
+    else:
+        if q.is_cuda:
+            raise ops.gpu_not_implemented(ops._general_features(None, left, right, softcap))
+        out, lse = ops.attention_general(q, k, v, None, None, 0, 0, softmax_scale, left, right, softcap, sm_margin,
+                                         deterministic, schedule)
+    return (out, lse) if return_attn_probs else out
 
-    validation.check_attention_inputs(q, k, v, causal=causal, schedule=schedule)
-    if softmax_scale is None:
-        softmax_scale = reference.default_softmax_scale(q.shape[-1])
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
-            math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    out, lse = ops.attention(q, k, v, float(softmax_scale), causal, sm_margin, deterministic, schedule)
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+    *,
+    schedule="auto",
+):
+    """Attention over packed documents, FA3's varlen layout.
+
+    q: (total_q, heads, headdim); k, v: (total_k, heads_kv, headdim), bf16 or
+    fp16, last dim contiguous. cu_seqlens_q / cu_seqlens_k: int32, (batch + 1,),
+    on q's device: document b is q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+    against k/v rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]); it attends only
+    within itself, causal and window masks aligned to its own bottom-right
+    corner. Empty documents are legal (their rows, if any, get out 0 and lse
+    -inf). max_seqlen_q / max_seqlen_k: the longest documents (checked on CPU
+    tensors with the cu_seqlens values; on CUDA tensors the values are not
+    read, which would synchronize). window_size, softcap, softmax_scale and
+    the flags as in ``flash_attn_func``. seqused_q / seqused_k are not supported.
+    Returns out (total_q, heads, headdim), or (out, softmax_lse) with
+    return_attn_probs; softmax_lse is (heads, total_q) fp32, natural log.
+
+    Runs on CPU tensors (the fp32 reference, differentiable in q, k, v); the
+    Hopper kernels do not implement varlen yet (issue 17): CUDA tensors raise
+    NotImplementedError.
+    """
+    func = "flash_attn_varlen_func"
+    if seqused_q is not None or seqused_k is not None:
+        raise _unsupported("seqused_q/seqused_k", func)
+    _check_fa3_extras(func, qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa,
+                      (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)),
+                      sm_margin)
+    window = validation.check_window_size(window_size)
+    softcap = validation.check_softcap(softcap)
+    left, right = reference.window_bounds(window, causal)
+    validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   schedule=schedule)
+    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
+    if q.is_cuda:
+        raise ops.gpu_not_implemented(ops._general_features(cu_seqlens_q, left, right, softcap))
+    out, lse = ops.attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                     left, right, softcap, sm_margin, deterministic, schedule)
     return (out, lse) if return_attn_probs else out

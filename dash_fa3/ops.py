@@ -16,6 +16,12 @@ per call is what a training step pays for small shapes:
 
 CPU tensors go to the fp32 reference, so the API works, slowly, on machines
 without a GPU.
+
+``dash_fa3::fwd_general`` / ``bwd_general`` (and the autograd function
+``attention_general``) carry what the Hopper kernels do not implement yet
+(issue 17): sliding windows, softcap, packed variable-length batches. Only the
+CPU reference serves them; on CUDA tensors they raise ``NotImplementedError``
+(the public API raises before reaching them), never a slow fallback.
 """
 
 from __future__ import annotations
@@ -120,6 +126,87 @@ fwd = torch.ops.dash_fa3.fwd.default
 bwd = torch.ops.dash_fa3.bwd.default
 
 
+# ---------------------------------------------------------------- windows, softcap, varlen (CPU only)
+
+
+GPU_PENDING = "the Hopper kernels do not implement {what} yet (issue 17); CPU tensors run it on the fp32 reference"
+
+
+def gpu_not_implemented(what: str) -> NotImplementedError:
+    return NotImplementedError("dash_fa3: " + GPU_PENDING.format(what=what))
+
+
+def _ref_kwargs(window_left, window_right, softcap):
+    return {"window_size": (window_left, window_right), "softcap": softcap}
+
+
+def _fwd_general_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                           window_left, window_right, softcap, sm_margin):
+    kw = _ref_kwargs(window_left, window_right, softcap)
+    if cu_seqlens_q is None:
+        out, lse = reference.attention_ref(q, k, v, softmax_scale, **kw)
+    else:
+        out, lse = reference.attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, **kw)
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+
+
+def _bwd_general_reference(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, window_left, window_right, softcap, deterministic, schedule, sm_margin):
+    kw = _ref_kwargs(window_left, window_right, softcap)
+    if cu_seqlens_q is None:
+        dq, dk, dv = reference.attention_bwd_ref(dout, q, k, v, out, softmax_scale, **kw)
+    else:
+        dq, dk, dv = reference.attention_varlen_bwd_ref(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+                                                        softmax_scale, **kw)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+def _general_features(cu_seqlens_q, window_left, window_right, softcap) -> str:
+    what = []
+    if cu_seqlens_q is not None:
+        what.append("packed variable-length batches (cu_seqlens)")
+    if window_left >= 0 or window_right >= 0:
+        what.append(f"sliding windows (window_size=({window_left}, {window_right}))")
+    if softcap > 0:
+        what.append(f"softcap={softcap}")
+    return ", ".join(what) or "dash_fa3::fwd_general"
+
+
+def _fwd_general_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                      window_left, window_right, softcap, sm_margin):
+    raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
+
+
+def _bwd_general_cuda(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, window_left, window_right, softcap, deterministic, schedule, sm_margin):
+    raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
+
+
+@torch.library.register_fake("dash_fa3::fwd_general")
+def _fwd_general_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                      window_left, window_right, softcap, sm_margin):
+    if cu_seqlens_q is None:
+        b, sq, h, _ = q.shape
+        return q.new_empty((b, sq, h, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32)
+    total_q, h, _ = q.shape
+    return q.new_empty((total_q, h, v.shape[-1])), q.new_empty((h, total_q), dtype=torch.float32)
+
+
+@torch.library.register_fake("dash_fa3::bwd_general")
+def _bwd_general_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, window_left, window_right, softcap, deterministic, schedule, sm_margin):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_lib.impl("fwd_general", _fwd_general_reference, "CPU")
+_lib.impl("bwd_general", _bwd_general_reference, "CPU")
+_lib.impl("fwd_general", _fwd_general_cuda, "CUDA")
+_lib.impl("bwd_general", _bwd_general_cuda, "CUDA")
+
+fwd_general = torch.ops.dash_fa3.fwd_general.default
+bwd_general = torch.ops.dash_fa3.bwd_general.default
+
+
 # ---------------------------------------------------------------- autograd
 
 
@@ -145,3 +232,34 @@ class _Attention(torch.autograd.Function):
 def attention(q, k, v, softmax_scale: float, causal: bool, sm_margin: int, deterministic: bool, schedule: str):
     """(out, lse), differentiable in q, k, v; arguments already validated (``flash_attn_func``)."""
     return _Attention.apply(q, k, v, softmax_scale, causal, sm_margin, deterministic, schedule)
+
+
+class _AttentionGeneral(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                window_right, softcap, sm_margin, deterministic, schedule):
+        args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                softcap)
+        out, lse = fwd_general(q, k, v, *args, sm_margin)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.bwd_args = args[2:] + (deterministic, schedule, sm_margin)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 14
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = bwd_general(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.bwd_args)
+        return (dq, dk, dv) + (None,) * 11
+
+
+def attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                      softmax_scale: float, window_left: int, window_right: int, softcap: float, sm_margin: int,
+                      deterministic: bool, schedule: str):
+    """(out, lse) with a window / softcap / packed documents, differentiable in q, k, v; arguments
+    already validated (``flash_attn_func`` / ``flash_attn_varlen_func``). CPU tensors only for now."""
+    return _AttentionGeneral.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                   window_left, window_right, softcap, sm_margin, deterministic, schedule)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -41,17 +42,14 @@ def check_schedule(schedule: str) -> None:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
 
 
-def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> AttnShape:
-    """Validates q, k, v of ``flash_attn_func`` and returns their shape."""
+def _check_tensors(q, k, v, dims: int, layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be torch.bfloat16 or torch.float16, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dims (batch, seqlen, heads, headdim), got shape {tuple(t.shape)}"
-            )
+        if t.dim() != dims:
+            raise ValueError(f"{name} must have {dims} dims ({layout}), got shape {tuple(t.shape)}")
         if t.stride(-1) != 1:
             raise ValueError(
                 f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}; "
@@ -61,6 +59,26 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> 
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"dash_fa3 runs on CUDA (Hopper) or, slowly, on the CPU; got device {q.device}")
+
+
+def _check_heads(heads: int, heads_kv: int, headdim: int) -> None:
+    if heads == 0 or heads_kv == 0:
+        raise ValueError(f"head counts must be >= 1, got heads={heads}, heads_kv={heads_kv}")
+    if heads % heads_kv != 0:
+        raise ValueError(
+            f"GQA/MQA needs heads % heads_kv == 0, got heads={heads}, heads_kv={heads_kv}"
+        )
+    if headdim not in variants.HEADDIMS:
+        raise ValueError(
+            f"head dim {headdim} is not supported; supported: {', '.join(map(str, variants.HEADDIMS))}"
+        )
+
+
+def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> AttnShape:
+    """Validates q, k, v of ``flash_attn_func`` and returns their shape."""
+    _check_tensors(q, k, v, 4, "batch, seqlen, heads, headdim")
 
     batch, seqlen_q, heads, headdim = q.shape
     kb, seqlen_k, heads_kv, kd = k.shape
@@ -74,16 +92,7 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> 
         raise ValueError("batch size must be >= 1, got 0")
     if seqlen_q == 0 or seqlen_k == 0:
         raise ValueError(f"zero-length sequence: seqlen_q={seqlen_q}, seqlen_k={seqlen_k}; both must be >= 1")
-    if heads == 0 or heads_kv == 0:
-        raise ValueError(f"head counts must be >= 1, got heads={heads}, heads_kv={heads_kv}")
-    if heads % heads_kv != 0:
-        raise ValueError(
-            f"GQA/MQA needs heads % heads_kv == 0, got heads={heads}, heads_kv={heads_kv}"
-        )
-    if headdim not in variants.HEADDIMS:
-        raise ValueError(
-            f"head dim {headdim} is not supported; supported: {', '.join(map(str, variants.HEADDIMS))}"
-        )
+    _check_heads(heads, heads_kv, headdim)
     check_schedule(schedule)
     shape = AttnShape(batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, SUPPORTED_DTYPES[q.dtype])
     if q.is_cuda:
@@ -92,9 +101,95 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> 
         if not torch.compiler.is_compiling():
             check_cuda_device(q.device)
             check_built(shape.variant(causal).name)
-    elif q.device.type != "cpu":
-        raise ValueError(f"dash_fa3 runs on CUDA (Hopper) or, slowly, on the CPU; got device {q.device}")
     return shape
+
+
+def check_window_size(window_size) -> tuple[int, int]:
+    """FA3's ``window_size``: a pair (left, right) of ints >= -1 (-1, or None, = unbounded)."""
+    try:
+        pair = tuple(window_size)
+    except TypeError:
+        pair = None
+    if pair is None or len(pair) != 2 or not all(
+            w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= -1) for w in pair):
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window_size!r}")
+    return tuple(-1 if w is None else int(w) for w in pair)
+
+
+def check_softcap(softcap) -> float:
+    """FA3's ``softcap``: 0 (or None) for none, else a positive finite number."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no capping), got {softcap!r}")
+    return float(softcap)
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenShape:
+    batch: int
+    total_q: int
+    total_k: int
+    heads: int
+    heads_kv: int
+    headdim: int
+    dtype: str  # "bf16" / "fp16"
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                        schedule: str = "auto") -> VarlenShape:
+    """Validates the packed inputs of ``flash_attn_varlen_func`` and returns their shape.
+
+    cu_seqlens_q/k: int32, 1-D, batch + 1 entries each, on q's device. On CPU
+    tensors their values are checked too (start at 0, non-decreasing, end at
+    total_q / total_k, no document longer than max_seqlen_q / max_seqlen_k). On
+    CUDA tensors reading them would synchronize with the device, so only their
+    dtype, shape and device are checked; nor are they under torch.compile, which
+    cannot trace a check that reads tensor data."""
+    _check_tensors(q, k, v, 3, "total_tokens, heads, headdim")
+    total_q, heads, headdim = q.shape
+    total_k, heads_kv, kd = k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kd != headdim:
+        raise ValueError(f"head dims differ: q has {headdim}, k and v have {kd}")
+    _check_heads(heads, heads_kv, headdim)
+    check_schedule(schedule)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of dtype torch.int32, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe one batch: got {cu_seqlens_q.numel()} and "
+            f"{cu_seqlens_k.numel()} entries (batch + 1 each)"
+        )
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {m!r}")
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():  # data-dependent: not traceable
+        for name, cu, total, m in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                   ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+            lengths = cu[1:] - cu[:-1]
+            if int(cu[0]) != 0:
+                raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+            if bool((lengths < 0).any()):
+                raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+            if int(cu[-1]) != total:
+                raise ValueError(
+                    f"{name} must end at the number of packed tokens ({total}, {name[-1]}.shape[0]), got {int(cu[-1])}"
+                )
+            longest = int(lengths.max())
+            if longest > m:
+                raise ValueError(f"max_seqlen_{name[-1]}={m} is smaller than the longest document ({longest} tokens)")
+    return VarlenShape(cu_seqlens_q.numel() - 1, total_q, total_k, heads, heads_kv, headdim,
+                       SUPPORTED_DTYPES[q.dtype])
 
 
 @functools.lru_cache(maxsize=None)

@@ -79,7 +79,8 @@ def test_api_rejects_wrong_argument_types():
         ({"sm_margin": True}, ValueError, "sm_margin"),
         ({"num_splits": 4}, NotImplementedError, "num_splits=4"),
         ({"pack_gqa": True}, NotImplementedError, "pack_gqa=True"),
-        ({"softcap": 30.0}, NotImplementedError, "softcap=30.0"),
+        ({"softcap": -30.0}, ValueError, "softcap must be a finite number >= 0"),
+        ({"window_size": (2, 1), "causal": True}, ValueError, "causal=True means window_size"),
     ):
         with pytest.raises(err, match=pattern):
             dash_fa3.flash_attn_func(q, k, v, **kwargs)
