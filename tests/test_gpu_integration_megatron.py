@@ -110,7 +110,7 @@ def test_gpt_on_the_kernels_matches_megatron():
 def test_deterministic_mode_gives_the_same_bits():
     """config.deterministic_mode: the core attention's input gradients are bitwise repeatable."""
     attn = dm.DashFA3DotProductAttention(config(bf16=True, deterministic_mode=True), layer_number=1,
-                                         attn_mask_type=dm.AttnMaskType.causal)
+                                         attn_mask_type=dm.AttnMaskType.causal, attention_type="self")
     g = torch.Generator(device="cuda").manual_seed(7)
     s, b, h, hkv, d = SEQLEN, 2, 8, 2, 64
     q = torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
