@@ -6,8 +6,6 @@ skips with the reason otherwise. Megatron is set up as for one GPU: a gloo
 process group of world size 1, ``initialize_model_parallel(1, 1)`` and its CUDA
 RNG tracker seeded."""
 
-import os
-import socket
 
 import pytest
 import torch
@@ -15,13 +13,13 @@ import torch
 pytest.importorskip("megatron.core", minversion="0.19",
                     reason="megatron-core 0.19 is not installed (pip install megatron-core==0.19.2; Python >= 3.12)")
 
-import torch.distributed as dist  # noqa: E402
 
 from dash_fa3.integrations import megatron as dm  # noqa: E402
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron_utils import world_of_one  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -36,24 +34,9 @@ VOCAB, SEQLEN = 1000, 512
 def model_parallel():
     if not torch.cuda.is_available():
         pytest.skip("GPU test: no CUDA device")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    try:
+    with world_of_one():
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def config(**overrides):

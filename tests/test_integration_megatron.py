@@ -12,8 +12,6 @@ mask that Megatron's dataloader builds. Rotary embeddings are CUDA-only in
 Megatron, so the models use learned absolute positions."""
 
 import contextlib
-import os
-import socket
 import subprocess
 import sys
 
@@ -23,7 +21,6 @@ import torch
 pytest.importorskip("megatron.core", minversion="0.19",
                     reason="megatron-core 0.19 is not installed (pip install megatron-core==0.19.2; Python >= 3.12)")
 
-import torch.distributed as dist  # noqa: E402
 
 import dash_fa3  # noqa: E402
 from dash_fa3.integrations import megatron as dm  # noqa: E402
@@ -34,6 +31,7 @@ from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron_utils import world_of_one  # noqa: E402
 
 # Our error may be at most this multiple of Megatron's own bf16 model's error
 # (both against its fp32 model), plus a small floor.
@@ -44,24 +42,8 @@ VOCAB, SEQLEN = 97, 64
 
 @pytest.fixture(scope="module", autouse=True)
 def model_parallel():
-    """A world of one rank (gloo) with Megatron's tensor/pipeline parallel state of size 1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
+    with world_of_one():
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class _CpuBuffer:
