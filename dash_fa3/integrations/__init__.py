@@ -22,3 +22,24 @@ class UnsupportedAttention(ValueError):
     """The model asked for attention that dash_fa3 cannot compute exactly; nothing fell back.
 
     Every adapter raises it (and re-exports it under its own module)."""
+
+
+def check_options(deterministic, schedule) -> None:
+    """An adapter's ``deterministic`` (True, False, or None: follow
+    ``torch.are_deterministic_algorithms_enabled()`` at each call) and ``schedule``."""
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be a schedule name (str), got {schedule!r}")
+    from ..validation import check_schedule
+
+    check_schedule(schedule)
+
+
+def resolve_deterministic(deterministic) -> bool:
+    """An adapter's ``deterministic`` at call time: None follows torch's deterministic flag."""
+    if deterministic is None:
+        import torch
+
+        return torch.are_deterministic_algorithms_enabled()
+    return deterministic

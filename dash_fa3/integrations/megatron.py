@@ -55,7 +55,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..interface import flash_attn_func
-from . import UnsupportedAttention
+from . import UnsupportedAttention, check_options, resolve_deterministic
 
 __all__ = ["DashFA3DotProductAttention", "UnsupportedAttention", "get_gpt_layer_dash_fa3_spec"]
 
@@ -126,13 +126,7 @@ class DashFA3DotProductAttention(MegatronModule):
             raise _refuse("qk_clip (it needs the maximum attention logit of each head)")
         if not isinstance(attn_mask_type, AttnMaskType):
             raise TypeError(f"attn_mask_type must be an AttnMaskType, got {attn_mask_type!r}")
-        if deterministic is not None and not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
-        if not isinstance(schedule, str):
-            raise TypeError(f"schedule must be a schedule name (str), got {schedule!r}")
-        from ..validation import check_schedule
-
-        check_schedule(schedule)
+        check_options(deterministic, schedule)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.attention_dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -179,9 +173,7 @@ class DashFA3DotProductAttention(MegatronModule):
             )
         seqlen_q, batch, heads, headdim = query.shape
         causal = self._causal(attention_mask, attn_mask_type or self.attn_mask_type, seqlen_q, key.shape[0])
-        deterministic = True if self.config.deterministic_mode else self.deterministic
-        if deterministic is None:
-            deterministic = torch.are_deterministic_algorithms_enabled()
+        deterministic = True if self.config.deterministic_mode else resolve_deterministic(self.deterministic)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out = flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
@@ -196,11 +188,7 @@ def get_gpt_layer_dash_fa3_spec(*args, deterministic: bool | None = None, schedu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.attention import SelfAttention
 
-    from ..validation import check_schedule
-
-    if deterministic is not None and not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
-    check_schedule(schedule)
+    check_options(deterministic, schedule)
     spec = get_gpt_layer_local_spec(*args, **kwargs)
     if spec.submodules.self_attention.module is not SelfAttention:
         raise _refuse(f"the self-attention {spec.submodules.self_attention.module.__name__} (multi-latent "

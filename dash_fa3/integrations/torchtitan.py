@@ -66,7 +66,7 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan.protocols.module import Module
 
 from ..interface import flash_attn_func
-from . import UnsupportedAttention
+from . import UnsupportedAttention, check_options, resolve_deterministic
 
 __all__ = ["DashFA3Attention", "UnsupportedAttention", "apply", "use_dash_fa3"]
 
@@ -96,16 +96,6 @@ def _check_window(window_size) -> tuple[int, int]:
     if window not in (CAUSAL, FULL):
         raise _refuse(f"window_size={window} (a sliding window); only {CAUSAL} (causal) and {FULL} (full)")
     return window
-
-
-def _check_options(deterministic, schedule) -> None:
-    if deterministic is not None and not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a schedule name (str), got {schedule!r}")
-    from ..validation import check_schedule
-
-    check_schedule(schedule)
 
 
 _checked_metadata: list = [None, -1]  # weak reference to the last cu_seq_q found unpacked, its version
@@ -157,12 +147,12 @@ class DashFA3Attention(Module):
 
         def __post_init__(self):
             _check_window(self.window_size)
-            _check_options(self.deterministic, self.schedule)
+            check_options(self.deterministic, self.schedule)
 
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.window_size = _check_window(config.window_size)
-        _check_options(config.deterministic, config.schedule)
+        check_options(config.deterministic, config.schedule)
         self.deterministic = config.deterministic
         self.schedule = config.schedule
 
@@ -207,9 +197,7 @@ class DashFA3Attention(Module):
             causal = is_causal
         else:
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-        deterministic = self.deterministic
-        if deterministic is None:
-            deterministic = torch.are_deterministic_algorithms_enabled()
+        deterministic = resolve_deterministic(self.deterministic)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BLNH, k_BLNH, v_BLNH))
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, deterministic=deterministic,
                                schedule=self.schedule)
@@ -244,7 +232,7 @@ def use_dash_fa3(model_config, *, deterministic: bool | None = None, schedule: s
     """Rewrites a torchtitan model config in place so that every inner attention is
     ``DashFA3Attention``; returns the config. Call it before the model is built
     (e.g. on ``model_registry(flavor).model``, or the trainer config's model spec)."""
-    _check_options(deterministic, schedule)
+    check_options(deterministic, schedule)
     if not hasattr(model_config, "traverse"):
         raise TypeError(f"use_dash_fa3 needs a torchtitan model config, got {type(model_config).__name__}")
     found = [(parent, attr, cfg) for _, cfg, parent, attr in model_config.traverse(_REPLACED_CONFIGS)
@@ -270,7 +258,7 @@ def apply(model: torch.nn.Module, *, deterministic: bool | None = None, schedule
 
     Call it before ``parallelize``, ``torch.compile``, activation checkpointing or
     context parallel wrap the model."""
-    _check_options(deterministic, schedule)
+    check_options(deterministic, schedule)
     found = [(name, module) for name, module in model.named_modules() if isinstance(module, _REPLACED)]
     if not found:
         raise ValueError(f"found no torchtitan inner attention module (FlexAttention, VarlenAttention or "

@@ -48,7 +48,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
 from ..interface import flash_attn_func
-from . import UnsupportedAttention
+from . import UnsupportedAttention, check_options, resolve_deterministic
 
 __all__ = ["NAME", "UnsupportedAttention", "attention_forward", "mask_for_dash_fa3", "register", "set_defaults",
            "get_defaults"]
@@ -71,16 +71,10 @@ def set_defaults(*, deterministic=_UNSET, schedule=_UNSET) -> None:
     ``deterministic=None`` (the initial value) follows
     ``torch.are_deterministic_algorithms_enabled()`` at each call.
     """
+    check_options(None if deterministic is _UNSET else deterministic, "auto" if schedule is _UNSET else schedule)
     if deterministic is not _UNSET:
-        if deterministic is not None and not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
         _defaults["deterministic"] = deterministic
     if schedule is not _UNSET:
-        if not isinstance(schedule, str):
-            raise TypeError(f"schedule must be a schedule name (str), got {schedule!r}")
-        from ..validation import check_schedule
-
-        check_schedule(schedule)
         _defaults["schedule"] = schedule
 
 
@@ -214,9 +208,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = _causal(module, kwargs)
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
-        deterministic = _defaults["deterministic"]
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
+        deterministic = resolve_deterministic(_defaults["deterministic"])
     schedule = kwargs.get("schedule") or _defaults["schedule"]
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
