@@ -16,10 +16,8 @@ pytest.importorskip("megatron.core", minversion="0.19",
 
 from dash_fa3.integrations import megatron as dm  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron_utils import world_of_one  # noqa: E402
+from megatron_utils import three_gpts, transformer_config, world_of_one  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -39,12 +37,8 @@ def model_parallel():
         yield
 
 
-def config(**overrides):
-    kw = dict(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, kv_channels=64,
-              ffn_hidden_size=1024, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
-              normalization="RMSNorm", add_bias_linear=False, init_method_std=0.05)
-    kw.update(overrides)
-    return TransformerConfig(**kw)
+# A wider model than the CPU tests' (8 query heads), still GQA with 2 groups.
+SIZES = dict(hidden_size=512, num_attention_heads=8, ffn_hidden_size=1024)
 
 
 def gpt(cfg, spec, seed):
@@ -55,11 +49,7 @@ def gpt(cfg, spec, seed):
 
 def test_gpt_on_the_kernels_matches_megatron():
     seed = 3
-    ref = gpt(config(), get_gpt_layer_local_spec(normalization="RMSNorm"), seed)
-    eager = gpt(config(bf16=True), get_gpt_layer_local_spec(normalization="RMSNorm"), seed)
-    ours = gpt(config(bf16=True), dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm"), seed)
-    eager.load_state_dict(ref.state_dict())
-    ours.load_state_dict(ref.state_dict())
+    ref, eager, ours = three_gpts(gpt, seed, **SIZES)
     ref, eager, ours = ref.cuda(), eager.cuda().to(torch.bfloat16), ours.cuda().to(torch.bfloat16)
     assert all(isinstance(a, dm.DashFA3DotProductAttention)
                for a in (layer.self_attention.core_attention for layer in ours.decoder.layers))
@@ -92,8 +82,9 @@ def test_gpt_on_the_kernels_matches_megatron():
 
 def test_deterministic_mode_gives_the_same_bits():
     """config.deterministic_mode: the core attention's input gradients are bitwise repeatable."""
-    attn = dm.DashFA3DotProductAttention(config(bf16=True, deterministic_mode=True), layer_number=1,
-                                         attn_mask_type=dm.AttnMaskType.causal, attention_type="self")
+    cfg = transformer_config(bf16=True, deterministic_mode=True, **SIZES)
+    attn = dm.DashFA3DotProductAttention(cfg, layer_number=1, attn_mask_type=dm.AttnMaskType.causal,
+                                         attention_type="self")
     g = torch.Generator(device="cuda").manual_seed(7)
     s, b, h, hkv, d = SEQLEN, 2, 8, 2, 64
     q = torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -25,13 +25,11 @@ pytest.importorskip("megatron.core", minversion="0.19",
 import dash_fa3  # noqa: E402
 from dash_fa3.integrations import megatron as dm  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron_utils import world_of_one  # noqa: E402
+from megatron_utils import three_gpts, transformer_config, world_of_one  # noqa: E402
 
 # Our error may be at most this multiple of Megatron's own bf16 model's error
 # (both against its fp32 model), plus a small floor.
@@ -57,14 +55,6 @@ def megatron_on_cpu(monkeypatch):
     monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
 
 
-def tiny_config(**overrides):
-    kw = dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=64,
-              ffn_hidden_size=256, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
-              normalization="RMSNorm", add_bias_linear=False, init_method_std=0.05)
-    kw.update(overrides)
-    return TransformerConfig(**kw)
-
-
 def gpt(config, spec, seed):
     torch.manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
@@ -73,11 +63,7 @@ def gpt(config, spec, seed):
 
 def tiny_models(seed, **overrides):
     """(fp32 Megatron, bf16 Megatron, bf16 dash_fa3) copies of one randomly initialised GPT."""
-    ref = gpt(tiny_config(**overrides), get_gpt_layer_local_spec(normalization="RMSNorm"), seed)
-    eager = gpt(tiny_config(bf16=True, **overrides), get_gpt_layer_local_spec(normalization="RMSNorm"), seed)
-    eager.load_state_dict(ref.state_dict())
-    ours = gpt(tiny_config(bf16=True, **overrides), dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm"), seed)
-    ours.load_state_dict(ref.state_dict())
+    ref, eager, ours = three_gpts(gpt, seed, **overrides)
     return ref, eager.to(torch.bfloat16), ours.to(torch.bfloat16)
 
 
@@ -177,7 +163,7 @@ def test_layout_without_copies_and_mask_none_is_causal(recorder):
 
 @pytest.mark.parametrize("mask_type", [AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.causal])
 def test_module_against_dot_product_attention(mask_type):
-    config = tiny_config(bf16=True, num_attention_heads=6, num_query_groups=2, hidden_size=384)
+    config = transformer_config(bf16=True, num_attention_heads=6, num_query_groups=2, hidden_size=384)
     theirs = DotProductAttention(config, 1, mask_type, "self")
     ours = dm.DashFA3DotProductAttention(config, 1, mask_type, "self")
     g = torch.Generator().manual_seed(31)
@@ -202,14 +188,14 @@ def test_module_against_dot_product_attention(mask_type):
 
 def test_deterministic_mode_and_schedule(recorder, monkeypatch):
     x = ids(40, seqlen=9)
-    config = tiny_config(bf16=True, deterministic_mode=True)
+    config = transformer_config(bf16=True, deterministic_mode=True)
     model = gpt(config, dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm", schedule="spt"), 40).bfloat16()
     with torch.no_grad():
         model(x, positions(x), attention_mask=None)
     assert [(kw["deterministic"], kw["schedule"]) for *_, kw in recorder.calls] == [(True, "spt")] * 2
 
     recorder.calls.clear()
-    model = gpt(tiny_config(bf16=True), dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm"), 40).bfloat16()
+    model = gpt(transformer_config(bf16=True), dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm"), 40).bfloat16()
     was = torch.are_deterministic_algorithms_enabled()
     try:
         with torch.no_grad():
@@ -223,7 +209,7 @@ def test_deterministic_mode_and_schedule(recorder, monkeypatch):
 
     recorder.calls.clear()
     spec = dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm", deterministic=True, schedule="symmetric_shift")
-    model = gpt(tiny_config(bf16=True), spec, 40).bfloat16()
+    model = gpt(transformer_config(bf16=True), spec, 40).bfloat16()
     with torch.no_grad():
         model(x, positions(x), attention_mask=None)
     assert [(kw["deterministic"], kw["schedule"]) for *_, kw in recorder.calls] == [(True, "symmetric_shift")] * 2
@@ -239,7 +225,7 @@ def test_options_are_checked():
 
 
 def _module(**overrides):
-    return dm.DashFA3DotProductAttention(tiny_config(bf16=True, **overrides), 1, AttnMaskType.causal, "self")
+    return dm.DashFA3DotProductAttention(transformer_config(bf16=True, **overrides), 1, AttnMaskType.causal, "self")
 
 
 def _qkv(s=8):
@@ -283,7 +269,7 @@ def test_dropout_is_refused_in_training():
     module.train()
     with pytest.raises(dm.UnsupportedAttention, match="dropout"):
         module(q, k, v, None)
-    explicit = dm.DashFA3DotProductAttention(tiny_config(bf16=True), 1, AttnMaskType.causal, "self",
+    explicit = dm.DashFA3DotProductAttention(transformer_config(bf16=True), 1, AttnMaskType.causal, "self",
                                              attention_dropout=0.2)
     with pytest.raises(dm.UnsupportedAttention, match="p=0.2"):
         explicit(q, k, v, None)
@@ -294,7 +280,7 @@ def test_config_refusals():
         _module(window_size=(16, 0))
     with pytest.raises(dm.UnsupportedAttention, match="softmax_type"):
         _module(softmax_type="off-by-one")
-    config = tiny_config(bf16=True)
+    config = transformer_config(bf16=True)
     config.context_parallel_size = 2  # set after validation: a world of one rank cannot hold CP 2
     with pytest.raises(dm.UnsupportedAttention, match="context parallelism"):
         dm.DashFA3DotProductAttention(config, 1, AttnMaskType.causal, "self")
