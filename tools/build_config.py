@@ -197,7 +197,9 @@ def measurement_defines(env=None) -> list[str]:
     return flags
 
 
-CXX_FLAGS = ["-O3", "-std=c++17", "-DNDEBUG", *measurement_defines()]
+_MEASUREMENT_DEFINES = measurement_defines()
+
+CXX_FLAGS = ["-O3", "-std=c++17", "-DNDEBUG", *_MEASUREMENT_DEFINES]
 
 NVCC_FLAGS = [
     "-O3",
@@ -217,7 +219,7 @@ NVCC_FLAGS = [
     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-U__CUDA_NO_BFLOAT162_OPERATORS__",
     "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
-    *measurement_defines(),
+    *_MEASUREMENT_DEFINES,
 ]
 
 

@@ -97,20 +97,14 @@ struct BwdDqWriter {
             tma_store_arrive();
           }
         }
-        static_assert(Traits::kNumMmaWarpgroups == 2, "one bulk group per warpgroup half: wait_read<1>, <0>");
-        CUTE_UNROLL
-        for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
-          if (leader) {
-            if (wg == 0) {
-              bulk_wait_read<1>();
-            } else {
-              bulk_wait_read<0>();
-            }
-          }
+        // One bulk group per half, committed in warpgroup order: half wg has
+        // been read once at most (kNumMmaWarpgroups - 1 - wg) groups are pending.
+        cute::for_each(cute::make_int_sequence<Traits::kNumMmaWarpgroups>{}, [&](auto wg) {
+          if (leader) { bulk_wait_read<Traits::kNumMmaWarpgroups - 1 - decltype(wg)::value>(); }
           __syncwarp();
           // Warpgroup wg's half of sdQ[buffer] has been read: wg may overwrite it.
           named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
-        }
+        });
         if (leader && deterministic) {
           bulk_wait_all_complete();  // both adds have landed in global memory
           fence_proxy_async_global();

@@ -82,10 +82,12 @@ struct BwdMainloop {
 
   // The hand-off barriers of MMA warpgroup wg's half of sdQ buffer stage.
   CUTE_DEVICE static BwdBarrier dq_empty(int stage, int wg) {
-    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqEmpty) + 2 * stage + wg);
+    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqEmpty) +
+                                   Traits::kNumMmaWarpgroups * stage + wg);
   }
   CUTE_DEVICE static BwdBarrier dq_full(int stage, int wg) {
-    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqFull) + 2 * stage + wg);
+    return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqFull) +
+                                   Traits::kNumMmaWarpgroups * stage + wg);
   }
 
   // st.shared.v4.f32: a 128-bit store to a 32-bit shared-memory address.

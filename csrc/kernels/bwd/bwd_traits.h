@@ -92,6 +92,9 @@ struct BwdTraits {
   static constexpr int kStagesDq = 2;
   static_assert(kStagesDq <= 3, "one dQ-writer warp per sdQ buffer: warps 1..kStagesDq of warpgroup 0");
   static_assert(kBlockN == 64 * kNumMmaWarpgroups, "each MMA warpgroup owns 64 KV rows");
+  static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) == kStagesDq * kNumMmaWarpgroups &&
+                    uint32_t(BwdBarrier::kEpilogue) - uint32_t(BwdBarrier::kDqFull) == kStagesDq * kNumMmaWarpgroups,
+                "one dq_empty and one dq_full barrier per (sdQ buffer, MMA warpgroup)");
   static_assert(kBlockM >= 64 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "no backward tile for this head dim");
 
   static constexpr int kThreadsPerWarpgroup = 128;
@@ -102,6 +105,7 @@ struct BwdTraits {
   // producer and the dQ writer decode schedule steps and hold TMA
   // coordinates: 24 registers made them spill.
   static constexpr int kProducerRegisters = 40;
+  static constexpr int kMmaRegisters = 232;
   // What the schedule as data costs (DESIGN.md wants it within noise): with
   // DASH_FA3_BWD_FIXED_STEPS=1 the dQ writers read each task's Q-tile order
   // once, as the producer and the MMA warps always do, instead of decoding
@@ -109,7 +113,6 @@ struct BwdTraits {
   // and release are compiled out. Non-deterministic calls only (the launcher
   // refuses the others).
   static constexpr bool kFixedSteps = DASH_FA3_BWD_FIXED_STEPS != 0;
-  static constexpr int kMmaRegisters = 232;
 
   // ---- MMAs
   // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM, kHeadDim), warpgroups along M (KV rows).
