@@ -10,7 +10,7 @@ list at build time; at run time the extension reports what it was built with
 
 Filter syntax: a comma-separated list of patterns; a pattern is a dash-separated
 set of tokens, and a variant matches when every token equals one of its fields.
-``hdim128-bf16`` selects both masks of hdim 128 bf16; ``hdim64,hdim128-causal``
+``hdim128-bf16`` selects every mask of hdim 128 bf16; ``hdim64,hdim128-causal``
 selects every hdim-64 variant plus the causal hdim-128 ones. ``all`` (or an
 unset variable) selects everything.
 
@@ -28,7 +28,10 @@ ENV_VAR = "DASH_FA3_VARIANTS"
 
 HEADDIMS: tuple[int, ...] = (64, 96, 128, 192, 256)
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
-MASKS: tuple[str, ...] = ("full", "causal")
+# Mask kinds. full and causal are fixed windows; local is any other (left,
+# right) window, FA3's window_size with causal folded in, taken at run time.
+MASKS: tuple[str, ...] = ("full", "causal", "local")
+MASK_WINDOWS: dict[str, tuple[int, int]] = {"full": (-1, -1), "causal": (-1, 0)}
 # Head dims with a Hopper backward kernel; the others run the reference backward, with a warning.
 BWD_HEADDIMS: tuple[int, ...] = (64, 96, 128)
 
@@ -52,6 +55,10 @@ class Variant:
         return self.mask == "causal"
 
     @property
+    def local(self) -> bool:
+        return self.mask == "local"
+
+    @property
     def has_bwd(self) -> bool:
         return self.hdim in BWD_HEADDIMS
 
@@ -66,8 +73,10 @@ class Variant:
         return cls(int(parts[0][4:]), parts[1], parts[2])
 
 
+# The mask kinds with kernels so far (local: the next commit).
+_COMPILED_MASKS = ("full", "causal")
 ALL_VARIANTS: tuple[Variant, ...] = tuple(
-    Variant(h, d, m) for h in HEADDIMS for d in DTYPES for m in MASKS
+    Variant(h, d, m) for h in HEADDIMS for d in DTYPES for m in _COMPILED_MASKS
 )
 
 _KNOWN_TOKENS = frozenset().union(*(v.tokens() for v in ALL_VARIANTS))
@@ -99,8 +108,23 @@ def select(pattern: str | None = None) -> tuple[Variant, ...]:
     return tuple(sorted(chosen))
 
 
+def mask_of_window(left: int, right: int) -> str:
+    """The mask kind (kernel family) that runs the window (left, right), -1 unbounded:
+    full for (-1, -1), causal for (-1, 0), local otherwise. The C++ dispatch maps
+    windows the same way (csrc/api/variant_registry.h, mask_kind_of), and the
+    backward kernel refuses a schedule built for another kind."""
+    if left < -1 or right < -1:
+        raise ValueError(f"window (left, right) entries must be >= -1 (-1: unbounded), got ({left}, {right})")
+    for mask, window in MASK_WINDOWS.items():
+        if (left, right) == window:
+            return mask
+    return "local"
+
+
 def names(variants: Iterable[Variant]) -> list[str]:
     return [v.name for v in variants]
 
 
 DTYPE_CPP = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
+# C++ MaskKind enumerators (csrc/common/params.h).
+MASK_CPP = {"full": "kFull", "causal": "kCausal", "local": "kLocal"}

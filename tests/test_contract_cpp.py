@@ -87,9 +87,12 @@ def random_geometry(rng) -> Geometry:
     bm, bn = (int(x) for x in rng.choice([16, 32, 64, 128], size=2))
     if rng.random() < 0.5:
         bm, bn = bwd_block_sizes(int(rng.choice([64, 96, 128, 192, 256])))
+    sq, sk = int(rng.integers(1, 2500)), int(rng.integers(1, 2500))
+    mask = str(rng.choice(["full", "causal", "local"]))
+    left, right = random_window(rng, sq, sk) if mask == "local" else (-1, -1)
     return Geometry(batch=int(rng.integers(1, 4)), heads=heads_kv * int(rng.integers(1, 4)), heads_kv=heads_kv,
-                    seqlen_q=int(rng.integers(1, 2500)), seqlen_k=int(rng.integers(1, 2500)),
-                    block_m=bm, block_n=bn, mask=str(rng.choice(["full", "causal"])))
+                    seqlen_q=sq, seqlen_k=sk, block_m=bm, block_n=bn, mask=mask, window_left=left,
+                    window_right=right)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -103,31 +106,63 @@ def test_decode_random_shapes(driver, tmp_path, seed):
     check_decode(driver, tmp_path, metas, f"seed {seed}")
 
 
+def random_window(rng, sq: int, sk: int) -> tuple[int, int]:
+    """A window: full, causal, or (left, right) with sides unbounded, 0, small, or past the sequence."""
+    kind = int(rng.integers(4))
+    if kind < 2:
+        return -1, (-1, 0)[kind]
+    side = lambda: int(rng.choice([-1, 0, int(rng.integers(0, 64)), int(rng.integers(0, 2 * max(sq, sk) + 2))]))
+    return side(), side()
+
+
+WINDOW_EDGES = [(1000, 1000, 0, 0), (1000, 1000, 256, -1), (1000, 1000, -1, 256), (1000, 1000, 256, 0),
+                (300, 1000, 100, 0), (1000, 300, 30, 5), (500, 700, 5000, 5000), (4096, 4096, 1024, 0)]
+
+
+@pytest.mark.parametrize("sms", SMS)
+def test_decode_window_edges(driver, tmp_path, sms):
+    """The C++ decode on window geometries: (0, 0), one side, both, wider than the
+    sequence, seqlen_q != seqlen_k both ways, every schedule, both backward tile shapes."""
+    metas = []
+    for sq, sk, left, right in WINDOW_EDGES:
+        for bm, bn in ((64, 128), (128, 128)):
+            g = Geometry(2, 4, 2, sq, sk, bm, bn, "local", left, right)
+            metas += [build_schedule(name, g, sms, validate=False).meta for name in SCHEDULES]
+    check_decode(driver, tmp_path, metas, f"windows sms={sms}")
+
+
 def geometry_cases():
     rng = np.random.default_rng(3)
-    cases = [(128, 128, 64, 64, 1), (300, 100, 64, 32, 1), (512, 64, 64, 128, 1), (64, 512, 64, 128, 1),
-             (1, 1, 64, 64, 1), (257, 129, 64, 128, 0), (1000, 1000, 64, 128, 1), (1100, 333, 64, 128, 1)]
-    for _ in range(300):
+    cases = [(128, 128, 64, 64, -1, 0), (300, 100, 64, 32, -1, 0), (512, 64, 64, 128, -1, 0),
+             (64, 512, 64, 128, -1, 0), (1, 1, 64, 64, -1, 0), (257, 129, 64, 128, -1, -1),
+             (1000, 1000, 64, 128, -1, 0), (1100, 333, 64, 128, -1, 0),
+             # windows: (0, 0), left or right only, both, wider than the sequence, seqlen_q != seqlen_k
+             (1000, 1000, 64, 128, 0, 0), (1000, 1000, 64, 128, 100, -1), (1000, 1000, 64, 128, -1, 100),
+             (1000, 700, 64, 128, 256, 0), (700, 1000, 128, 128, 64, 64), (300, 900, 64, 128, 5000, 5000),
+             (900, 300, 64, 128, 0, 0), (300, 900, 64, 128, 0, 0), (1, 1, 64, 64, 0, 0)]
+    for _ in range(400):
         sq, sk = (int(x) for x in rng.integers(1, 1200, size=2))
         bm, bn = (int(x) for x in rng.choice([16, 32, 64, 96, 128], size=2))
-        cases.append((sq, sk, bm, bn, int(rng.integers(2))))
+        cases.append((sq, sk, bm, bn, *random_window(rng, sq, sk)))
     return cases
 
 
 def test_block_ranges(driver):
+    """csrc/common/block_range.h against geometry.TileGeometry: every range of every tile,
+    full, causal and window masks."""
     cases = geometry_cases()
     got = run_driver(driver, "geometry", stdin="\n".join(" ".join(map(str, c)) for c in cases))
     pos = 0
-    for sq, sk, bm, bn, causal in cases:
-        t = TileGeometry(sq, sk, bm, bn, bool(causal))
+    for c in cases:
+        t = TileGeometry(*c)
         qs, kvs = np.arange(t.n_q), np.arange(t.n_kv)
         want = np.concatenate([
-            np.stack([*t.kv_range(qs), t.kv_unmasked_end(qs)], axis=1).ravel(),
-            np.stack([*t.q_range(kvs), t.q_unmasked_begin(kvs)], axis=1).ravel(),
+            np.stack([*t.kv_range(qs), *t.kv_unmasked(qs)], axis=1).ravel(),
+            np.stack([*t.q_range(kvs), *t.q_unmasked(kvs)], axis=1).ravel(),
         ])
         mine = got[pos:pos + want.size]
         pos += want.size
-        assert np.array_equal(mine, want), f"TileGeometry{(sq, sk, bm, bn, bool(causal))}: C++ and Python differ"
+        assert np.array_equal(mine, want), f"TileGeometry{c}: C++ and Python differ"
     assert pos == got.size
 
 

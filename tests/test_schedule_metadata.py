@@ -74,11 +74,14 @@ def test_header_fields():
     s = build_schedule("symmetric_shift", g, 20)
     h = s.meta.header_dict()
     assert h["magic"] == M.MAGIC and h["num_cols"] == M.NUM_COLS and h["num_ctas"] == 20
-    assert (h["seqlen_q"], h["seqlen_k"], h["block_m"], h["block_n"], h["causal"]) == (1000, 1200, 64, 128, 1)
+    assert (h["seqlen_q"], h["seqlen_k"], h["block_m"], h["block_n"], h["mask"]) == (1000, 1200, 64, 128, M.MASK_CAUSAL)
+    assert (h["window_left"], h["window_right"]) == (-1, 0)
     assert (h["n_q"], h["n_kv"]) == (g.n_q, g.n_kv)
     assert h["pairs_hi"] == g.n_kv // 2 and h["units_per_head"] == g.n_kv - g.n_kv // 2
     with pytest.raises(ValueError):
         ScheduleMeta.from_int32_array(np.zeros(40, np.int32))
+    h = build_schedule("spt", Geometry(1, 2, 2, 700, 500, 64, 128, "local", 100, 3), 20).meta.header_dict()
+    assert (h["mask"], h["window_left"], h["window_right"]) == (M.MASK_LOCAL, 100, 3)
 
 
 def test_decode_step_is_integer_only():

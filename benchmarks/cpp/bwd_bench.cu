@@ -219,7 +219,7 @@ struct ScheduleBundle {
       int32_t const* h = data.data() + pos;
       if (name == S::kScheduleNames[h[S::kHSchedule]] && h[S::kHBatch] == g.b && h[S::kHHeads] == g.h &&
           h[S::kHHeadsKv] == g.hkv && h[S::kHSeqlenQ] == g.sq && h[S::kHSeqlenK] == g.sk && h[S::kHBlockM] == bm &&
-          h[S::kHBlockN] == bn && h[S::kHCausal] == int(g.causal))
+          h[S::kHBlockN] == bn && h[S::kHMask] == (g.causal ? S::kMaskCausal : S::kMaskFull))
         return std::vector<int32_t>(h, h + S::buffer_len(h));
     }
     return {};

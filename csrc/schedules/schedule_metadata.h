@@ -36,7 +36,8 @@ DASH_FA3_HD RankParams rank_params_of(int32_t const* header) {
 }
 
 DASH_FA3_HD TileGeometry tile_geometry_of(int32_t const* header) {
-  return {header[kHSeqlenQ], header[kHSeqlenK], header[kHBlockM], header[kHBlockN], header[kHCausal] != 0};
+  return {header[kHSeqlenQ], header[kHSeqlenK], header[kHBlockM], header[kHBlockN], header[kHWindowLeft],
+          header[kHWindowRight]};
 }
 
 // Entries of the flat buffer that starts with header.
@@ -76,10 +77,12 @@ struct StepOrder {
 DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, int32_t const* row, int step) {
   int const q = StepOrder::of(row).q_tile(step);
   int const kv = row[kCKvTile];
-  // ---- dQ tile q receives contributions from KV tiles [0, kv_end)
-  int const kv_end = geo.kv_range(q).end;
+  // ---- dQ tile q receives contributions from KV tiles [kv_begin, kv_end)
+  BlockRange const kvs = geo.kv_range(q);
+  int const kv_begin = kvs.begin;
+  int const kv_end = kvs.end;
   // ---- rank in the accumulation order of dQ tile q
-  if (rp.kind == kRankAsc) { return {q, kv}; }
+  if (rp.kind == kRankAsc) { return {q, kv - kv_begin}; }
   if (rp.kind == kRankDesc) { return {q, kv_end - 1 - kv}; }
   // kRankShift: units (KV tile p, optionally paired with hi tile n_kv-1-p) run
   // in waves; units [seg_begin, seg_end) of this head share this task's wave.
@@ -87,9 +90,11 @@ DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, 
   int const pa = row[kCSegBegin];
   int const pb = row[kCSegEnd];
   int const seg = pb - pa;
-  // Contributions to q from units [0, pa) (earlier waves): lo tiles p < kv_end,
-  // and hi tiles n_kv-1-p (p < min(pa, pairs_hi)) below kv_end.
-  int const base = imin(kv_end, pa) + imax(0, kv_end - n_kv + imin(pa, rp.pairs_hi));
+  // Contributions to q from units [0, pa) (earlier waves): lo tiles
+  // kv_begin <= p < kv_end, and hi tiles n_kv-1-p (p < min(pa, pairs_hi)) below kv_end.
+  int const earlier = imin(kv_end, pa);
+  int const base = (kv_begin > 0 ? imax(0, earlier - kv_begin) : earlier) +
+                   imax(0, kv_end - n_kv + imin(pa, rp.pairs_hi));
   int local;
   if (row[kCRole] == kRoleHi) {
     // After every lo tile of the segment; hi tiles ascending.
@@ -98,7 +103,8 @@ DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, 
     // Above the rectangle: lo tiles in descending order.
     local = imin(kv_end, pb) - 1 - kv;
   } else {
-    // Cyclic leg over the rectangle: order by step, ties by segment slot.
+    // Cyclic leg over the rectangle (only schedules with rect_begin < n_q get
+    // here): order by step, ties by segment slot.
     int const width = geo.n_q() - rp.rect_begin;
     int const qq = q - rp.rect_begin;
     int const slot = kv - pa;

@@ -23,8 +23,9 @@ offsets).  How a row's steps decode into (Q tile, rank) is
 from __future__ import annotations
 
 MAGIC = 0x44415348  # 'DASH'
-# Bumped with every layout change (2: the GQA dK/dV turn column removed).
-METADATA_VERSION = 2
+# Bumped with every layout change (2: the GQA dK/dV turn column removed;
+# 3: the mask kind and the window instead of the causal flag).
+METADATA_VERSION = 3
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -37,7 +38,9 @@ HEADER_FIELDS = (
     "num_tasks",       # rows in the task table
     "num_cols",        # NUM_COLS
     "batch", "heads", "heads_kv", "seqlen_q", "seqlen_k", "block_m", "block_n",
-    "causal",          # 0/1, bottom-right aligned
+    "mask",            # MASK_FULL / MASK_CAUSAL / MASK_LOCAL: the kernel family the schedule is for
+    "window_left",     # the window (bottom-right aligned, -1 unbounded): (-1, -1) full,
+    "window_right",    # (-1, 0) causal, anything for local (csrc/common/block_range.h)
     "n_q", "n_kv",     # Q and KV tiles per head
     "rect_begin",      # R: first Q tile of the dense rectangle (SHIFT)
     "units_per_head",  # CTA units (KV tile pairs) per head (SHIFT; n_kv otherwise)
@@ -47,8 +50,8 @@ HEADER_FIELDS = (
     "reserved",
 )
 (H_MAGIC, H_VERSION, H_SCHEDULE, H_DISPATCH, H_RANK_KIND, H_NUM_CTAS, H_NUM_TASKS, H_NUM_COLS,
- H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_CAUSAL,
- H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
+ H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_MASK, H_WINDOW_LEFT,
+ H_WINDOW_RIGHT, H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
  H_RESERVED) = range(len(HEADER_FIELDS))
 HEADER_LEN = len(HEADER_FIELDS)
 
@@ -74,10 +77,14 @@ SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_sh
 DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
 RANK_ASC, RANK_DESC, RANK_SHIFT = 0, 1, 2
 ROLE_LO, ROLE_HI = 0, 1
+# Mask kinds by name (dash_fa3.variants.MASKS; C++: csrc/common/params.h MaskKind has the same values).
+MASK_FULL, MASK_CAUSAL, MASK_LOCAL = 0, 1, 2
+MASK_CODES = {"full": MASK_FULL, "causal": MASK_CAUSAL, "local": MASK_LOCAL}
 ENUMS = {
     "Dispatch": (("kDispatchStatic", DISPATCH_STATIC), ("kDispatchDynamic", DISPATCH_DYNAMIC)),
     "RankKind": (("kRankAsc", RANK_ASC), ("kRankDesc", RANK_DESC), ("kRankShift", RANK_SHIFT)),
     "Role": (("kRoleLo", ROLE_LO), ("kRoleHi", ROLE_HI)),
+    "MaskCode": (("kMaskFull", MASK_FULL), ("kMaskCausal", MASK_CAUSAL), ("kMaskLocal", MASK_LOCAL)),
 }
 
 # Backward tile sizes (block_m = Q rows per tile, block_n = KV rows per tile)

@@ -29,7 +29,8 @@ def lower_to_static(s: Schedule, *, validate: bool = True) -> Schedule:
     if not s.dynamic:
         return s
     T = s.num_tasks
-    cta = greedy_assignment(s.task_steps, s.num_ctas)
+    # A task without steps (windows) still stores dK, dV: cost it as one step.
+    cta = greedy_assignment(np.maximum(s.task_steps, 1), s.num_ctas)
     perm = np.lexsort((np.arange(T), cta))  # by CTA, queue order within a CTA
     lens = s.task_steps[perm]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)

@@ -20,8 +20,9 @@ Step ``s`` of a row (0 <= s < n_steps) visits Q tile::
     q = lin_base + lin_dir * (s - cyc_len)          otherwise
 
 and its contribution to dQ tile (batch, head, q) has the rank given by the
-header's rank kind (ASC: kv; DESC: kv_end(q) - 1 - kv; SHIFT: the planned-time
-order of the static schedules, see :func:`decode_all`).  The dQ writer waits
+header's rank kind (ASC: kv - kv_begin(q); DESC: kv_end(q) - 1 - kv; SHIFT: the
+planned-time order of the static schedules, see :func:`decode_all`), where dQ tile q
+receives contributions from KV tiles [kv_begin(q), kv_end(q)) (``TileGeometry.kv_range``).  The dQ writer waits
 until ``sem[batch, head, q] == rank``.
 """
 
@@ -33,11 +34,13 @@ import numpy as np
 
 from .contract import (C_BATCH, C_CTA, C_CYC_BASE, C_CYC_LEN, C_CYC_OFF, C_HEAD, C_HEAD_KV, C_KV,  # noqa: F401
                        C_LIN_BASE, C_LIN_DIR, C_N_STEPS, C_ROLE, C_SEG_BEGIN, C_SEG_END, C_UNIT,
-                       COLUMNS, DISPATCH_DYNAMIC, DISPATCH_STATIC, H_BATCH, H_BLOCK_M, H_BLOCK_N, H_CAUSAL,
+                       COLUMNS, DISPATCH_DYNAMIC, DISPATCH_STATIC, H_BATCH, H_BLOCK_M, H_BLOCK_N, H_MASK,
                        H_DISPATCH, H_HEADS, H_HEADS_KV, H_MAGIC, H_N_KV, H_N_Q, H_NUM_COLS, H_NUM_CTAS,
                        H_NUM_STEPS, H_NUM_TASKS, H_OFFSETS_LEN, H_PAIRS_HI, H_RANK_KIND, H_RECT_BEGIN,
-                       H_RESERVED, H_SCHEDULE, H_SEQLEN_K, H_SEQLEN_Q, H_UNITS_PER_HEAD, H_VERSION,
-                       HEADER_FIELDS, HEADER_LEN, MAGIC, METADATA_VERSION, NUM_COLS, RANK_ASC, RANK_DESC,
+                       H_RESERVED, H_SCHEDULE, H_SEQLEN_K, H_SEQLEN_Q, H_UNITS_PER_HEAD, H_VERSION, H_WINDOW_LEFT,
+                       H_WINDOW_RIGHT,
+                       HEADER_FIELDS, HEADER_LEN, MAGIC, MASK_CAUSAL, MASK_CODES, MASK_FULL, MASK_LOCAL,
+                       METADATA_VERSION, NUM_COLS, RANK_ASC, RANK_DESC,
                        RANK_SHIFT, ROLE_HI, ROLE_LO)
 from .geometry import TileGeometry
 
@@ -45,7 +48,7 @@ from .geometry import TileGeometry
 def tile_geometry_of(header) -> TileGeometry:
     """The block geometry a schedule header describes (C++: ``tile_geometry_of``)."""
     return TileGeometry(int(header[H_SEQLEN_Q]), int(header[H_SEQLEN_K]), int(header[H_BLOCK_M]),
-                        int(header[H_BLOCK_N]), bool(header[H_CAUSAL]))
+                        int(header[H_BLOCK_N]), int(header[H_WINDOW_LEFT]), int(header[H_WINDOW_RIGHT]))
 
 
 def _decode(header, T: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -61,12 +64,12 @@ def _decode(header, T: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.nda
     q = np.where(step < cyc_len, T[:, C_CYC_BASE] + (T[:, C_CYC_OFF] + step) % safe_len,
                  T[:, C_LIN_BASE] + T[:, C_LIN_DIR] * (step - cyc_len))
     kv = T[:, C_KV]
-    # ---- dQ tile q receives contributions from KV tiles [0, kv_end)
-    kv_end = np.broadcast_to(tiles.kv_range(q)[1], q.shape)
+    # ---- dQ tile q receives contributions from KV tiles [kv_begin, kv_end)
+    kv_begin, kv_end = (np.broadcast_to(x, q.shape) for x in tiles.kv_range(q))
     # ---- rank in the accumulation order of dQ tile q
     kind = int(header[H_RANK_KIND])
     if kind == RANK_ASC:
-        return q, kv.copy()
+        return q, kv - kv_begin
     if kind == RANK_DESC:
         return q, kv_end - 1 - kv
     # RANK_SHIFT: units (KV tile p, optionally paired with hi tile n_kv-1-p) run in
@@ -77,10 +80,12 @@ def _decode(header, T: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.nda
     seg = pb - pa
     pairs_hi = int(header[H_PAIRS_HI])
     rect = int(header[H_RECT_BEGIN])
-    width = tiles.n_q - rect
-    # contributions to q from units [0, pa) (earlier waves): lo tiles p < kv_end,
+    width = max(tiles.n_q - rect, 1)  # rect == n_q: no rectangle, its branch is never taken
+    # contributions to q from units [0, pa) (earlier waves): lo tiles kv_begin <= p < kv_end,
     # and hi tiles n_kv-1-p (p < min(pa, pairs_hi)) below kv_end.
-    base = np.minimum(kv_end, pa) + np.maximum(0, kv_end - n_kv + np.minimum(pa, pairs_hi))
+    earlier = np.minimum(kv_end, pa)
+    earlier = np.where(kv_begin > 0, np.maximum(0, earlier - kv_begin), earlier)
+    base = earlier + np.maximum(0, kv_end - n_kv + np.minimum(pa, pairs_hi))
     # hi tile: after every lo tile of the segment; hi tiles ascending
     local_hi = seg + kv - (n_kv - np.minimum(pb, pairs_hi))
     # above the rectangle: lo tiles in descending order

@@ -27,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import metadata as M
-from .contract import SCHEDULES
+from .contract import MASK_CODES, SCHEDULES
 from .geometry import Geometry, _cdiv
 
 SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES + ("auto",)
@@ -47,6 +47,9 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     points and 4% behind at head dim 64 causal 1k. A table of grid points
     still: shapes off the grid get its nearest rule (the schedule issue asks
     for a calibrated model instead).
+    Local (window) masks, not measured yet: ``spt``. Its dQ order (descending
+    KV tile) is the order in which the KV tiles of a band reach a Q tile when
+    they start together, since a later KV tile's Q range starts no earlier.
     Non-deterministic, the accumulation order is free and ``auto`` is ``lpt``,
     the best-balanced task order.
     """
@@ -54,6 +57,8 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         g = geometry
         if not deterministic:
             return "lpt"
+        if g.local:
+            return "spt"
         if g.causal:
             return "symmetric_shift" if g.n_kv >= 32 else "spt"
         shift_max_kv = 64 if g.block_m == g.block_n else 128
@@ -230,7 +235,8 @@ def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, unit
     h[M.H_BATCH], h[M.H_HEADS], h[M.H_HEADS_KV] = g.batch, g.heads, g.heads_kv
     h[M.H_SEQLEN_Q], h[M.H_SEQLEN_K] = g.seqlen_q, g.seqlen_k
     h[M.H_BLOCK_M], h[M.H_BLOCK_N] = g.block_m, g.block_n
-    h[M.H_CAUSAL] = int(g.causal)
+    h[M.H_MASK] = MASK_CODES[g.mask]
+    h[M.H_WINDOW_LEFT], h[M.H_WINDOW_RIGHT] = g.window
     h[M.H_N_Q], h[M.H_N_KV] = g.n_q, g.n_kv
     h[M.H_RECT_BEGIN] = rect
     h[M.H_UNITS_PER_HEAD] = units
@@ -288,18 +294,25 @@ def lpt_order(g: Geometry, hidx: np.ndarray, kv: np.ndarray, num_sms: int) -> tu
     The section size is the one, among powers of two and an equal split up to
     the L2 bound, whose queue the greedy claim model balances best (ties: the
     smaller section).
+
+    "Longest" is by the suffix maximum of the task lengths over the KV tiles
+    (non-increasing in kv): the lengths themselves under full and causal masks,
+    and under a window, whose first tiles may be shorter than later ones, still
+    an order in which a lower KV tile of a head is never claimed later, which
+    the ascending dQ order needs.
     """
     lens = g.task_len[kv]
+    key = np.maximum.accumulate(g.task_len[::-1])[::-1][kv]
     H = g.num_heads_total
-    if lens.size == 0 or lens.min() == lens.max():
-        return np.arange(lens.size), H  # every order is longest-first: keep head-major
+    if key.size == 0 or key.min() == key.max():
+        return np.arange(key.size), H  # every order is longest-first: keep head-major
     bound = max(1, min(H, LPT_SECTION_ROWS // (g.seqlen_q + g.seqlen_k)))
     sizes = {bound, _cdiv(H, _cdiv(H, bound))}
     sizes.update(1 << i for i in range(bound.bit_length()) if (1 << i) <= bound)
     num_ctas = max(1, min(num_sms, lens.size))
     best = None
     for sec in sorted(sizes):
-        order = np.lexsort((kv, hidx, -lens, hidx // sec))
+        order = np.lexsort((kv, hidx, -key, hidx // sec))
         load = claim_loads(lens[order], num_ctas)
         if best is None or load.max() < best[0]:
             best = (load.max(), order, sec)
@@ -323,11 +336,13 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
                 tasks behind the previous head's short ones); on a full mask
                 it is fa3. Valid deterministically too, with fa3's waits.
     The queue order always claims a contribution's rank predecessor earlier
-    (lpt: a lower kv tile is never shorter).
+    (lpt: a lower kv tile is never claimed later, see lpt_order).
+    Every KV tile has a task; a tile no query sees (windows) gets one
+    without steps, which stores its dK = dV = 0.
     """
-    active = g.active_kv
+    tiles = np.arange(g.n_kv, dtype=np.int64)
     ascending_rank = name != "spt"
-    kv_order = active if ascending_rank else active[::-1]
+    kv_order = tiles if ascending_rank else tiles[::-1]
     H = g.num_heads_total
     T = H * kv_order.size
     hidx = np.repeat(np.arange(H, dtype=np.int64), kv_order.size)
@@ -342,8 +357,9 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
     step_task = np.repeat(np.arange(T, dtype=np.int64), lens)
     s = np.arange(N, dtype=np.int64) - offsets[step_task]
     qb = g.q_begin[kv]
+    qe = g.q_end[kv]
     ascending_q = name != "descending"
-    q = qb[step_task] + s if ascending_q else (g.n_q - 1) - s
+    q = qb[step_task] + s if ascending_q else (qe[step_task] - 1) - s
     gid = hidx[step_task] * g.n_q + q
     skv = kv[step_task]
     rank = _ranks_by_key(gid, skv if ascending_rank else -skv)
@@ -351,7 +367,7 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
     rows = np.zeros((T, M.NUM_COLS), dtype=np.int64)
     rows[:, M.C_BATCH], rows[:, M.C_HEAD], rows[:, M.C_KV] = batch, head, kv
     rows[:, M.C_N_STEPS] = lens
-    rows[:, M.C_LIN_BASE] = qb if ascending_q else g.n_q - 1
+    rows[:, M.C_LIN_BASE] = qb if ascending_q else qe - 1
     rows[:, M.C_LIN_DIR] = 1 if ascending_q else -1
     rows[:, M.C_HEAD_KV] = head // g.group
     rows[:, M.C_CTA] = -1
@@ -377,7 +393,9 @@ def shift_layout(g: Geometry, name: str) -> tuple[int, int, int]:
     nothing to level, and symmetric_shift *is* shift.
     rect_begin R: the Q tiles [R, n_q) are met by every lo tile (the dense
     rectangle); hi tiles meet only Q tiles >= R.  With an odd n_kv the middle
-    tile is a lo tile without partner.
+    tile is a lo tile without partner.  A window that ends the Q ranges of
+    some KV tiles before n_q (a bounded left side) has no such rectangle:
+    R = n_q, and every task walks its Q range ascending.
     """
     n = g.n_kv
     if name == "symmetric_shift" and g.causal and n >= 2:
@@ -392,7 +410,7 @@ def shift_layout(g: Geometry, name: str) -> tuple[int, int, int]:
     else:
         pairs_hi = 0
         units = n
-        rect = int(g.q_begin[n - 1])
+        rect = int(g.q_begin[n - 1]) if np.all(g.q_end == g.n_q) else g.n_q
     return units, pairs_hi, rect
 
 
@@ -405,7 +423,8 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
 
     lo tile p:  first the dense rectangle [R, n_q) as a cyclic shift starting at
                 R + i % W (W = n_q - R), then its remaining Q tiles [q_begin, R)
-                ascending (stage 2, the upper-left part).
+                ascending (stage 2, the upper-left part). Without a rectangle
+                (R = n_q, windows): its Q range [q_begin, q_end) ascending.
     hi tile:    Q tiles n_q-1 down to its q_begin (stage 2, the folded lower-right
                 triangle), right after the lo tile on the same CTA.
 
@@ -415,11 +434,14 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     q_begin) break by slot in the rectangle and by descending unit elsewhere.
     Since the planned time strictly increases along every CTA's program, the
     wait-for graph is acyclic by construction; validation checks it anyway.
+    Under a window the Q ranges of later KV tiles start no earlier, so within
+    a wave a later tile reaches a Q tile first: outside the rectangle the
+    ranks run down the KV tiles of the segment (the decode's descending leg).
+    A KV tile no query sees (windows) is a unit whose task has no steps.
     """
-    if g.active_kv.size != g.n_kv:  # cannot happen with the supported masks
-        raise ValueError(f"{name} needs every KV tile to have work")
     units, pairs_hi, rect = shift_layout(g, name)
     width = g.n_q - rect
+    wmod = max(width, 1)  # cyclic offsets; no cyclic leg when width == 0
     n = g.n_kv
     H = g.num_heads_total
     U = H * units
@@ -448,12 +470,13 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     step_q_parts = []
     cache = {}
     for r in range(T):
-        key = (int(role[r]), int(kv[r]), int(slot[r] % width))
+        key = (int(role[r]), int(kv[r]), int(slot[r] % wmod))
         seq = cache.get(key)
         if seq is None:
             if role[r] == 0:
                 rect_part = np.roll(np.arange(rect, g.n_q, dtype=np.int64), -key[2])
-                seq = np.concatenate([rect_part, np.arange(g.q_begin[kv[r]], rect, dtype=np.int64)])
+                rest = np.arange(g.q_begin[kv[r]], min(rect, int(g.q_end[kv[r]])), dtype=np.int64)
+                seq = np.concatenate([rect_part, rest])
             else:
                 seq = np.arange(g.n_q - 1, g.q_begin[kv[r]] - 1, -1, dtype=np.int64)
             cache[key] = seq
@@ -480,7 +503,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     rows[:, M.C_N_STEPS] = lens
     rows[:, M.C_CYC_LEN] = np.where(role == 0, width, 0)
     rows[:, M.C_CYC_BASE] = np.where(role == 0, rect, 0)
-    rows[:, M.C_CYC_OFF] = np.where(role == 0, slot % width, 0)
+    rows[:, M.C_CYC_OFF] = np.where(role == 0, slot % wmod, 0)
     rows[:, M.C_LIN_BASE] = np.where(role == 0, g.q_begin[kv], g.n_q - 1)
     rows[:, M.C_LIN_DIR] = np.where(role == 0, 1, -1)
     rows[:, M.C_ROLE] = role

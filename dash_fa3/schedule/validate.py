@@ -2,7 +2,9 @@
 
 Checks, in order:
 
-1. tasks: exactly one task per (batch, q_head, kv_tile) that has work;
+1. tasks: exactly one task per (batch, q_head, kv_tile), with as many steps as
+   the KV tile meets Q tiles (none for a tile a window hides from every query:
+   that task only stores dK = dV = 0);
 2. coverage: every (kv, q) pair the mask needs is visited exactly once, by the
    task of that KV tile;
 3. ranks: for every dQ tile the ranks of its contributions are 0..k-1 (GQA
@@ -112,12 +114,11 @@ def check_structure(s) -> None:
               | (s.task_kv < 0) | (s.task_kv >= g.n_kv)):
         _fail(s, "task with batch/head/kv_tile out of range")
     tkey = hidx * g.n_kv + s.task_kv
-    active = g.active_kv
-    want = (np.arange(g.num_heads_total, dtype=np.int64)[:, None] * g.n_kv + active[None, :]).ravel()
+    want = np.arange(g.num_heads_total * g.n_kv, dtype=np.int64)
     got = np.sort(tkey)
     if got.size != want.size or not np.array_equal(got, want):
         dup = got[1:][got[1:] == got[:-1]]
-        _fail(s, f"tasks are not one per (batch, head, kv tile with work): {T} tasks, expected {want.size}"
+        _fail(s, f"tasks are not one per (batch, head, kv tile): {T} tasks, expected {want.size}"
                  + (f"; duplicate task key {int(dup[0])}" if dup.size else ""))
     if np.any(s.task_steps != g.task_len[s.task_kv]):
         bad = int(np.flatnonzero(s.task_steps != g.task_len[s.task_kv])[0])
@@ -129,8 +130,9 @@ def check_structure(s) -> None:
     if np.any((q < 0) | (q >= g.n_q)):
         _fail(s, "a step visits a Q tile out of range")
     kv = s.task_kv[st]
-    if np.any(q < g.q_begin[kv]):
-        i = int(np.flatnonzero(q < g.q_begin[kv])[0])
+    outside = (q < g.q_begin[kv]) | (q >= g.q_end[kv])
+    if np.any(outside):
+        i = int(np.flatnonzero(outside)[0])
         _fail(s, f"task {int(st[i])} visits Q tile {int(q[i])} that KV tile {int(kv[i])} does not need (masked)")
     pair_key = (hidx[st] * g.n_kv + kv) * g.n_q + q
     sk = np.sort(pair_key)
@@ -153,7 +155,8 @@ def check_structure(s) -> None:
               M.H_NUM_CTAS: s.num_ctas, M.H_N_Q: g.n_q, M.H_N_KV: g.n_kv, M.H_NUM_COLS: M.NUM_COLS,
               M.H_BATCH: g.batch, M.H_HEADS: g.heads, M.H_HEADS_KV: g.heads_kv,
               M.H_SEQLEN_Q: g.seqlen_q, M.H_SEQLEN_K: g.seqlen_k, M.H_BLOCK_M: g.block_m,
-              M.H_BLOCK_N: g.block_n, M.H_CAUSAL: int(g.causal),
+              M.H_BLOCK_N: g.block_n, M.H_MASK: M.MASK_CODES[g.mask], M.H_WINDOW_LEFT: g.window_left,
+              M.H_WINDOW_RIGHT: g.window_right,
               M.H_DISPATCH: M.DISPATCH_DYNAMIC if s.dynamic else M.DISPATCH_STATIC}
     for idx, val in expect.items():
         if int(h[idx]) != val:

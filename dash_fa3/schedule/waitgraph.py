@@ -1,6 +1,7 @@
 """The wait-for graph of a schedule: one node per step and per task epilogue,
 with each node's program-order predecessor (the step before it on its CTA) and
 semaphore predecessor (the contribution ranked just before it in its dQ tile).
+A task without steps is its epilogue alone, after the task before it.
 An epilogue has no semaphore predecessor: it stores dK/dV (with GQA, into its
 own q head's fp32 partials, summed by the postprocess), waiting for no other
 task.
@@ -60,8 +61,11 @@ def fused_graph(schedule, prev_task: np.ndarray) -> FusedGraph:
     off = schedule.step_offsets
     prog = np.empty(n, dtype=np.int64)
     prog[:N] = np.arange(N, dtype=np.int64) - 1
-    prog[off[:-1]] = np.where(prev_task >= 0, N + prev_task, NONE)
-    prog[N:] = off[1:] - 1
+    after_prev = np.where(prev_task >= 0, N + prev_task, NONE)
+    # A task without steps (a KV tile a window hides from every query) is its epilogue alone.
+    has_steps = off[1:] > off[:-1]
+    prog[off[:-1][has_steps]] = after_prev[has_steps]
+    prog[N:] = np.where(has_steps, off[1:] - 1, after_prev)
     sync = np.full(n, NONE, dtype=np.int64)
     gid, rank = schedule.step_dq_tile, schedule.step_rank
     order = np.lexsort((rank, gid))

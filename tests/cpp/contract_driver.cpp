@@ -6,10 +6,11 @@
 //
 //   contract_driver decode BUNDLE   per buffer of the bundle, per task row, per
 //                                   step: q_tile, rank
-//   contract_driver geometry        stdin: "seqlen_q seqlen_k block_m block_n causal"
-//                                   lines; per line: per Q tile kv_range begin,
-//                                   end, kv_unmasked_end; per KV tile q_range
-//                                   begin, end, q_unmasked_begin
+//   contract_driver geometry        stdin: "seqlen_q seqlen_k block_m block_n
+//                                   window_left window_right" lines; per line:
+//                                   per Q tile kv_range begin, end, kv_unmasked
+//                                   begin, end; per KV tile q_range begin, end,
+//                                   q_unmasked begin, end
 //   contract_driver blocks          stdin: head dims; per head dim bwd_block_m,
 //                                   bwd_block_n
 //   contract_driver dqfrag          stdin: "block_m hdim" pairs; per pair
@@ -78,16 +79,16 @@ int decode(char const* path) {
 
 int geometry() {
   std::vector<int32_t> out;
-  int seqlen_q, seqlen_k, block_m, block_n, causal;
-  while (std::cin >> seqlen_q >> seqlen_k >> block_m >> block_n >> causal) {
-    dash_fa3::TileGeometry const g{seqlen_q, seqlen_k, block_m, block_n, causal != 0};
+  int seqlen_q, seqlen_k, block_m, block_n, left, right;
+  while (std::cin >> seqlen_q >> seqlen_k >> block_m >> block_n >> left >> right) {
+    dash_fa3::TileGeometry const g{seqlen_q, seqlen_k, block_m, block_n, left, right};
     for (int q = 0; q < g.n_q(); ++q) {
-      dash_fa3::BlockRange const r = g.kv_range(q);
-      out.insert(out.end(), {r.begin, r.end, g.kv_unmasked_end(q)});
+      dash_fa3::BlockRange const r = g.kv_range(q), u = g.kv_unmasked(q);
+      out.insert(out.end(), {r.begin, r.end, u.begin, u.end});
     }
     for (int kv = 0; kv < g.n_kv(); ++kv) {
-      dash_fa3::BlockRange const r = g.q_range(kv);
-      out.insert(out.end(), {r.begin, r.end, g.q_unmasked_begin(kv)});
+      dash_fa3::BlockRange const r = g.q_range(kv), u = g.q_unmasked(kv);
+      out.insert(out.end(), {r.begin, r.end, u.begin, u.end});
     }
   }
   emit(out);

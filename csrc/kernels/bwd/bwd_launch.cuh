@@ -68,7 +68,9 @@ void check_schedule_header(BwdParams const& a) {
           "schedule block sizes (" + std::to_string(h[S::kHBlockM]) + ", " + std::to_string(h[S::kHBlockN]) +
               ") differ from the kernel's (" + std::to_string(Traits::kBlockM) + ", " +
               std::to_string(Traits::kBlockN) + ")");
-  require(h[S::kHCausal] == int(Traits::kCausal), "schedule mask kind differs from the kernel's");
+  require(h[S::kHMask] == (Traits::kCausal ? S::kMaskCausal : S::kMaskFull) && h[S::kHWindowLeft] == -1 &&
+              h[S::kHWindowRight] == (Traits::kCausal ? 0 : -1),
+          "schedule mask kind differs from the kernel's");
   require(h[S::kHRankKind] >= S::kRankAsc && h[S::kHRankKind] <= S::kRankShift, "schedule has an unknown rank kind");
   require(h[S::kHNumCtas] >= 1, "schedule has no CTAs");
 }

@@ -266,7 +266,7 @@ struct BwdTraits {
 
   // Block ranges of one (batch, head): the call's shape with this kernel's tiles.
   CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
-    return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, kCausal};
+    return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
   }
 
   // KV tile kv of (batch b, KV head h_kv) in the TMA view of a K-shaped tensor

@@ -161,7 +161,7 @@ struct FwdMainloop {
 
     --n;
     if constexpr (kCausal) {
-      int const unmasked_end = Traits::tile_geometry(p).kv_unmasked_end(m_block);
+      int const unmasked_end = Traits::tile_geometry(p).kv_unmasked(m_block).end;
       CUTE_NO_UNROLL
       for (; n >= unmasked_end; --n) { step(n, cute::true_type{}); }
     }

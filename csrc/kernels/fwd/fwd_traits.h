@@ -173,7 +173,7 @@ struct FwdTraits {
 
   // Block ranges of one (batch, head): the call's shape with this kernel's tiles.
   CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
-    return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, kCausal};
+    return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
   }
 };
 

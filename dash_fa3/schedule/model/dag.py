@@ -146,7 +146,8 @@ def critical_path(schedule, costs=None, *, task_cta: np.ndarray | None = None) -
     has = G.prog[:N] < NONE                                               # prev -> C
     src.append(fin_id(G.prog[:N][has])); dst.append(k[has]); w.append(np.zeros(int(has.sum())))
     t = np.arange(T, dtype=np.int64)
-    src.append(N + G.prog[N:]); dst.append(2 * N + t); w.append(np.zeros(T))  # last R -> E
+    has = G.prog[N:] < NONE                                # last R (or the previous E) -> E
+    src.append(fin_id(G.prog[N:][has])); dst.append(2 * N + t[has]); w.append(np.zeros(int(has.sum())))
     lat = float(costs.latency)
     for lo, hi in ((0, N), (N, N + T)):
         idx = np.arange(lo, hi, dtype=np.int64)

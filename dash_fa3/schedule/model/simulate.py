@@ -141,7 +141,10 @@ def _simulate_static(schedule, c, r, e, latency):
         raise RuntimeError(f"{schedule.name}: wait-for graph has a cycle (schedule not validated?)")
     st, rs, fin = ft.start[:N], ft.ready_start[:N], ft.finish[:N]
     ce = st + c
-    t_start = st[schedule.step_offsets[:-1]]
+    off = schedule.step_offsets
+    has_steps = off[1:] > off[:-1]
+    t_start = ft.start[N:].copy()  # a task without steps starts with its epilogue
+    t_start[has_steps] = st[off[:-1][has_steps]]
     return step_cta, st, ce, rs, fin, task_cta, t_start, ft.ready_start[N:], ft.finish[N:]
 
 
