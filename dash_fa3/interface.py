@@ -5,12 +5,14 @@ Argument names, order and return convention follow FA3. FA3 features that
 dash_fa3 does not implement raise ``NotImplementedError`` rather than being
 ignored. dash_fa3 adds ``schedule=``, the deterministic backward's schedule.
 
-Sliding windows (``window_size``), ``softcap`` and packed variable-length
-batches (``flash_attn_varlen_func``) run on CPU tensors (the fp32 reference);
-the Hopper kernels do not implement them yet (issue 17), so on CUDA tensors
-they raise ``NotImplementedError``. A window that masks nothing beyond causal
-or full attention (FA3 normalises it the same way: a side reaching past the
-sequence is unbounded, and ``(-1, 0)`` is causal) runs the kernels as usual.
+Sliding windows (``window_size``) run on the Hopper kernels (the local mask
+kind) for ``flash_attn_func``; a window that masks nothing beyond causal or
+full attention (FA3 normalises it the same way: a side reaching past the
+sequence is unbounded, and ``(-1, 0)`` is causal) runs the causal or full
+kernels. ``softcap`` and packed variable-length batches
+(``flash_attn_varlen_func``, windows included) run on CPU tensors (the fp32
+reference); the Hopper kernels do not implement them yet (issue 17), so on
+CUDA tensors they raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 
 import torch
 
-from . import ops, reference, validation
+from . import ops, reference, validation, variants
 
 
 def _unsupported(feature: str, func: str = "flash_attn_func") -> NotImplementedError:
@@ -93,7 +95,9 @@ def flash_attn_func(
     q: (batch, seqlen_q, heads, headdim); k, v: (batch, seqlen_k, heads_kv, headdim),
     bf16 or fp16, last dim contiguous, heads % heads_kv == 0.
     softmax_scale defaults to 1/sqrt(headdim). causal aligns the mask to the
-    bottom-right corner when seqlen_q != seqlen_k.
+    bottom-right corner when seqlen_q != seqlen_k. window_size=(left, right)
+    (FA3's: -1 unbounded, bottom-right aligned; with causal the right side is 0,
+    and a right side > 0 with causal is an error) runs the local kernels on CUDA.
     deterministic: the backward is bitwise reproducible; schedule names its
     accumulation order ("auto", or one of dash_fa3.schedule's names). With
     deterministic=False the backward's adds land in any order and the schedule
@@ -113,13 +117,13 @@ def flash_attn_func(
         left, right = _effective_window(window, causal, q.shape[1], k.shape[1])
         if window == (-1, -1):  # plain causal stays on the causal kernel even where it masks nothing (seqlen_q 1)
             right = 0
-    plain = left < 0 and right in (-1, 0) and softcap == 0  # the kernels' masks: full or causal
-    validation.check_attention_inputs(q, k, v, causal=plain and right == 0, schedule=schedule)
+    mask = variants.mask_of_window(left, right)  # the kernel family: full, causal or local (a window)
+    validation.check_attention_inputs(q, k, v, causal=mask == "causal", mask=mask, schedule=schedule)
     softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
-    if plain:
-        out, lse = ops.attention(q, k, v, softmax_scale, right == 0, sm_margin, deterministic, schedule)
+    if mask != "local" and softcap == 0:
+        out, lse = ops.attention(q, k, v, softmax_scale, mask == "causal", sm_margin, deterministic, schedule)
     else:
-        if q.is_cuda:
+        if q.is_cuda and softcap > 0:
             raise ops.gpu_not_implemented(ops._general_features(None, left, right, softcap))
         out, lse = ops.attention_general(q, k, v, None, None, 0, 0, softmax_scale, left, right, softcap, sm_margin,
                                          deterministic, schedule)

@@ -18,10 +18,13 @@ CPU tensors go to the fp32 reference, so the API works, slowly, on machines
 without a GPU.
 
 ``dash_fa3::fwd_general`` / ``bwd_general`` (and the autograd function
-``attention_general``) carry what the Hopper kernels do not implement yet
-(issue 17): sliding windows, softcap, packed variable-length batches. Only the
-CPU reference serves them; on CUDA tensors they raise ``NotImplementedError``
-(the public API raises before reaching them), never a slow fallback.
+``attention_general``) carry sliding windows, softcap and packed
+variable-length batches (issue 17). On CUDA tensors, windows on
+(batch, seqlen, heads, d) tensors run the Hopper kernels of the window's mask
+kind (``local``; one Python call into the C++ dispatch per direction, as the
+backward of the plain ops); softcap and packed batches are not implemented in
+the kernels yet and raise ``NotImplementedError`` (the public API raises
+before reaching them), never a slow fallback. CPU tensors run the reference.
 """
 
 from __future__ import annotations
@@ -62,16 +65,17 @@ _lib.impl("fwd", _fwd_reference, "CPU")
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(q_shape, k_shape, dtype, causal, deterministic, schedule, sm_margin, device):
-    """What one backward call of this shape runs, built once per shape:
-    (schedule on the device, its header on the host, the C++ op), or None when
-    no backward kernel is built for the head dim (the fp32 reference runs, with
-    a warning)."""
+def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic, schedule, sm_margin, device):
+    """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
+    (-1, 0) causal) runs, built once per shape: (schedule on the device, its header on
+    the host, the C++ op), or None when no backward kernel is built for the head dim
+    (the fp32 reference runs, with a warning)."""
     from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
     from .schedule.lowering import get_kernel_metadata
 
     batch, seqlen_q, heads, hdim = q_shape
-    variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", "causal" if causal else "full")
+    mask = variants.mask_of_window(window_left, window_right)
+    variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask)
     if variant.name not in _ext.built_bwd_variants():
         return None
     total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -79,26 +83,40 @@ def _bwd_plan(q_shape, k_shape, dtype, causal, deterministic, schedule, sm_margi
         raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
     block_m, block_n = bwd_block_sizes(hdim)
     geometry = Geometry(batch=batch, heads=heads, heads_kv=k_shape[2], seqlen_q=seqlen_q, seqlen_k=k_shape[1],
-                        block_m=block_m, block_n=block_n, mask="causal" if causal else "full")
+                        block_m=block_m, block_n=block_n, mask=mask, window_left=window_left,
+                        window_right=window_right)
     # "auto" depends on the mode: without ordering constraints the best-balanced order wins.
     name = resolve_schedule_name(schedule, geometry, deterministic)
     flat = torch.from_numpy(get_kernel_metadata(name, geometry, total - sm_margin).as_int32_array())
     return flat.to(device), flat.clone(), _ext.ops().bwd.default
 
 
-def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
-    plan = _bwd_plan(q.shape, k.shape, q.dtype, causal, deterministic, schedule, sm_margin, q.device)
+def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic, schedule,
+                     sm_margin, reference_bwd):
+    """The backward kernels for a window (full and causal included); reference_bwd() where
+    no backward kernel exists for the head dim."""
+    plan = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right, deterministic, schedule, sm_margin,
+                     q.device)
     if plan is not None:
         schedule_flat, schedule_header, run = plan
-        return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, causal, deterministic)
+        return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, window_left, window_right,
+                   deterministic)
     warnings.warn(
         f"dash_fa3: no Hopper backward kernel for head dim {q.shape[-1]} (kernels exist for head dims "
         f"{', '.join(map(str, variants.BWD_HEADDIMS))}), so the GPU backward runs the fp32 reference: "
         "correct and deterministic, but slow",
         ReferenceBackwardWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
-    return _bwd_reference(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin)
+    return reference_bwd()
+
+
+def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
+    def reference_bwd():
+        return _bwd_reference(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin)
+
+    return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, -1, 0 if causal else -1, deterministic, schedule,
+                            sm_margin, reference_bwd)
 
 
 def _bwd_reference(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
@@ -172,14 +190,30 @@ def _general_features(cu_seqlens_q, window_left, window_right, softcap) -> str:
     return ", ".join(what) or "dash_fa3::fwd_general"
 
 
+def _kernels_serve(cu_seqlens_q, softcap) -> bool:
+    """Whether the Hopper kernels run a dash_fa3::fwd_general/bwd_general call: windows on
+    (batch, seqlen, heads, d) tensors, without softcap."""
+    return cu_seqlens_q is None and softcap == 0
+
+
 def _fwd_general_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       window_left, window_right, softcap, sm_margin):
-    raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
+    if not _kernels_serve(cu_seqlens_q, softcap):
+        raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
+    return _ext.ops().fwd_window(q, k, v, softmax_scale, window_left, window_right, sm_margin)
 
 
 def _bwd_general_cuda(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, window_left, window_right, softcap, deterministic, schedule, sm_margin):
-    raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
+    if not _kernels_serve(cu_seqlens_q, softcap):
+        raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
+
+    def reference_bwd():
+        return _bwd_general_reference(dout, q, k, v, out, lse, None, None, 0, 0, softmax_scale, window_left,
+                                      window_right, softcap, deterministic, schedule, sm_margin)
+
+    return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic,
+                            schedule, sm_margin, reference_bwd)
 
 
 @torch.library.register_fake("dash_fa3::fwd_general")
@@ -260,6 +294,7 @@ def attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
                       softmax_scale: float, window_left: int, window_right: int, softcap: float, sm_margin: int,
                       deterministic: bool, schedule: str):
     """(out, lse) with a window / softcap / packed documents, differentiable in q, k, v; arguments
-    already validated (``flash_attn_func`` / ``flash_attn_varlen_func``). CPU tensors only for now."""
+    already validated (``flash_attn_func`` / ``flash_attn_varlen_func``). On CUDA tensors only
+    windows (no softcap, no cu_seqlens) run, on the kernels."""
     return _AttentionGeneral.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                    window_left, window_right, softcap, sm_margin, deterministic, schedule)

@@ -29,8 +29,10 @@ class AttnShape:
     headdim: int
     dtype: str  # "bf16" / "fp16"
 
-    def variant(self, causal: bool) -> variants.Variant:
-        return variants.Variant(self.headdim, self.dtype, "causal" if causal else "full")
+    def variant(self, causal: bool, mask: str | None = None) -> variants.Variant:
+        """The kernel variant of this shape: mask kind ``mask`` (variants.MASKS), or by default
+        causal / full."""
+        return variants.Variant(self.headdim, self.dtype, mask or ("causal" if causal else "full"))
 
 
 def schedule_names() -> tuple[str, ...]:
@@ -76,8 +78,9 @@ def _check_heads(heads: int, heads_kv: int, headdim: int) -> None:
         )
 
 
-def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> AttnShape:
-    """Validates q, k, v of ``flash_attn_func`` and returns their shape."""
+def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto", mask: str | None = None) -> AttnShape:
+    """Validates q, k, v of ``flash_attn_func`` and returns their shape. On CUDA tensors the
+    forward kernel of mask kind ``mask`` (default: causal / full by ``causal``) must be built."""
     _check_tensors(q, k, v, 4, "batch, seqlen, heads, headdim")
 
     batch, seqlen_q, heads, headdim = q.shape
@@ -100,7 +103,7 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto") -> 
         # torch.compile cannot trace; under compilation the C++ op re-checks at run time.
         if not torch.compiler.is_compiling():
             check_cuda_device(q.device)
-            check_built(shape.variant(causal).name)
+            check_built(shape.variant(causal, mask).name)
     return shape
 
 

@@ -73,10 +73,8 @@ class Variant:
         return cls(int(parts[0][4:]), parts[1], parts[2])
 
 
-# The mask kinds with kernels so far (local: the next commit).
-_COMPILED_MASKS = ("full", "causal")
 ALL_VARIANTS: tuple[Variant, ...] = tuple(
-    Variant(h, d, m) for h in HEADDIMS for d in DTYPES for m in _COMPILED_MASKS
+    Variant(h, d, m) for h in HEADDIMS for d in DTYPES for m in MASKS
 )
 
 _KNOWN_TOKENS = frozenset().union(*(v.tokens() for v in ALL_VARIANTS))

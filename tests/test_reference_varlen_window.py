@@ -412,13 +412,14 @@ def test_cuda_op_implementations_refuse():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("call", ["window", "softcap", "varlen", "varlen_window"])
+@pytest.mark.parametrize("call", ["softcap", "window_softcap", "varlen", "varlen_window"])
 def test_cuda_tensors_raise_not_implemented(call):
+    # (Windows on CUDA run the kernels: tests/test_gpu_window.py.)
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     cu_s = torch.tensor([0, 7, 16], device="cuda", dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="issue 17"):
-        if call == "window":
-            dash_fa3.flash_attn_func(q, q, q, window_size=(4, 0))
+        if call == "window_softcap":
+            dash_fa3.flash_attn_func(q, q, q, window_size=(4, 0), softcap=30.0)
         elif call == "softcap":
             dash_fa3.flash_attn_func(q, q, q, causal=True, softcap=30.0)
         elif call == "varlen":

@@ -179,3 +179,22 @@ def test_geometry_checks_and_hash():
     b = Geometry(1, 4, 4, 128, 128, 64, 64)
     assert a == b and hash(a) == hash(b) and a.heads_kv == 4 and a.group == 1
     assert Geometry(2, 8, 2, 128, 128, 64, 64).group == 4
+
+
+def test_unbounded_side_as_a_bound_that_hides_nothing():
+    """The local kernels replace an unbounded side (-1) by seqlen_k (left) or seqlen_q
+    (right) (fwd_launch.cuh / bwd_launch.cuh): the same block ranges and unmasked
+    ranges, so their decode of a schedule built with -1 agrees."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        sq, sk = (int(x) for x in rng.integers(1, 600, size=2))
+        bm, bn = (int(x) for x in rng.choice([16, 32, 64, 128], size=2))
+        left, right = random_window(rng, sq, sk)
+        t = TileGeometry(sq, sk, bm, bn, left, right)
+        u = TileGeometry(sq, sk, bm, bn, sk if left < 0 else left, sq if right < 0 else right)
+        qs, kvs = np.arange(t.n_q), np.arange(t.n_kv)
+        for f, x in (("kv_range", qs), ("kv_unmasked", qs), ("q_range", kvs), ("q_unmasked", kvs)):
+            for a, b in zip(getattr(t, f)(x), getattr(u, f)(x)):
+                assert np.array_equal(a, b), (t, f)
+        assert np.array_equal(t.visible(np.arange(sq)[:, None], np.arange(sk)[None, :]),
+                              u.visible(np.arange(sq)[:, None], np.arange(sk)[None, :]))

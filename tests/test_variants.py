@@ -15,10 +15,11 @@ import build_config  # noqa: E402
 def test_select_patterns():
     assert variants.select("all") == variants.ALL_VARIANTS
     sel = variants.select("hdim128-bf16")
-    assert {v.name for v in sel} == {"hdim128-bf16-causal", "hdim128-bf16-full"}
+    assert {v.name for v in sel} == {"hdim128-bf16-causal", "hdim128-bf16-full", "hdim128-bf16-local"}
     sel = variants.select("hdim64, hdim128-causal")
     assert all(v.hdim == 64 or (v.hdim == 128 and v.causal) for v in sel)
-    assert len(sel) == 4 + 2
+    assert len(sel) == 6 + 2
+    assert {v.name for v in variants.select("hdim64-local")} == {"hdim64-bf16-local", "hdim64-fp16-local"}
     assert variants.select("hdim64-fp16-full") == (variants.Variant(64, "fp16", "full"),)
 
 
@@ -30,9 +31,20 @@ def test_select_rejects_unknown_tokens(bad):
 
 def test_select_reads_env(monkeypatch):
     monkeypatch.setenv(variants.ENV_VAR, "hdim96-fp16")
-    assert {v.name for v in variants.select()} == {"hdim96-fp16-causal", "hdim96-fp16-full"}
+    assert {v.name for v in variants.select()} == {"hdim96-fp16-causal", "hdim96-fp16-full", "hdim96-fp16-local"}
     monkeypatch.delenv(variants.ENV_VAR)
     assert variants.select() == variants.select(variants.DEFAULT_FILTER)
+
+
+def test_mask_of_window():
+    """Which kernel family runs a window; the C++ dispatch maps the same way (mask_kind_of)."""
+    assert variants.mask_of_window(-1, -1) == "full"
+    assert variants.mask_of_window(-1, 0) == "causal"
+    for w in ((0, 0), (5, -1), (-1, 5), (5, 0), (3, 7)):
+        assert variants.mask_of_window(*w) == "local"
+    with pytest.raises(ValueError):
+        variants.mask_of_window(-2, 0)
+    assert variants.Variant(128, "bf16", "local").local and not variants.Variant(128, "bf16", "causal").local
 
 
 def test_variant_name_roundtrip():

@@ -49,11 +49,16 @@
 using dash_fa3::DType;
 namespace S = dash_fa3::schedule;
 
+// (This harness runs the full and causal kernels only.)
+static dash_fa3::MaskKind mask_of(bool causal) {
+  return causal ? dash_fa3::MaskKind::kCausal : dash_fa3::MaskKind::kFull;
+}
+
 static bool dispatch_bwd(int hdim, DType dtype, bool causal, const dash_fa3::BwdParams& p, cudaStream_t st) {
-#define DASH_BWD_VARIANT(H, T, C, NAME)                                \
-  if (hdim == H && dtype == DType::T && causal == C) {           \
-    dash_fa3::run_bwd<H, DType::T, C>(p, st);                    \
-    return true;                                                 \
+#define DASH_BWD_VARIANT(H, T, M, NAME)                                          \
+  if (hdim == H && dtype == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) { \
+    dash_fa3::run_bwd<H, DType::T, dash_fa3::MaskKind::M>(p, st);                 \
+    return true;                                                                  \
   }
   DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_BWD_VARIANT)
 #undef DASH_BWD_VARIANT
@@ -527,13 +532,14 @@ static void bench_case(Dims g, DType dt) {
 
 static std::vector<int> built_hdims() {
   std::vector<int> h;
-#define DASH_BWD_VARIANT(H, T, C, NAME) if (std::find(h.begin(), h.end(), H) == h.end()) h.push_back(H);
+#define DASH_BWD_VARIANT(H, T, M, NAME) if (std::find(h.begin(), h.end(), H) == h.end()) h.push_back(H);
   DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_BWD_VARIANT)
 #undef DASH_BWD_VARIANT
   return h;
 }
 static bool built(int hdim, DType dt, bool causal) {
-#define DASH_BWD_VARIANT(H, T, C, NAME) if (hdim == H && dt == DType::T && causal == C) return true;
+#define DASH_BWD_VARIANT(H, T, M, NAME) \
+  if (hdim == H && dt == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) return true;
   DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_BWD_VARIANT)
 #undef DASH_BWD_VARIANT
   return false;

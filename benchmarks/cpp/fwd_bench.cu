@@ -39,12 +39,14 @@
 using dash_fa3::DType;
 
 // Calls the instantiation for (hdim, dtype, causal); false if it was not built.
+// (This harness runs the full and causal kernels only.)
 static bool dispatch_fwd(int hdim, DType dtype, bool causal, const dash_fa3::FwdParams& p,
                          cudaStream_t stream) {
-#define DASH_FWD_VARIANT(H, T, C, NAME)                                  \
-  if (hdim == H && dtype == DType::T && causal == C) {             \
-    dash_fa3::run_fwd<H, DType::T, C>(p, stream);                  \
-    return true;                                                   \
+  dash_fa3::MaskKind const mask = causal ? dash_fa3::MaskKind::kCausal : dash_fa3::MaskKind::kFull;
+#define DASH_FWD_VARIANT(H, T, M, NAME)                                  \
+  if (hdim == H && dtype == DType::T && mask == dash_fa3::MaskKind::M) { \
+    dash_fa3::run_fwd<H, DType::T, dash_fa3::MaskKind::M>(p, stream);    \
+    return true;                                                         \
   }
   DASH_FA3_FOR_EACH_FWD_VARIANT(DASH_FWD_VARIANT)
 #undef DASH_FWD_VARIANT

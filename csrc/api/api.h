@@ -15,12 +15,20 @@ namespace dash_fa3 {
 // Forward: (out, lse). sm_margin SMs of q's device are left free.
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        double softmax_scale, bool causal, int64_t sm_margin);
+// The same with a window (left, right; -1 unbounded; FA3's window_size with
+// causal folded in): the full or causal kernel for (-1, -1) / (-1, 0), else the local one.
+std::tuple<at::Tensor, at::Tensor> fwd_window(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              double softmax_scale, int64_t window_left, int64_t window_right,
+                                              int64_t sm_margin);
 
 // The whole backward (preprocess, main kernel, postprocess): (dq, dk, dv).
+// The window picks the mask kind as in fwd_window; the schedule must have been
+// built for that kind and window.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                    const at::Tensor& schedule, const at::Tensor& schedule_header,
-                                                   double softmax_scale, bool causal, bool deterministic);
+                                                   double softmax_scale, int64_t window_left, int64_t window_right,
+                                                   bool deterministic);
 
 // The preprocess and postprocess steps alone (tests, benchmarks). The
 // postprocess reads dq_accum as the main kernel leaves it: each

@@ -7,12 +7,17 @@
 
 TORCH_LIBRARY(dash_fa3_C, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int sm_margin) -> (Tensor, Tensor)");
+  // The forward with a window (left, right), -1 unbounded; dash_fa3::fwd_general runs it.
+  m.def(
+      "fwd_window(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right,"
+      " int sm_margin) -> (Tensor, Tensor)");
   // The whole backward in one call; schedule is dash_fa3.schedule's flat int32
   // metadata on the device, schedule_header its first entries on the host
-  // (checked before launch).
+  // (checked before launch); the window picks the mask kind as in fwd_window.
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor schedule,"
-      " Tensor schedule_header, float softmax_scale, bool causal, bool deterministic) -> (Tensor, Tensor, Tensor)");
+      " Tensor schedule_header, float softmax_scale, int window_left, int window_right, bool deterministic)"
+      " -> (Tensor, Tensor, Tensor)");
   m.def(
       "bwd_preprocess(Tensor out, Tensor dout, Tensor lse, int block_m)"
       " -> (Tensor, Tensor, Tensor, Tensor)");
@@ -23,6 +28,7 @@ TORCH_LIBRARY(dash_fa3_C, m) {
 
 TORCH_LIBRARY_IMPL(dash_fa3_C, CUDA, m) {
   m.impl("fwd", &dash_fa3::fwd);
+  m.impl("fwd_window", &dash_fa3::fwd_window);
   m.impl("bwd", &dash_fa3::bwd);
   m.impl("bwd_preprocess", &dash_fa3::bwd_preprocess);
   m.impl("bwd_postprocess", &dash_fa3::bwd_postprocess);

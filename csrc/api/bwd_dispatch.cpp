@@ -24,8 +24,8 @@
 namespace dash_fa3 {
 namespace {
 
-#define DASH_FA3_BWD_ENTRY(HDIM, DTYPE, CAUSAL, NAME) \
-  KernelVariant<BwdParams>{HDIM, DType::DTYPE, CAUSAL, NAME, &run_bwd<HDIM, DType::DTYPE, CAUSAL>},
+#define DASH_FA3_BWD_ENTRY(HDIM, DTYPE, MASK, NAME) \
+  KernelVariant<BwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_bwd<HDIM, DType::DTYPE, MaskKind::MASK>},
 // A vector, not an array: a build may select no variant of this direction.
 const std::vector<KernelVariant<BwdParams>> kBwdVariants = {DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_FA3_BWD_ENTRY)};
 #undef DASH_FA3_BWD_ENTRY
@@ -38,12 +38,14 @@ std::vector<std::string> built_bwd_variants() { return variant_names(kBwdVariant
 // one workspace allocation. schedule: the flat int32 metadata of
 // dash_fa3.schedule on q's device; schedule_header: the same buffer's first
 // entries (or all of it) as a CPU int32 tensor, checked against this call
-// before launch. Returns (dq, dk, dv) in q's dtype.
+// before launch. The window (left, right; -1 unbounded) picks the mask kind
+// (mask_kind_of: full, causal or local). Returns (dq, dk, dv) in q's dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
                                                    const at::Tensor& k_in, const at::Tensor& v_in,
                                                    const at::Tensor& out_in, const at::Tensor& lse,
                                                    const at::Tensor& schedule, const at::Tensor& schedule_header,
-                                                   double softmax_scale, bool causal, bool deterministic) {
+                                                   double softmax_scale, int64_t window_left, int64_t window_right,
+                                                   bool deterministic) {
   const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const at::Tensor dout = kernel_view(dout_in), out = kernel_view(out_in);
   const QkvShape sh = check_qkv(q, k, v);
@@ -51,7 +53,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   TORCH_CHECK(dout.device() == dev && out.device() == dev, "dash_fa3: dout and out must be on q's device");
   TORCH_CHECK(out.sizes() == q.sizes(), msg("dash_fa3: out must have q's shape ", q.sizes(), ", got ", out.sizes()));
   check_preprocess_inputs(out, dout, lse);
-  const auto& chosen = find_variant(kBwdVariants, "backward", sh.hdim, sh.dtype, causal);
+  TORCH_CHECK(window_left >= -1 && window_right >= -1 && window_left < (int64_t(1) << 30) &&
+                  window_right < (int64_t(1) << 30),
+              msg("dash_fa3: window (", window_left, ", ", window_right, ") entries must be in [-1, 2^30) "
+                  "(-1: unbounded)"));
+  const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
+  const auto& chosen = find_variant(kBwdVariants, "backward", sh.hdim, sh.dtype, mask);
   const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads,
                 heads_kv = sh.heads_kv, hdim = sh.hdim;
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));
@@ -109,6 +116,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   p.headdim = static_cast<int>(hdim);
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softmax_scale_log2 = static_cast<float>(softmax_scale) * kLog2e;
+  p.window_left = static_cast<int>(window_left);
+  p.window_right = static_cast<int>(window_right);
   p.deterministic = deterministic;
   try {
     chosen.launch(p, stream);

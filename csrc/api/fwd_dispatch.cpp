@@ -15,8 +15,8 @@
 namespace dash_fa3 {
 namespace {
 
-#define DASH_FA3_FWD_ENTRY(HDIM, DTYPE, CAUSAL, NAME) \
-  KernelVariant<FwdParams>{HDIM, DType::DTYPE, CAUSAL, NAME, &run_fwd<HDIM, DType::DTYPE, CAUSAL>},
+#define DASH_FA3_FWD_ENTRY(HDIM, DTYPE, MASK, NAME) \
+  KernelVariant<FwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_fwd<HDIM, DType::DTYPE, MaskKind::MASK>},
 // A vector, not an array: a build may select no variant of this direction.
 const std::vector<KernelVariant<FwdParams>> kFwdVariants = {DASH_FA3_FOR_EACH_FWD_VARIANT(DASH_FA3_FWD_ENTRY)};
 #undef DASH_FA3_FWD_ENTRY
@@ -25,14 +25,24 @@ const std::vector<KernelVariant<FwdParams>> kFwdVariants = {DASH_FA3_FOR_EACH_FW
 
 std::vector<std::string> built_fwd_variants() { return variant_names(kFwdVariants); }
 
-std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                       double softmax_scale, bool causal, int64_t sm_margin) {
+namespace {
+
+// The forward's one dispatch: the window (left, right; -1 unbounded) picks the
+// mask kind (mask_kind_of: full, causal or local), the shape and dtype the rest.
+std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                const at::Tensor& v_in, double softmax_scale, int64_t window_left,
+                                                int64_t window_right, int64_t sm_margin) {
   const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const QkvShape sh = check_qkv(q, k, v);
   const int64_t num_sms = device_sm_count(q.device()) - sm_margin;
   TORCH_CHECK(sm_margin >= 0 && num_sms >= 1, msg("dash_fa3: sm_margin=", sm_margin, " must be >= 0 and leave at "
               "least one SM of the device's ", num_sms + sm_margin));
-  const auto& chosen = find_variant(kFwdVariants, "forward", sh.hdim, sh.dtype, causal);
+  TORCH_CHECK(window_left >= -1 && window_right >= -1 && window_left < (int64_t(1) << 30) &&
+                  window_right < (int64_t(1) << 30),
+              msg("dash_fa3: window (", window_left, ", ", window_right, ") entries must be in [-1, 2^30) "
+                  "(-1: unbounded)"));
+  const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
+  const auto& chosen = find_variant(kFwdVariants, "forward", sh.hdim, sh.dtype, mask);
   const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, heads = sh.heads, hdim = sh.hdim;
 
   c10::cuda::CUDAGuard guard(q.device());
@@ -57,10 +67,25 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor&
   p.headdim = static_cast<int>(hdim);
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softmax_scale_log2 = static_cast<float>(softmax_scale) * kLog2e;
+  p.window_left = static_cast<int>(window_left);
+  p.window_right = static_cast<int>(window_right);
   p.num_sms = static_cast<int>(num_sms);
   p.tile_counter = nullptr;  // the forward's persistent scheduler is static
   chosen.launch(p, c10::cuda::getCurrentCUDAStream().stream());
   return {out, lse};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       double softmax_scale, bool causal, int64_t sm_margin) {
+  return fwd_dispatch(q, k, v, softmax_scale, -1, causal ? 0 : -1, sm_margin);
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_window(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              double softmax_scale, int64_t window_left, int64_t window_right,
+                                              int64_t sm_margin) {
+  return fwd_dispatch(q, k, v, softmax_scale, window_left, window_right, sm_margin);
 }
 
 }  // namespace dash_fa3

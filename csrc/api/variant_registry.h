@@ -1,5 +1,6 @@
 // The compiled variants of one direction (forward or backward) and the lookup
 // that maps runtime arguments to one of them, shared by the two dispatch files.
+// A window picks its mask kind with mask_kind_of (common/params.h).
 #pragma once
 
 #include <string>
@@ -16,7 +17,7 @@ template <class Params>
 struct KernelVariant {
   int hdim;
   DType dtype;
-  bool causal;
+  MaskKind mask;
   const char* name;
   void (*launch)(const Params&, cudaStream_t);
 };
@@ -35,16 +36,16 @@ std::string variant_list(const std::vector<KernelVariant<Params>>& table) {
   return list;
 }
 
-// The variant for (hdim, dtype, causal); a TORCH_CHECK error naming what was built otherwise.
+// The variant for (hdim, dtype, mask); a TORCH_CHECK error naming what was built otherwise.
 template <class Params>
 const KernelVariant<Params>& find_variant(const std::vector<KernelVariant<Params>>& table, const char* direction,
-                                          int64_t hdim, DType dtype, bool causal) {
+                                          int64_t hdim, DType dtype, MaskKind mask) {
   const KernelVariant<Params>* found = nullptr;
   for (const auto& v : table) {
-    if (v.hdim == hdim && v.dtype == dtype && v.causal == causal) found = &v;
+    if (v.hdim == hdim && v.dtype == dtype && v.mask == mask) found = &v;
   }
   TORCH_CHECK(found != nullptr, msg("dash_fa3: no ", direction, " kernel for hdim", hdim, "-",
-                                    dtype == DType::kBF16 ? "bf16" : "fp16", "-", causal ? "causal" : "full",
+                                    dtype == DType::kBF16 ? "bf16" : "fp16", "-", mask_kind_name(mask),
                                     " in this build (built: ", variant_list(table),
                                     "); rebuild with DASH_FA3_VARIANTS naming it"));
   return *found;

@@ -10,6 +10,25 @@ namespace dash_fa3 {
 // type (common/variant.h); the binding maps it from a torch dtype.
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 
+// The mask kind: which kernel family runs a call (dash_fa3/variants.py MASKS).
+// full and causal have fixed windows, (-1, -1) and (-1, 0); local takes the
+// window (window_left, window_right) of the parameters at run time (any
+// bottom-right aligned window, -1 = unbounded; common/block_range.h). The
+// values are the schedule header's mask codes (dash_fa3/schedule/contract.py).
+enum class MaskKind : int { kFull = 0, kCausal = 1, kLocal = 2 };
+
+// The kind that runs window (left, right): full for (-1, -1), causal for
+// (-1, 0), local otherwise (dash_fa3.variants.mask_of_window).
+inline MaskKind mask_kind_of(int window_left, int window_right) {
+  if (window_left < 0 && window_right < 0) { return MaskKind::kFull; }
+  if (window_left < 0 && window_right == 0) { return MaskKind::kCausal; }
+  return MaskKind::kLocal;
+}
+
+inline const char* mask_kind_name(MaskKind mask) {
+  return mask == MaskKind::kFull ? "full" : mask == MaskKind::kCausal ? "causal" : "local";
+}
+
 // Strides are in elements. Tensors use FA3's (batch, seqlen, heads, headdim)
 // layout with a contiguous last dim; the other strides are arbitrary.
 struct TensorStrides {
@@ -36,6 +55,11 @@ struct FwdParams {
 
   float softmax_scale;       // applied to QK^T
   float softmax_scale_log2;  // softmax_scale * log2(e): scores go through exp2
+
+  // The window, -1 = unbounded (common/block_range.h). Read by the local
+  // kernels only; the full and causal kernels have theirs built in.
+  int window_left;
+  int window_right;
 
   int num_sms;  // persistent grid size, read off the device by the caller
   // Zero-initialised int, used by the persistent tile scheduler to hand out
@@ -146,6 +170,10 @@ struct BwdParams {
 
   float softmax_scale;
   float softmax_scale_log2;
+  // The window, -1 = unbounded, as in FwdParams (local kernels only; the
+  // schedule's header must carry the same).
+  int window_left;
+  int window_right;
   bool deterministic;
 };
 

@@ -10,8 +10,9 @@
 //   - dq_accum (batch, heads, seqlen_q_rounded, headdim) fp32, zeroed, 128-byte
 //     aligned; the kernel adds each Q tile into it in fragment order
 //     (common/dq_accum_layout.h), which the postprocess reads back;
-//   - the schedule header matches this call (shape, block sizes, mask kind)
-//     and uses static dispatch; its CTA count is the grid size. The schedule
+//   - the schedule header matches this call (shape, block sizes, mask kind,
+//     window: local kernels the call's, full/causal their fixed one; the
+//     full and causal kernels do not read the call's window) and uses static dispatch; its CTA count is the grid size. The schedule
 //     must have been validated (every needed pair once, ranks a permutation,
 //     no wait cycle for this grid) by dash_fa3.schedule before launch;
 //   - GQA (heads != heads_kv): dk_partial, dv_partial given; the kernel
@@ -68,9 +69,18 @@ void check_schedule_header(BwdParams const& a) {
           "schedule block sizes (" + std::to_string(h[S::kHBlockM]) + ", " + std::to_string(h[S::kHBlockN]) +
               ") differ from the kernel's (" + std::to_string(Traits::kBlockM) + ", " +
               std::to_string(Traits::kBlockN) + ")");
-  require(h[S::kHMask] == (Traits::kCausal ? S::kMaskCausal : S::kMaskFull) && h[S::kHWindowLeft] == -1 &&
-              h[S::kHWindowRight] == (Traits::kCausal ? 0 : -1),
-          "schedule mask kind differs from the kernel's");
+  static_assert(int(MaskKind::kFull) == S::kMaskFull && int(MaskKind::kCausal) == S::kMaskCausal &&
+                    int(MaskKind::kLocal) == S::kMaskLocal,
+                "MaskKind (common/params.h) and the schedule's mask codes (contract.py) differ");
+  require(h[S::kHMask] == int(Traits::kMask), "schedule mask kind (" + std::to_string(h[S::kHMask]) +
+                                                  ") differs from the kernel's (" + mask_kind_name(Traits::kMask) +
+                                                  ")");
+  int const left = Traits::kLocal ? a.window_left : -1;
+  int const right = Traits::kLocal ? a.window_right : (Traits::kCausal ? 0 : -1);
+  require(h[S::kHWindowLeft] == left && h[S::kHWindowRight] == right,
+          "schedule was built for the window (" + std::to_string(h[S::kHWindowLeft]) + ", " +
+              std::to_string(h[S::kHWindowRight]) + "), the call has (" + std::to_string(left) + ", " +
+              std::to_string(right) + ")");
   require(h[S::kHRankKind] >= S::kRankAsc && h[S::kHRankKind] <= S::kRankShift, "schedule has an unknown rank kind");
   require(h[S::kHNumCtas] >= 1, "schedule has no CTAs");
 }
@@ -131,20 +141,27 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.n_kv = Traits::tile_geometry(p).n_kv();
   p.softmax_scale = a.softmax_scale;
   p.softmax_scale_log2 = a.softmax_scale_log2;
+  // An unbounded side as a bound that hides nothing (as the forward: same block
+  // ranges and element masks as -1, so the decode of the schedule, built with
+  // -1, agrees).
+  p.window_left = a.window_left < 0 ? a.seqlen_k : a.window_left;
+  p.window_right = a.window_right < 0 ? a.seqlen_q : a.window_right;
   p.deterministic = a.deterministic ? 1 : 0;
   return p;
 }
 
 }  // namespace bwd
 
-template <int kHeadDim, DType kDType, bool kCausal>
+template <int kHeadDim, DType kDType, MaskKind kMask>
 void run_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kCausal>;
+  using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kMask>;
   using bwd::require;
   require(params.headdim == kHeadDim, "headdim does not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
   require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
   require(params.heads % params.heads_kv == 0, "heads must be a multiple of heads_kv");
+  require(!Traits::kLocal || (params.window_left >= -1 && params.window_right >= -1),
+          "window_left and window_right must be >= -1 (-1: unbounded)");
   require(!(Traits::kFixedSteps && params.deterministic),
           "this extension is a DASH_FA3_BWD_FIXED_STEPS=1 measurement build, which has no deterministic mode: "
           "rebuild without that variable");

@@ -42,6 +42,7 @@ struct BwdMainloop {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr bool kCausal = Traits::kCausal;
+  static constexpr bool kLocal = Traits::kLocal;
   static constexpr int kMmaThreads = Traits::kNumMmaThreads;
 
   using FragSdP = decltype(partition_fragment_C(typename Traits::TiledMmaSdP{},
@@ -164,11 +165,17 @@ struct BwdMainloop {
     int const kv = row[schedule::kCKvTile];
     int const n0 = kv * kBlockN;
     int const q_unmasked = geo.q_unmasked_begin(kv);  // Q tiles from here on need no mask
-    // Without a causal mask only keys past seqlen_k are masked: q_unmasked is 0
-    // or n_q, so every step of the task needs the mask or none does, and these
-    // warpgroups need no Q tile.
-    bool const mask_every_step = !kCausal && q_unmasked > 0;
+    // local: ... up to here (Q tiles from here on reach past the window's left side).
+    int const q_unmasked_end = kLocal ? geo.q_unmasked_end(kv) : 0;
+    // Without a causal mask or a window only keys past seqlen_k are masked:
+    // q_unmasked is 0 or n_q, so every step of the task needs the mask or none
+    // does, and these warpgroups need no Q tile.
+    bool const mask_every_step = !kCausal && !kLocal && q_unmasked > 0;
     int const causal_shift = p.seqlen_k - p.seqlen_q;  // key j visible to query i iff j <= i + shift
+    // local: key j is visible to query i iff i + lo_shift <= j <= i + hi_shift
+    // (window sides that are unbounded come as bounds that hide nothing).
+    int const hi_shift = causal_shift + (kLocal ? p.window_right : 0);
+    int const lo_shift = kLocal ? causal_shift - p.window_left : 0;
     float const scale_log2 = p.softmax_scale_log2;
     // The task's Q-tile order, read from the row once (the ranks are the dQ writer's business).
     schedule::StepOrder const order = schedule::StepOrder::of(row);
@@ -176,10 +183,15 @@ struct BwdMainloop {
     CUTE_NO_UNROLL
     for (int s = 0; s < n_steps; ++s) {
       bool need_mask = mask_every_step;
-      int m0 = 0;  // first row of the Q tile; only the causal mask reads it
+      int m0 = 0;  // first row of the Q tile; only the causal and window masks read it
       if constexpr (kCausal) {
         int const q = order.q_tile(s);
         need_mask = q < q_unmasked;
+        m0 = q * kBlockM;
+      }
+      if constexpr (kLocal) {
+        int const q = order.q_tile(s);
+        need_mask = q < q_unmasked || q >= q_unmasked_end;
         m0 = q * kBlockM;
       }
 
@@ -205,8 +217,8 @@ struct BwdMainloop {
       warpgroup_fence_operand(tSrS);
 
       // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
-      // above the causal diagonal get -inf first; only tiles that hold such
-      // entries pay for the test.
+      // above the causal diagonal (or outside the window) are 0; only tiles that
+      // hold such entries pay for the test.
       // Register i of S^T holds Q column 8 * (i / 4) + 2 * (lane % 4) + i % 2.
       auto lse_of = [&](int i) {
         if constexpr (kLseEarly) {
@@ -220,7 +232,8 @@ struct BwdMainloop {
         for (int i = 0; i < size(tSrS); ++i) {
           int const n = n0 + get<0>(tScS(i));
           int const m = get<1>(tScS(i));
-          bool const masked = n >= p.seqlen_k || (kCausal && n > m0 + m + causal_shift);
+          bool const masked = n >= p.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
+                              (kLocal && n < m0 + m + lo_shift);
           tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
         }
       } else {

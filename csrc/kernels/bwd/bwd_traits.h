@@ -1,7 +1,7 @@
 // Compile-time configuration of the Hopper backward kernel: tile sizes, warp
 // roles, named barriers, register budgets, shared-memory layouts, MMA and TMA
 // types, the shared storage and the kernel parameter block. Everything the
-// role files need is derived here from (head dim, element type, causal).
+// role files need is derived here from (head dim, element type, mask kind).
 //
 // Operand choices (the same for every head dim; docs/bwd_kernel.md has the
 // longer argument):
@@ -31,6 +31,7 @@
 #include "common/block_range.h"
 #include "common/dq_accum_layout.h"
 #include "common/gemm_sm90.h"
+#include "common/params.h"
 #include "kernel_contract.h"  // generated: bwd_block_m / bwd_block_n
 #include "schedules/schedule_metadata.h"
 
@@ -73,11 +74,14 @@ enum class BwdBarrier : uint32_t {
 #define DASH_FA3_BWD_FIXED_STEPS 0
 #endif
 
-template <int kHeadDim_, class Element_, bool kCausal_>
+template <int kHeadDim_, class Element_, MaskKind kMask_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr MaskKind kMask = kMask_;
+  static constexpr bool kCausal = kMask == MaskKind::kCausal;
+  // A runtime window (Params::window_left/right), masked on both sides.
+  static constexpr bool kLocal = kMask == MaskKind::kLocal;
 
   // Tile shape per head dim, from dash_fa3/schedule/contract.py (as FA3's
   // Hopper backward at hdim 64/128): kBlockN KV rows (two warpgroups x 64),
@@ -262,11 +266,20 @@ struct BwdTraits {
     int seqlen_q, seqlen_k, seqlen_q_rounded, heads, heads_kv, batch, n_q, n_kv;
     float softmax_scale, softmax_scale_log2;
     int deterministic;
+    // kLocal: the window, an unbounded side as a bound that hides nothing
+    // (left: seqlen_k, right: seqlen_q; same block ranges, see make_bwd_params).
+    // Unused otherwise (last, so the other fields keep their offsets).
+    int window_left, window_right;
   };
 
   // Block ranges of one (batch, head): the call's shape with this kernel's tiles.
+  // The full and causal windows are constants, so their window tests fold away.
   CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
-    return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
+    if constexpr (kLocal) {
+      return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, p.window_left, p.window_right};
+    } else {
+      return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
+    }
   }
 
   // KV tile kv of (batch b, KV head h_kv) in the TMA view of a K-shaped tensor

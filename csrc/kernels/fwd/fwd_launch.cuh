@@ -5,7 +5,9 @@
 //   - q, k, v, o 16-byte aligned; every stride (batch, row, head) a multiple of
 //     8 elements (TMA needs 16-byte aligned global strides); last dim contiguous;
 //   - headdim == kHeadDim, seqlen_q, seqlen_k >= 1, heads % heads_kv == 0,
-//     softmax_scale > 0; lse is (batch, heads, seqlen_q) contiguous fp32.
+//     softmax_scale > 0; lse is (batch, heads, seqlen_q) contiguous fp32;
+//   - local kernels: window_left, window_right >= -1 (the full and causal
+//     kernels do not read them).
 // tile_counter is not used (the scheduler is static) and may be nullptr.
 #pragma once
 
@@ -83,6 +85,12 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   p.q_heads_per_kv_head = a.heads / a.heads_kv;
   p.softmax_scale = a.softmax_scale;
   p.softmax_scale_log2 = a.softmax_scale_log2;
+  // An unbounded side as a bound that hides nothing: a left bound >= seqlen_k - 1
+  // and a right bound >= seqlen_q - 1 give the same block ranges and element
+  // masks as -1 (common/block_range.h; tests/test_schedule_geometry.py checks
+  // the ranges), and the device code then needs no -1 case.
+  p.window_left = a.window_left < 0 ? a.seqlen_k : a.window_left;
+  p.window_right = a.window_right < 0 ? a.seqlen_q : a.window_right;
   p.num_m_blocks = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   int64_t const units =
       int64_t(FwdTileScheduler<Traits>::units_per_head(p.num_m_blocks)) * a.heads * a.batch;
@@ -98,9 +106,9 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
 
 }  // namespace fwd
 
-template <int kHeadDim, DType kDType, bool kCausal>
+template <int kHeadDim, DType kDType, MaskKind kMask>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
-  using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kCausal>;
+  using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kMask>;
   using fwd::require;
   require(params.headdim == kHeadDim, "headdim does not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
@@ -116,6 +124,8 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   require(params.o_stride.row % 2 == 0 && params.o_stride.head % 2 == 0 && params.o_stride.batch % 2 == 0,
           "o strides must be even (O is written in 4-byte pairs)");
   require(params.lse != nullptr, "lse must be given");
+  require(!Traits::kLocal || (params.window_left >= -1 && params.window_right >= -1),
+          "window_left and window_right must be >= -1 (-1: unbounded)");
 
   typename Traits::Params p = fwd::make_fwd_params<Traits>(params);
 

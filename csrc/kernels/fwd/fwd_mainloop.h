@@ -43,6 +43,7 @@ struct FwdMainloop {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr bool kCausal = Traits::kCausal;
+  static constexpr bool kLocal = Traits::kLocal;
   static constexpr int kTurnThreads = 2 * Traits::kThreadsPerWarpgroup;
   static_assert(Traits::kNumMmaWarpgroups == 2, "the ping-pong turn barriers assume two MMA warpgroups");
 
@@ -114,11 +115,16 @@ struct FwdMainloop {
     float o_scale[2];
     int const row0 = m_block * kBlockM;
     auto mask = [&](auto& tSrS, int n) {
-      apply_attention_mask<kCausal>(tSrS, tScS, row0, n * kBlockN, p.seqlen_q, p.seqlen_k);
+      if constexpr (kLocal) {
+        apply_attention_mask<false, true>(tSrS, tScS, row0, n * kBlockN, p.seqlen_q, p.seqlen_k, p.window_left,
+                                          p.window_right);
+      } else {
+        apply_attention_mask<kCausal>(tSrS, tScS, row0, n * kBlockN, p.seqlen_q, p.seqlen_k);
+      }
     };
 
-    // First block: S, mask (it may hold keys past seqlen_k and the diagonal),
-    // softmax. No PV GEMM to overlap with yet.
+    // First block: S, mask (it may hold keys past seqlen_k and the diagonal;
+    // with a window, also the left side), softmax. No PV GEMM to overlap with yet.
     int n = kv_blocks.end - 1;
     {
       FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -165,8 +171,22 @@ struct FwdMainloop {
       CUTE_NO_UNROLL
       for (; n >= unmasked_end; --n) { step(n, cute::true_type{}); }
     }
-    CUTE_NO_UNROLL
-    for (; n >= kv_blocks.begin; --n) { step(n, cute::false_type{}); }
+    if constexpr (kLocal) {
+      // Blocks right of the unmasked ones (the right side of the window, keys
+      // past seqlen_k), the unmasked ones, then those left of them (the left side).
+      BlockRange const unmasked = Traits::tile_geometry(p).kv_unmasked(m_block);
+      int const unmasked_begin = cute::max(unmasked.begin, kv_blocks.begin);
+      int const unmasked_end = cute::max(unmasked.end, unmasked_begin);
+      CUTE_NO_UNROLL
+      for (; n >= unmasked_end; --n) { step(n, cute::true_type{}); }
+      CUTE_NO_UNROLL
+      for (; n >= unmasked_begin; --n) { step(n, cute::false_type{}); }
+      CUTE_NO_UNROLL
+      for (; n >= kv_blocks.begin; --n) { step(n, cute::true_type{}); }
+    } else {
+      CUTE_NO_UNROLL
+      for (; n >= kv_blocks.begin; --n) { step(n, cute::false_type{}); }
+    }
 
     // Every S = Q K^T of the tile has retired: this Q stage may be refilled.
     pipeline_q.consumer_release(q_state);

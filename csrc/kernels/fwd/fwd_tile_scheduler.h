@@ -1,6 +1,7 @@
 // Static persistent tile scheduler of the forward kernel.
 //
-// Work is cut into units. Full mask: a unit is one query tile. Causal: a unit
+// Work is cut into units. Full and local (window) masks: a unit is one query
+// tile (a window's tiles cost about the same, bar the sequence's ends). Causal: a unit
 // is the PAIR of query blocks (n_m - 1 - j, j), the longest tile with the
 // shortest, so that every unit costs about n_m + 1 key blocks (the causal
 // profile is linear in the block index). The grid has min(num_sms,

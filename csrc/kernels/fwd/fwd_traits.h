@@ -1,7 +1,7 @@
 // Compile-time configuration of the Hopper forward kernel: tile sizes, warp
 // roles, register budgets, shared-memory layouts, MMA and TMA types, the
 // shared storage and the kernel parameter block. Everything the role files
-// need is derived here from (head dim, element type, causal).
+// need is derived here from (head dim, element type, mask kind).
 #pragma once
 
 // Extended WGMMA N extents (kBlockN = 176, 112, 80); see fwd_launch.cuh.
@@ -17,6 +17,7 @@
 
 #include "common/block_range.h"
 #include "common/gemm_sm90.h"
+#include "common/params.h"
 
 namespace dash_fa3::fwd {
 
@@ -42,40 +43,45 @@ enum class FwdBarrier : uint32_t {
 // warpgroups x 64 rows). kBlockN is as large as registers (S accumulator
 // kBlockN/2 + P kBlockN/4 + O accumulator kHeadDim/2 per thread, under 240)
 // and shared memory (kQStages x Q + kStages x (K + V) under 227 KiB) allow.
-// Causal masks keep kBlockN = kBlockM at hdim <= 128 so the diagonal costs a
-// single masked block. kQStages = 2 lets the producer load the next tile's Q
+// Masks with a diagonal (causal, local) keep kBlockN = kBlockM at hdim <= 128
+// so a diagonal costs a single masked block per Q tile (a window with both
+// sides bounded has two). kQStages = 2 lets the producer load the next tile's Q
 // while the current tile runs (no bubble between tiles); it does not fit in
 // shared memory at hdim >= 192, nor next to kBlockN = 176 at hdim 128.
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, bool kDiagonal>
 struct FwdTileConfig;
-template <bool kCausal> struct FwdTileConfig<64, kCausal> {
+template <bool kDiagonal> struct FwdTileConfig<64, kDiagonal> {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
 };
-template <bool kCausal> struct FwdTileConfig<96, kCausal> {
+template <bool kDiagonal> struct FwdTileConfig<96, kDiagonal> {
   static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
 };
-template <bool kCausal> struct FwdTileConfig<128, kCausal> {
+template <bool kDiagonal> struct FwdTileConfig<128, kDiagonal> {
   // Full: 128 x 176 with one Q stage measured faster than 128 x 160 with two.
-  static constexpr int kBlockN = kCausal ? 128 : 176, kStages = 2, kQStages = kCausal ? 2 : 1;
+  static constexpr int kBlockN = kDiagonal ? 128 : 176, kStages = 2, kQStages = kDiagonal ? 2 : 1;
 };
-template <bool kCausal> struct FwdTileConfig<192, kCausal> {
+template <bool kDiagonal> struct FwdTileConfig<192, kDiagonal> {
   static constexpr int kBlockN = 112, kStages = 2, kQStages = 1;
 };
-template <bool kCausal> struct FwdTileConfig<256, kCausal> {
+template <bool kDiagonal> struct FwdTileConfig<256, kDiagonal> {
   static constexpr int kBlockN = 80, kStages = 2, kQStages = 1;
 };
 
-template <int kHeadDim_, class Element_, bool kCausal_>
+template <int kHeadDim_, class Element_, MaskKind kMask_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr MaskKind kMask = kMask_;
+  static constexpr bool kCausal = kMask == MaskKind::kCausal;
+  // A runtime window (Params::window_left/right), masked on both sides.
+  static constexpr bool kLocal = kMask == MaskKind::kLocal;
+  using TileConfig = FwdTileConfig<kHeadDim, kCausal || kLocal>;
 
   static constexpr int kNumMmaWarpgroups = 2;
   static constexpr int kBlockM = 64 * kNumMmaWarpgroups;
-  static constexpr int kBlockN = FwdTileConfig<kHeadDim, kCausal_>::kBlockN;
-  static constexpr int kStages = FwdTileConfig<kHeadDim, kCausal_>::kStages;
-  static constexpr int kQStages = FwdTileConfig<kHeadDim, kCausal_>::kQStages;
+  static constexpr int kBlockN = TileConfig::kBlockN;
+  static constexpr int kStages = TileConfig::kStages;
+  static constexpr int kQStages = TileConfig::kQStages;
   static_assert(kBlockN % 16 == 0, "kBlockN is the K extent of the PV GEMM");
 
   static constexpr int kThreadsPerWarpgroup = 128;
@@ -169,11 +175,21 @@ struct FwdTraits {
     int num_m_blocks;
     int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h
     int heads_per_section;  // (batch, head) pairs per L2 section, see fwd_tile_scheduler.h
+    // kLocal: the window with an unbounded side as a bound that masks
+    // nothing (left: seqlen_k, right: seqlen_q; the block ranges are the same,
+    // see make_fwd_params), so the device code has no -1 case. Unused otherwise
+    // (last, so the other fields keep their offsets).
+    int window_left, window_right;
   };
 
-  // Block ranges of one (batch, head): the call's shape with this kernel's tiles.
+  // Block ranges of one (batch, head): the call's shape with this kernel's
+  // tiles; the full and causal windows are constants, so their window tests fold away.
   CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
-    return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
+    if constexpr (kLocal) {
+      return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, p.window_left, p.window_right};
+    } else {
+      return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
+    }
   }
 };
 

@@ -1,0 +1,96 @@
+"""How window calls reach the kernels, checked on the CPU: the CUDA implementations of
+dash_fa3::fwd_general / bwd_general call the C++ dispatch (a stand-in here) with the
+window, and the backward's schedule is built for the local mask kind and that window."""
+
+import numpy as np
+import pytest
+import torch
+
+from dash_fa3 import ops, variants
+from dash_fa3.schedule import metadata as M
+from dash_fa3.schedule.contract import SCHEDULES
+
+
+class FakeOps:
+    """Stands in for torch.ops.dash_fa3_C: records the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fwd_window(self, *args):
+        self.calls.append(("fwd_window", args))
+        q = args[0]
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    @property
+    def bwd(self):
+        outer = self
+
+        class _Bwd:
+            def default(self, *args):
+                outer.calls.append(("bwd", args))
+                return args[1], args[2], args[3]
+
+        return _Bwd()
+
+
+@pytest.fixture
+def fake_ext(monkeypatch):
+    fake = FakeOps()
+    built = tuple(v.name for v in variants.ALL_VARIANTS if v.has_bwd)
+    monkeypatch.setattr(ops._ext, "ops", lambda: fake)
+    monkeypatch.setattr(ops._ext, "built_bwd_variants", lambda: built)
+    monkeypatch.setattr(ops._ext, "num_sms", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    ops._bwd_plan.cache_clear()
+    yield fake
+    ops._bwd_plan.cache_clear()
+
+
+def qkv(b=2, sq=300, sk=500, h=4, hkv=2, d=128):
+    q = torch.zeros(b, sq, h, d, dtype=torch.bfloat16)
+    k = torch.zeros(b, sk, hkv, d, dtype=torch.bfloat16)
+    return q, k, k.clone()
+
+
+def test_fwd_general_cuda_runs_the_window_kernel(fake_ext):
+    q, k, v = qkv()
+    ops._fwd_general_cuda(q, k, v, None, None, 0, 0, 0.125, 64, 0, 0.0, 3)
+    name, args = fake_ext.calls[-1]
+    assert name == "fwd_window" and args[3:] == (0.125, 64, 0, 3)
+
+
+@pytest.mark.parametrize("window", [(64, 0), (0, 0), (100, -1), (-1, 50), (30, 20)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_general_cuda_builds_a_local_schedule(fake_ext, window, deterministic):
+    q, k, v = qkv()
+    out = torch.zeros_like(q)
+    lse = torch.zeros(2, 4, 300)
+    ops._bwd_general_cuda(out, q, k, v, out, lse, None, None, 0, 0, 0.125, *window, 0.0, deterministic, "auto", 0)
+    name, args = fake_ext.calls[-1]
+    assert name == "bwd"
+    flat, header, scale, left, right, det = args[6], args[7], args[8], args[9], args[10], args[11]
+    assert (scale, left, right, det) == (0.125, *window, deterministic)
+    h = header.numpy()
+    assert h[M.H_MASK] == M.MASK_LOCAL and (h[M.H_WINDOW_LEFT], h[M.H_WINDOW_RIGHT]) == window
+    assert (h[M.H_SEQLEN_Q], h[M.H_SEQLEN_K], h[M.H_BLOCK_M], h[M.H_BLOCK_N]) == (300, 500, 64, 128)
+    assert np.array_equal(flat.numpy(), h)
+    assert SCHEDULES[h[M.H_SCHEDULE]] == ("spt" if deterministic else "lpt")
+
+
+def test_plain_bwd_passes_the_fixed_windows(fake_ext):
+    q, k, v = qkv()
+    out = torch.zeros_like(q)
+    for causal, window in ((True, (-1, 0)), (False, (-1, -1))):
+        ops._bwd_cuda(out, q, k, v, out, torch.zeros(2, 4, 300), 0.125, causal, True, "fa3", 0)
+        args = fake_ext.calls[-1][1]
+        assert (args[9], args[10]) == window
+        h = args[7].numpy()
+        assert h[M.H_MASK] == (M.MASK_CAUSAL if causal else M.MASK_FULL)
+
+
+def test_softcap_and_varlen_still_refuse_on_cuda(fake_ext):
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="softcap"):
+        ops._fwd_general_cuda(q, k, v, None, None, 0, 0, 0.125, 64, 0, 30.0, 0)
+    assert not fake_ext.calls
