@@ -13,13 +13,15 @@ ERR_FACTOR = 2.0
 ERR_FLOOR = 1e-5
 
 
-def attention_lowp(q, k, v, softmax_scale, causal):
-    """A plain PyTorch bf16/fp16 attention: matmuls in the input dtype, softmax in fp32."""
+def attention_lowp(q, k, v, softmax_scale, causal, window_size=(-1, -1)):
+    """A plain PyTorch bf16/fp16 attention: matmuls in the input dtype, softmax in fp32.
+    ``window_size`` as FA3's (with ``causal`` folded in)."""
     heads = q.shape[2]
     qh, kh, vh = (reference._bhsd(t, heads, t.dtype) for t in (q, k, v))
     s = torch.matmul(qh, kh.transpose(-1, -2)).float() * softmax_scale
-    if causal:
-        s = s.masked_fill(~reference.causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    if causal or tuple(window_size) != (-1, -1):
+        keep = reference.visible_mask(q.shape[1], k.shape[1], window_size, causal, q.device)
+        s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     shift = lse.masked_fill(lse == float("-inf"), float("inf"))
     p = torch.exp(s - shift.unsqueeze(-1)).to(q.dtype)

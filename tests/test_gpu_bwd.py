@@ -18,7 +18,8 @@ from dash_fa3.schedule import SCHEDULES
 
 pytestmark = pytest.mark.gpu
 
-BWD_VARIANTS = [v for v in variants.ALL_VARIANTS if v.has_bwd]
+# The full and causal kernels; the local (window) ones: tests/test_gpu_window.py.
+BWD_VARIANTS = [v for v in variants.ALL_VARIANTS if v.has_bwd and not v.local]
 SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
     (2, 256, 256, 4, 4),
     (1, 1000, 1000, 2, 2),  # ragged last tiles
