@@ -1,6 +1,8 @@
 """Small fwd+bwd calls for compute-sanitizer: every built head dim of 64 and
-128, full and causal masks, both modes, MHA and GQA (4 query heads on 2 KV
-heads), 200 query and 333 key tokens (ragged tiles). Run on the GPU machine:
+128, full and causal masks and sliding windows (the local kernels; one of them
+hides the first KV tile from every query, a backward task without steps), both
+modes, MHA and GQA (4 query heads on 2 KV heads), 200 (or 100) query and 333
+key tokens (ragged tiles). Run on the GPU machine:
 
     compute-sanitizer --tool memcheck|racecheck|synccheck --error-exitcode 9 python tools/sanitize_small.py
 """
@@ -9,14 +11,21 @@ import torch
 
 import dash_fa3
 
+CASES = [  # (seqlen_q, flash_attn_func mask arguments)
+    (200, dict(causal=False)),
+    (200, dict(causal=True)),
+    (200, dict(window_size=(30, 20))),
+    (100, dict(window_size=(64, 0))),  # keys < 169 are seen by no query: KV tile 0 has no step
+]
+
 for d in (64, 128):
-    for causal in (False, True):
+    for sq, mask in CASES:
         for det in (False, True):
             for hq, hk in ((2, 2), (4, 2)):
-                q = torch.randn(1, 200, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                q = torch.randn(1, sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 k = torch.randn(1, 333, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 v = torch.randn(1, 333, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                out = dash_fa3.flash_attn_func(q, k, v, causal=causal, deterministic=det)
+                out = dash_fa3.flash_attn_func(q, k, v, deterministic=det, **mask)
                 out = out[0] if isinstance(out, tuple) else out
                 out.float().sum().backward()
 torch.cuda.synchronize()
