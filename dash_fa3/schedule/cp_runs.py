@@ -1,0 +1,191 @@
+"""The GPU path of context parallelism as data: which query rows each rank computes with the Hopper
+kernels, and what moves between ranks (issue 16).
+
+The fold schedules of ``distributed.py`` advance a query block's softmax state (or a block's dQ /
+dK-dV accumulator) tile by tile across steps, which needs kernels that take and return fp32 fold
+state. The kernels we have take whole problems, so this path cuts the work differently: each rank
+computes a few **runs** of consecutive query blocks, each run in one kernel call against the key
+prefix that run needs (causal: keys [0, run end), the kernel's bottom-right alignment putting the
+diagonal where it belongs; full: every key). A query row is then computed by exactly one call, with
+the same key tiles in the same order as on one GPU, so the forward's output and LSE are bitwise
+those of a single-GPU call whatever the number of ranks. The backward call of a run gives that run's
+complete dQ and a partial dK/dV over the run's key prefix; the partials of each key block are summed
+by its owner in fp32, in ascending rank order.
+
+Runs (``plan``): causal attention on the contiguous layout splits the query blocks into P runs of
+equal work (a block's work is its count of key tiles), run r on rank r; run r then starts inside or
+after rank r's own chunk, and the rows it takes from rank r+1 are DistFlashAttn's helper-worker
+balance at run granularity. The zigzag layout (and full attention on either) computes each rank's
+own blocks, which is balanced already. Every run is split where its key prefix stops being local,
+so a rank can compute what it holds while the rest arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .distributed import G, block_owners, check_seqlen, local_blocks
+
+__all__ = ["RunPlan", "plan", "validate", "simulate"]
+
+
+def _runs(blocks) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for b in blocks:
+        if out and out[-1][1] == b:
+            out[-1][1] = b + 1
+        else:
+            out.append([b, b + 1])
+    return [(lo, hi) for lo, hi in out]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    num_ranks: int
+    num_blocks: int
+    causal: bool
+    layout: str
+    owner: tuple[int, ...]                          # block -> owning rank
+    runs: tuple[tuple[tuple[int, int], ...], ...]   # per rank: query-block runs [lo, hi), in call order
+
+    def kv_end(self, lo: int, hi: int) -> int:
+        """Key blocks [0, kv_end) a run's call reads."""
+        return hi if self.causal else self.num_blocks
+
+    def kv_need(self, rank: int) -> int:
+        """Key blocks [0, kv_need) this rank gathers (the longest prefix of its runs)."""
+        return max((self.kv_end(lo, hi) for lo, hi in self.runs[rank]), default=0)
+
+    def local(self, rank: int) -> tuple[int, ...]:
+        return tuple(b for b in range(self.num_blocks) if self.owner[b] == rank)
+
+    def run_is_local(self, rank: int, lo: int, hi: int) -> bool:
+        """Whether the run's rows and key prefix are all this rank's own blocks."""
+        return all(self.owner[b] == rank for b in range(0, max(hi, self.kv_end(lo, hi))))
+
+    def rows_from(self, rank: int, peer: int) -> list[tuple[int, int]]:
+        """Query-row block runs that ``rank`` computes and ``peer`` owns (peer sends their inputs,
+        rank sends back their results)."""
+        blocks = [b for lo, hi in self.runs[rank] for b in range(lo, hi) if self.owner[b] == peer]
+        return _runs(sorted(blocks))
+
+    def kv_from(self, rank: int, peer: int) -> list[tuple[int, int]]:
+        """Key blocks ``rank`` needs from ``peer`` (and, in the backward, returns partials of)."""
+        return _runs([b for b in range(self.kv_need(rank)) if self.owner[b] == peer])
+
+    def tiles(self, rank: int) -> int:
+        """G x G tiles this rank's calls cover (a causal diagonal tile counts one)."""
+        return sum(self.kv_end(b, b + 1) for lo, hi in self.runs[rank] for b in range(lo, hi))
+
+
+def _equal_work_cuts(num_blocks: int, parts: int) -> list[int]:
+    """Block boundaries splitting causal query blocks into ``parts`` runs of near-equal tile count."""
+    work = np.cumsum(np.arange(1, num_blocks + 1, dtype=np.float64))  # work[b] = tiles of blocks 0..b
+    total = work[-1]
+    cuts = [0]
+    for r in range(1, parts):
+        b = int(np.searchsorted(work, total * r / parts))   # first b with work[b] >= target
+        # work of blocks [0, cut) is work[cut - 1]: take the cut nearer to the target
+        lo_cut, hi_cut = b, b + 1
+        target = total * r / parts
+        below = work[lo_cut - 1] if lo_cut > 0 else 0.0
+        cut = lo_cut if abs(below - target) <= abs(work[b] - target) else hi_cut
+        cuts.append(min(max(cut, cuts[-1] + 1), num_blocks - (parts - r)))
+    cuts.append(num_blocks)
+    return cuts
+
+
+def _split_local(runs, owner, rank, causal, num_blocks):
+    """Split each run where its key prefix stops being this rank's own: the part before needs no
+    remote data and goes first."""
+    first_remote = next((b for b in range(num_blocks) if owner[b] != rank), num_blocks)
+    local, remote = [], []
+    for lo, hi in runs:
+        if causal and lo < first_remote:   # blocks below first_remote are all this rank's
+            cut = min(hi, first_remote)
+            local.append((lo, cut))
+            if cut < hi:
+                remote.append((cut, hi))
+        elif not causal and first_remote == num_blocks:
+            local.append((lo, hi))
+        else:
+            remote.append((lo, hi))
+    return tuple(local + remote)
+
+
+@lru_cache(maxsize=256)
+def plan(num_ranks: int, seqlen: int, causal: bool, layout: str) -> RunPlan:
+    """The run plan for a global sequence of ``seqlen`` tokens over ``num_ranks`` ranks."""
+    nb = check_seqlen(seqlen, num_ranks)
+    owner = tuple(int(x) for x in block_owners(layout, num_ranks, nb))
+    if causal and layout == "contiguous":
+        cuts = _equal_work_cuts(nb, num_ranks)
+        runs = [[(cuts[r], cuts[r + 1])] for r in range(num_ranks)]
+    else:
+        runs = [_runs(local_blocks(layout, num_ranks, nb, r).tolist()) for r in range(num_ranks)]
+    runs = tuple(_split_local(rs, owner, r, causal, nb) for r, rs in enumerate(runs))
+    p = RunPlan(num_ranks, nb, bool(causal), layout, owner, runs)
+    validate(p)
+    return p
+
+
+def validate(p: RunPlan) -> None:
+    """Every query block in exactly one run; runs non-empty and inside the sequence. ValueError."""
+    seen = np.zeros(p.num_blocks, dtype=np.int64)
+    for r, runs in enumerate(p.runs):
+        for lo, hi in runs:
+            if not 0 <= lo < hi <= p.num_blocks:
+                raise ValueError(f"rank {r}: run [{lo}, {hi}) is empty or outside blocks [0, {p.num_blocks})")
+            seen[lo:hi] += 1
+    bad = np.flatnonzero(seen != 1)
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"query block {b} is computed {int(seen[b])} times (must be once)")
+    if len(p.owner) != p.num_blocks or any(not 0 <= o < p.num_ranks for o in p.owner):
+        raise ValueError("owner table does not match the plan's blocks and ranks")
+
+
+@dataclass(frozen=True)
+class RunSim:
+    compute_ms: tuple[float, ...]    # per rank, forward + backward kernel time
+    comm_ms: tuple[float, ...]       # per rank, exposed communication (inputs before remote runs, results after)
+    time_ms: float                   # the slowest rank
+    single_ms: float                 # one GPU, whole sequence
+    efficiency: float                # single / (P * time)
+
+
+def simulate(num_ranks: int, seqlen: int, *, causal: bool = True, layout: str = "contiguous", batch: int = 1,
+             heads: int = 16, heads_kv: int = 16, headdim: int = 128, fwd_tflops: float = 650.0,
+             bwd_tflops: float = 500.0, beta_gbs: float = 350.0, alpha_us: float = 15.0,
+             launch_us: float = 20.0) -> RunSim:
+    """Alpha-beta estimate of one forward + backward on the run plan: compute per rank from its tile
+    count at the kernels' rates; communication exposed where a rank waits for its inputs (a rank's
+    local runs hide that much) and for the dK/dV partials and results after its last call."""
+    p = plan(num_ranks, seqlen, causal, layout)
+    tile_flops = 4.0 * G * G * headdim * heads * batch          # QK^T and PV of one tile
+    row_bytes = batch * G * headdim * 2
+    t_fwd = tile_flops / (fwd_tflops * 1e12)
+    t_bwd = 2.5 * tile_flops / (bwd_tflops * 1e12)
+    comp, comm = [], []
+    for r in range(num_ranks):
+        tiles = p.tiles(r)
+        calls = len(p.runs[r])
+        c = tiles * (t_fwd + t_bwd) + 2 * calls * launch_us * 1e-6
+        local_tiles = sum(p.kv_end(b, b + 1) for lo, hi in p.runs[r] for b in range(lo, hi)
+                          if p.run_is_local(r, lo, hi))
+        kv_in = sum(hi - lo for q in range(num_ranks) if q != r for lo, hi in p.kv_from(r, q))
+        q_in = sum(hi - lo for q in range(num_ranks) if q != r for lo, hi in p.rows_from(r, q))
+        fetch = alpha_us * 1e-6 + (kv_in * 2 * heads_kv + q_in * heads) * row_bytes / (beta_gbs * 1e9)
+        exposed_in = max(0.0, fetch - local_tiles * t_fwd) + max(0.0, fetch * 2 - local_tiles * t_bwd)
+        parts_out = sum(hi - lo for q in range(num_ranks) if q != r for lo, hi in p.kv_from(r, q))
+        exposed_out = alpha_us * 1e-6 + parts_out * 2 * heads_kv * row_bytes / (beta_gbs * 1e9)
+        comp.append(c * 1e3)
+        comm.append((exposed_in + exposed_out) * 1e3)
+    nb = p.num_blocks
+    all_tiles = nb * (nb + 1) // 2 if causal else nb * nb
+    single = all_tiles * (t_fwd + t_bwd) * 1e3
+    time = max(c + m for c, m in zip(comp, comm))
+    return RunSim(tuple(comp), tuple(comm), time, single, single / (num_ranks * time))
