@@ -95,9 +95,13 @@ def runs(tmp_path_factory):
                               stdout=open(out / f"rank{r}.log", "w"), stderr=subprocess.STDOUT) for r in range(P)]
     deadline = time.monotonic() + 600
     try:
-        for r, p in enumerate(procs):
-            code = p.wait(timeout=max(deadline - time.monotonic(), 1))
-            assert code == 0, f"rank {r} exited {code}:\n" + (out / f"rank{r}.log").read_text()[-4000:]
+        codes = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+        if any(codes):
+            # the rank that raised first has the cause; the other is usually aborted by the watchdog
+            logs = [(out / f"rank{r}.log").read_text() for r in range(P)]
+            causes = ["\n".join(ln for ln in log.splitlines() if "Error" in ln or "error" in ln)[-2000:] for log in logs]
+            pytest.fail(f"exit codes {codes}; error lines per rank:\n" + "\n---\n".join(causes) +
+                        "\nlast lines of rank 0:\n" + logs[0][-1500:])
     finally:
         for p in procs:
             if p.poll() is None:

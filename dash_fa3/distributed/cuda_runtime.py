@@ -254,6 +254,7 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
         e = p.kv_end(lo, hi) * G
         args = [_run_input(t, dim, mine, received, p, rank, lo, hi, name) for name, (t, dim) in rows.items()]
         q_run, do_run, o_run, l_run = args
+        l_run = l_run.contiguous()    # the backward op takes a contiguous (b, h, rows) LSE
         dq_run, dk_run, dv_run = ops.bwd(do_run, q_run, _bshd(kg[:e]), _bshd(vg[:e]), o_run, l_run,
                                          softmax_scale, causal, False, "auto", 0)
         partials.append((p.kv_end(lo, hi), dk_run, dv_run))
