@@ -319,13 +319,32 @@ def model_prediction(cfg: dict, P: int, layout: str) -> dict:
         return {"unavailable": f"{type(e).__name__}: {e}"}
 
 
+def run_plan_model(cfg: dict, P: int, layout: str, t1_ms: float | None) -> dict:
+    """The run plan's model (dash_fa3.schedule.cp_runs.simulate) for ours nd, its kernel rates
+    scaled so that its one-GPU time equals the measured ours T1 nd (the calibration); the
+    communication terms keep their defaults. {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
+    from dash_fa3.schedule import cp_runs
+
+    if t1_ms is None:
+        return {"unavailable": "no measured ours T1 nd to calibrate on"}
+    try:
+        kw = dict(causal=cfg["causal"], layout=layout, batch=cfg["batch"], heads=cfg["heads"],
+                  heads_kv=cfg["heads_kv"], headdim=cfg["hdim"])
+        scale = cp_runs.simulate(P, cfg["tokens"], **kw).single_ms / t1_ms
+        r = cp_runs.simulate(P, cfg["tokens"], fwd_tflops=650.0 * scale, bwd_tflops=500.0 * scale, **kw)
+        return {"eff": r.efficiency, "ms": r.time_ms, "t1_ms": r.single_ms}
+    except Exception as e:   # a shape the model refuses: report why
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+
+
 def figures(impls: list[Impl], ms: dict, P: int, models: dict | None = None) -> dict:
     """The derived figures of one configuration from the medians ``ms`` (name -> ms or None).
 
     eff_ours: ours CP vs ours T1 in its mode; torch CP vs ours T1 nd. eff_cudnn: every CP row vs
     SDPA cuDNN T1. eff_own: torch CP vs SDPA T1 of its own backend (ours: = eff_ours).
     ratios[ours][peer] = ours ms / peer ms. best_cudnn: the fastest torch CP cuDNN rotate method.
-    model: per ours det row, the prediction and measured - model."""
+    model: per ours row, the prediction and measured - model; ``models`` maps a layout to the fold
+    model (ours det) and ("nd", layout) to the run plan's model (ours nd)."""
     models = models or {}
     t1_cudnn = ms.get(sdpa_t1_name("cudnn"))
     rows = {}
@@ -336,8 +355,9 @@ def figures(impls: list[Impl], ms: dict, P: int, models: dict | None = None) -> 
         t1 = ms.get(t1_name(im.mode)) if im.ours else ms.get(t1_name("nd"))
         row = {"eff_ours": efficiency(t1, t, P), "eff_cudnn": efficiency(t1_cudnn, t, P)}
         row["eff_own"] = row["eff_ours"] if im.ours else efficiency(ms.get(sdpa_t1_name(im.backend)), t, P)
-        if im.ours and im.mode == "det" and im.layout in models:
-            m = models[im.layout]
+        key = im.layout if im.mode == "det" else ("nd", im.layout)
+        if im.ours and key in models:
+            m = models[key]
             row["model"] = m
             if "eff" in m and row["eff_ours"] is not None:
                 row["model_minus_measured"] = m["eff"] - row["eff_ours"]
@@ -424,8 +444,9 @@ def header_lines(meta: dict) -> list[str]:
         f"after a check call and {meta['warmup']} warm-up(s); figures are medians over rounds (min–max over "
         f"rounds beside). T1 = {one} on the whole sequence (rank 0, the others wait). eff = T1 / (P · T_P): "
         "'vs ours T1' uses ours T1 in the row's mode (nd for torch CP), 'vs cuDNN T1' uses SDPA cuDNN T1. "
-        "'model' = dash_fa3.schedule.distributed.simulate's prediction for ours det with its default "
-        "(uncalibrated, H200-like) cost parameters; its own T1 is one GPU at the model's kernel rates. check = "
+        "'model' = for ours det, dash_fa3.schedule.distributed.simulate's prediction with its default "
+        "(uncalibrated, H200-like) cost parameters, its own T1 one GPU at the model's kernel rates; for ours nd, "
+        "dash_fa3.schedule.cp_runs.simulate with its kernel rates scaled to the measured ours T1 nd. check = "
         "max abs difference of out, dq, dk, dv from ours T1 nd on the same inputs (! / WARN: above "
         f"{meta['check_tol']} x the reference's max abs value).",
     ]
@@ -483,7 +504,7 @@ def bar_lines(records: list[dict], gpu: bool = True) -> list[str]:
     targets = ", ".join(f"{v:.2f} at {size_label(k)}" for k, v in EFF_TARGET.items())
     lines += [f"eff target {targets} tokens (— elsewhere); ours ≤ {PEER_RATIO_LIMIT['nd']:.2f}x (nd) / "
               f"{PEER_RATIO_LIMIT['det']:.2f}x (det) the fastest torch CP cuDNN; model within {MODEL_TOLERANCE:.2f} "
-              "of the measured efficiency (det; model = simulation, not a measurement).", "",
+              "of the measured efficiency (model = simulation, not a measurement).", "",
               "| configuration | ours | eff vs ours T1 | eff bar | / best torch CP cuDNN | ratio bar | model eff "
               "| model − measured | model bar |", "|---|---|---|---|---|---|---|---|---|"]
     for rec in records:
@@ -1063,7 +1084,9 @@ def run_config(cfg: dict, args, ctx: Ctx, impls: list[Impl]) -> dict:
         res["stats"] = round_stats(samples[im.name]) if res["status"] == "ok" else None
         ms[im.name] = res["stats"]["median"] if res["stats"] else None
     models = ({lay: model_prediction(cfg, ctx.world, lay) for lay in args.layouts} if "det" in args.modes else {})
-    rec["model"] = models
+    if "nd" in args.modes:
+        models.update({("nd", lay): run_plan_model(cfg, ctx.world, lay, ms.get(t1_name("nd"))) for lay in args.layouts})
+    rec["model"] = {k if isinstance(k, str) else "/".join(k): m for k, m in models.items()}
     rec["figures"] = figures(impls, ms, ctx.world, models)
     rec["bar"] = bar_rows(cfg, impls, ms, rec["figures"], gpu=ctx.cuda)
     runners.clear()

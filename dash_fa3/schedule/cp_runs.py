@@ -151,7 +151,7 @@ def validate(p: RunPlan) -> None:
 @dataclass(frozen=True)
 class RunSim:
     compute_ms: tuple[float, ...]    # per rank, forward + backward kernel time
-    comm_ms: tuple[float, ...]       # per rank, exposed communication (inputs before remote runs, results after)
+    comm_ms: tuple[float, ...]       # per rank, exposed communication and the runtime's memory passes
     time_ms: float                   # the slowest rank
     single_ms: float                 # one GPU, whole sequence
     efficiency: float                # single / (P * time)
@@ -160,30 +160,51 @@ class RunSim:
 def simulate(num_ranks: int, seqlen: int, *, causal: bool = True, layout: str = "contiguous", batch: int = 1,
              heads: int = 16, heads_kv: int = 16, headdim: int = 128, fwd_tflops: float = 650.0,
              bwd_tflops: float = 500.0, beta_gbs: float = 350.0, alpha_us: float = 15.0,
-             launch_us: float = 20.0) -> RunSim:
-    """Alpha-beta estimate of one forward + backward on the run plan: compute per rank from its tile
-    count at the kernels' rates; communication exposed where a rank waits for its inputs (a rank's
-    local runs hide that much) and for the dK/dV partials and results after its last call."""
+             hbm_gbs: float = 3000.0, launch_us: float = 20.0) -> RunSim:
+    """Estimate of one forward + backward on the run plan (the non-deterministic mode).
+
+    Per rank: kernel time from its tile count at the kernels' rates (``fwd_tflops``; the backward's
+    2.5x the forward's FLOPs at ``bwd_tflops``); the wait for remote inputs before its first remote
+    run, less the compute of its local runs (α + bytes/β, sends and receives concurrent); after its
+    last call, the results and dK/dV partials exchange (the larger direction); and the
+    runtime's own memory passes at ``hbm_gbs``: sequence-major copies of K and V, output and dQ
+    placement, the fp32 dK/dV sums (zeroing, one read-add-write per partial, the final cast)."""
     p = plan(num_ranks, seqlen, causal, layout)
     tile_flops = 4.0 * G * G * headdim * heads * batch          # QK^T and PV of one tile
-    row_bytes = batch * G * headdim * 2
+    row = batch * G * headdim * 2                               # bytes of one block of one head
     t_fwd = tile_flops / (fwd_tflops * 1e12)
     t_bwd = 2.5 * tile_flops / (bwd_tflops * 1e12)
+    n_local = p.num_blocks // num_ranks
+
+    def msg(nbytes: float) -> float:
+        return alpha_us * 1e-6 + nbytes / (beta_gbs * 1e9) if nbytes else 0.0
+
     comp, comm = [], []
     for r in range(num_ranks):
-        tiles = p.tiles(r)
+        peers = [q for q in range(num_ranks) if q != r]
         calls = len(p.runs[r])
-        c = tiles * (t_fwd + t_bwd) + 2 * calls * launch_us * 1e-6
-        local_tiles = sum(p.kv_end(b, b + 1) for lo, hi in p.runs[r] for b in range(lo, hi)
-                          if p.run_is_local(r, lo, hi))
-        kv_in = sum(hi - lo for q in range(num_ranks) if q != r for lo, hi in p.kv_from(r, q))
-        q_in = sum(hi - lo for q in range(num_ranks) if q != r for lo, hi in p.rows_from(r, q))
-        fetch = alpha_us * 1e-6 + (kv_in * 2 * heads_kv + q_in * heads) * row_bytes / (beta_gbs * 1e9)
-        exposed_in = max(0.0, fetch - local_tiles * t_fwd) + max(0.0, fetch * 2 - local_tiles * t_bwd)
-        parts_out = sum(hi - lo for q in range(num_ranks) if q != r for lo, hi in p.kv_from(r, q))
-        exposed_out = alpha_us * 1e-6 + parts_out * 2 * heads_kv * row_bytes / (beta_gbs * 1e9)
+        c = p.tiles(r) * (t_fwd + t_bwd) + 2 * calls * launch_us * 1e-6
+        local = sum(p.kv_end(b, b + 1) for lo, hi in p.runs[r] for b in range(lo, hi) if p.run_is_local(r, lo, hi))
+        kv_in = sum(hi - lo for q in peers for lo, hi in p.kv_from(r, q))
+        kv_out = sum(hi - lo for q in peers for lo, hi in p.kv_from(q, r))
+        rows_in = sum(hi - lo for q in peers for lo, hi in p.rows_from(r, q))     # rows I compute for others
+        rows_out = sum(hi - lo for q in peers for lo, hi in p.rows_from(q, r))    # my rows others compute
+        kv_bytes, q_bytes = 2 * heads_kv * row, heads * row
+        fwd_in = msg(max(kv_in * kv_bytes + rows_in * q_bytes, kv_out * kv_bytes + rows_out * q_bytes))
+        bwd_in = msg(max(kv_in * kv_bytes + rows_in * 3 * q_bytes, kv_out * kv_bytes + rows_out * 3 * q_bytes))
+        exposed_in = max(0.0, fwd_in - local * t_fwd) + max(0.0, bwd_in - local * t_bwd)
+        fwd_out = msg(max(rows_in, rows_out) * q_bytes)
+        parts = calls * kv_in       # upper bound: every run's prefix covers the peers' key blocks
+        bwd_out = msg(max(rows_in * q_bytes + parts * kv_bytes, rows_out * q_bytes + kv_out * kv_bytes))
+        # memory passes, in bytes: K/V sequence-major copies (both passes), out/LSE and dQ placement,
+        # dK/dV: zeroed fp32, per partial read bf16 + read/write fp32, final fp32 read + bf16 write
+        own_kv = n_local * kv_bytes
+        partials = 1 + (num_ranks - 1)
+        passes = (2 * 2 * own_kv + 2 * 2 * n_local * q_bytes
+                  + own_kv * (2 + partials * 5 + 3))
+        mem = passes / (hbm_gbs * 1e9)
         comp.append(c * 1e3)
-        comm.append((exposed_in + exposed_out) * 1e3)
+        comm.append((exposed_in + fwd_out + bwd_out + mem) * 1e3)
     nb = p.num_blocks
     all_tiles = nb * (nb + 1) // 2 if causal else nb * nb
     single = all_tiles * (t_fwd + t_bwd) * 1e3
