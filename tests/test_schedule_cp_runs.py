@@ -88,3 +88,14 @@ def test_simulate_is_balanced_and_below_one():
     assert 0.8 < sim.efficiency < 1.0
     # communication matters more at a shorter sequence
     assert cp_runs.simulate(2, 16 * 1024, causal=True).efficiency < sim.efficiency
+
+
+def test_cli_prints_one_row_per_rank_count(capsys):
+    assert cp_runs.main(["--P", "2,3,8", "--seqlen", "48k,96k", "--heads", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [ln for ln in out if ln.startswith("| ") and ln[2].isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["2", "3", "8"]
+    # 48k and 96k split into whole blocks for P = 2, 3 (64 x 768) and 8 (24 x 2048)
+    effs = [[float(c) for c in r.split("|")[2:4]] for r in rows]
+    assert all(0.5 < e <= 1.0 for row in effs for e in row), rows
+    assert all(row[1] >= row[0] for row in effs), rows     # a longer sequence hides more communication
