@@ -103,8 +103,10 @@ def evaluate(name: str, geometry: Geometry, num_sms: int, costs: CostModel, *, w
                ratio=sim.ratio, sm_idle_fraction=sim.sm_idle_fraction, collisions=sim.waits,
                wait_time=sim.wait_time, metadata_bytes=rep.metadata_bytes)
     if want_cp:
-        # the paper's DAG: zero-weight dependency edges (no semaphore latency)
+        # the DAG with zero-weight dependency edges (no semaphore latency), as in the paper
         out["critical_path"] = critical_path(sched, costs.replace(latency=0.0)).length
+    if costs.pipeline == "writer":
+        out.update(pipeline="writer", buffer_stalls=sim.buffer_stalls, buffer_stall_time=sim.buffer_stall_time)
     if gantt_path:
         from .plot import plot_gantt
         plot_gantt(sched, sim, gantt_path)
@@ -130,18 +132,30 @@ def _fmt_table(rows: list[dict]) -> str:
 
 def _costs_from(args) -> CostModel:
     reduce = args.reduce if args.reduce is not None else args.compute * args.rc_ratio
+    if args.read is not None and args.read > reduce:
+        raise SystemExit(f"error: --read ({args.read:g}) must be <= the reduce cost ({reduce:g})")
     return CostModel(compute=args.compute, reduce=reduce, latency=args.latency, epilogue=args.epilogue,
-                     scale=args.cost_scale)
+                     scale=args.cost_scale, masked_compute=args.masked_compute, read=args.read,
+                     pipeline=args.pipeline)
 
 
-def _add_cost_args(p, *, rc_default: float):
+def _add_cost_args(p, *, rc_default: float, pipeline: str = "writer"):
+    p.add_argument("--pipeline", choices=("writer", "serial"), default=pipeline,
+                   help="writer: the kernel (dQ adds on a writer warp per sdQ buffer, overlapping the MMA "
+                        "work); serial: the paper's DAG (compute -> reduce on the SM)"
+                        f" (default {pipeline})")
+    p.add_argument("--read", type=nonnegative_float, default=None,
+                   help="writer: time until an add has read its sdQ buffer (default: the reduce cost)")
+    p.add_argument("--masked-compute", type=nonnegative_float, default=None,
+                   help="compute cost of a step whose tile needs the mask (default: --compute)")
     p.add_argument("--compute", type=nonnegative_float, default=1.0,
                    help="c: compute cost of one tile step (default 1)")
     p.add_argument("--rc-ratio", type=nonnegative_float, default=rc_default,
                    help=f"r/c when --reduce is not given (default {rc_default})")
     p.add_argument("--reduce", type=nonnegative_float, default=None, help="r: cost of one dQ tile add")
     p.add_argument("--latency", type=nonnegative_float, default=0.0,
-                   help="extra delay of a cross-SM semaphore signal, in the same units (default 0)")
+                   help="semaphore hand-off delay, in the same units (writer: every hand-off; serial: "
+                        "between SMs) (default 0)")
     p.add_argument("--epilogue", type=nonnegative_float, default=0.0,
                    help="cost of a task's dK/dV epilogue (default 0)")
     p.add_argument("--cost-scale", choices=("constant", "elements"), default="constant",
@@ -200,7 +214,7 @@ def _real_main(argv) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print(f"{g.describe()}; headdim {args.headdim}; {args.sms} SMs; c={costs.compute:g} r={costs.reduce:g} "
-              f"latency={costs.latency:g} ({costs.scale} costs)")
+              f"latency={costs.latency:g} ({costs.scale} costs, {costs.pipeline} pipeline)")
         print(_fmt_table(rows))
         if not args.no_gantt:
             print(f"Gantt charts in {args.gantt_dir}/")
@@ -216,7 +230,7 @@ def _model_main(argv) -> int:
     p.add_argument("--sms", type=positive_int, default=None, help="SMs (default: kv tiles)")
     p.add_argument("--mask", choices=("full", "causal"), default="full")
     p.add_argument("--schedule", default="all")
-    _add_cost_args(p, rc_default=1.0)
+    _add_cost_args(p, rc_default=1.0, pipeline="serial")
     p.add_argument("--json", action="store_true")
     p.add_argument("--gantt", default=None, help="PNG path (single schedule) or directory (all)")
     args = p.parse_args(argv)
@@ -306,7 +320,7 @@ def _gallery_main(argv) -> int:
     from .plot import plot_gantt
 
     os.makedirs(args.out, exist_ok=True)
-    costs = CostModel(args.compute, args.reduce)
+    costs = CostModel(args.compute, args.reduce, pipeline="serial")  # the paper's model
     for mask, name, n, m in GALLERY:
         g = Geometry.model(n, m, mask)
         sched = build_schedule(name, g, n)
