@@ -20,6 +20,10 @@ Gallery (the Gantt charts of docs/schedule.md)::
 
     python -m dash_fa3.schedule gallery --out docs/gantt
 
+Calibration (the simulator against the measured H100 grid; ``--fit`` refits it)::
+
+    python -m dash_fa3.schedule calibrate [--fit] [--train 512,2048,8192] [--json]
+
 Export (the kernel's validated static metadata, for the C++ harness)::
 
     python -m dash_fa3.schedule export --out sched.i32 --sms 132 --schedule fa3,spt \
@@ -347,6 +351,42 @@ def _gallery_main(argv) -> int:
     return 0
 
 
+def _calibrate_main(argv) -> int:
+    from . import calibration as C
+    p = argparse.ArgumentParser(
+        prog="python -m dash_fa3.schedule calibrate",
+        description="The simulator against the measured H100 grid (model/calibration.py): per grid point and "
+                    "schedule measured / predicted ms and error, the ranking agreement; --fit refits the costs "
+                    "on the --train seqlens first (needs scipy; minutes).")
+    p.add_argument("--fit", action="store_true", help="refit the costs (from the shipped ones) before the table")
+    p.add_argument("--train", default="512,2048,8192", help="seqlens the fit uses (the rest are held out)")
+    p.add_argument("--headdim", type=sm_list, default=None, help="head dims (default: all of the grid)")
+    p.add_argument("--max-evals", type=positive_int, default=80, help="fit: evaluations per head dim")
+    p.add_argument("--workers", type=positive_int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--json", action="store_true", help="print rows, ranking and summary as JSON")
+    args = p.parse_args(argv)
+    train = tuple(sm_list(args.train))
+    grid = C.H100_B064A4D
+    cal = C.H100
+    hds = tuple(args.headdim) if args.headdim else tuple(sorted({r[0] for r in grid.rows}))
+    if args.fit:
+        cal = C.refit(cal, grid, train, hds, args.workers, args.max_evals,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = C.evaluate_grid(cal, grid, train, hds, args.workers)
+    ranks = C.ranking(rows)
+    summary = C.summarize(rows, ranks)
+    if args.json:
+        print(json.dumps(dict(calibration=cal.to_dict(), rows=rows, ranking=ranks, summary=summary), indent=1))
+    else:
+        print(f"calibration: {cal.device}, {cal.num_sms} SMs; data: {cal.data}; fitted: {cal.fitted}")
+        for hd in hds:
+            print(f"  hdim {hd}: {cal.headdims[hd]}")
+        print("cells: measured / predicted ms (error)")
+        print(C.format_table(rows, ranks))
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
 def _export_main(argv) -> int:
     p = argparse.ArgumentParser(
         prog="python -m dash_fa3.schedule export",
@@ -392,6 +432,8 @@ def main(argv=None) -> int:
         return _grid_main(argv[1:])
     if argv and argv[0] == "gallery":
         return _gallery_main(argv[1:])
+    if argv and argv[0] == "calibrate":
+        return _calibrate_main(argv[1:])
     if argv and argv[0] == "shape":
         argv = argv[1:]
     return _real_main(argv)

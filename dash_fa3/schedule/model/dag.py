@@ -23,14 +23,15 @@ simulator.
 
 With the writer pipeline (``CostModel.pipeline == "writer"``, the kernel's;
 see :mod:`.simulate`) the DAG has, per step p in CTA-program order, the nodes
-C (compute, ``c``), H (hand-off, 0), R (the add until it has read its
-buffer, ``read``) and X (the rest of the add, ``reduce - read``), and one E
-(epilogue) per task.  Edges: H of step p-1 (or the previous task's E) -> C;
-C -> H; R of step p-B -> H (B = buffers: the buffer is free); H -> R; the
-writer's previous step (X of p-B deterministic, R of p-B not) -> R; X of the
-rank predecessor -> R (weight ``latency``, deterministic only); R -> X; H of
-a task's last step -> E.  Built here explicitly, it checks the simulator's
-recurrences.
+C (compute up to the hand-off, ``handoff_at * c``), K (the rest of the
+compute), H (hand-off, 0), D (step done, 0), R (the add until it has read
+its buffer, ``read``) and X (the rest of the add, ``reduce - read``), and one
+E (epilogue) per task.  Edges: D of step p-1 (or the previous task's E) ->
+C; C -> H; R of step p-B -> H (B = buffers: the buffer is free); C -> K;
+K -> D; H -> D; D -> R; the writer's previous step (X of p-B deterministic,
+R of p-B not) -> R; X of the rank predecessor -> R (weight ``latency``,
+deterministic only); R -> X; D of a task's last step -> E.  Built here
+explicitly, it checks the simulator's recurrences.
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ class CriticalPath:
     pipeline: str = "serial"
 
     def describe_node(self, v: int) -> str:
-        """serial: C<k>, R<k>, E<t>; writer: C<p>, H<p>, R<p>, X<p> (p = step in program order), E<t>."""
+        """serial: C<k>, R<k>, E<t>; writer: C, H, R, X, K, D <p> (p = step in program order), E<t>."""
         N = self.num_steps
-        kinds = "CR" if self.pipeline == "serial" else "CHRX"
+        kinds = "CR" if self.pipeline == "serial" else "CHRXKD"
         if v < len(kinds) * N:
             return f"{kinds[v // N]}{v % N}" if N else f"E{v}"
         return f"E{v - len(kinds) * N}"
@@ -189,8 +190,10 @@ def _critical_path_writer(schedule, costs) -> CriticalPath:
     offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     p_task = np.repeat(np.arange(T, dtype=np.int64), lens)
     p_cta = task_cta[task_perm][p_task]
-    C, H, R, X, E = 0, N, 2 * N, 3 * N, 4 * N
-    node_w = np.concatenate([c, np.zeros(N), rd, r - rd, np.full(T, float(costs.epilogue))])
+    C, H, R, X, K, D, E = 0, N, 2 * N, 3 * N, 4 * N, 5 * N, 6 * N
+    phi = float(costs.handoff_at)
+    node_w = np.concatenate([c * phi, np.zeros(N), rd, r - rd, c * (1 - phi), np.zeros(N),
+                             np.full(T, float(costs.epilogue))])
     src, dst, w = [], [], []
 
     def edge(a, b, weight=0.0):
@@ -203,16 +206,19 @@ def _critical_path_writer(schedule, costs) -> CriticalPath:
     same1 = np.zeros(N, dtype=bool)
     same1[1:] = p_cta[1:] == p_cta[:-1]
     inner = same1 & ~first
-    edge(H + p[inner] - 1, C + p[inner])                          # MMA program order
+    edge(D + p[inner] - 1, C + p[inner])                          # MMA program order
     nxt = first & same1
     edge(E + p_task[p[nxt] - 1], C + p[nxt])                      # previous task's epilogue
     edge(C + p, H + p)
+    edge(C + p, K + p)
+    edge(K + p, D + p)
+    edge(H + p, D + p)
     B = int(costs.buffers)
     pb = p - B
     okb = pb >= 0
     okb[okb] = p_cta[pb[okb]] == p_cta[okb]
     edge(R + pb[okb], H + p[okb])                                 # buffer free
-    edge(H + p, R + p)
+    edge(D + p, R + p)
     edge((X if costs.deterministic else R) + pb[okb], R + p[okb])  # the writer's previous step
     if costs.deterministic and N:
         inv = np.empty(N, dtype=np.int64)
@@ -223,7 +229,7 @@ def _critical_path_writer(schedule, costs) -> CriticalPath:
         edge(X + inv[order[:-1][same]], R + inv[order[1:][same]], float(costs.latency))
     edge(R + p, X + p)
     last = offs[1:][lens > 0] - 1
-    edge(H + last, E + np.arange(T)[lens > 0])
-    length, _, path = longest_path(4 * N + T, node_w, np.concatenate(src), np.concatenate(dst),
+    edge(D + last, E + np.arange(T)[lens > 0])
+    length, _, path = longest_path(6 * N + T, node_w, np.concatenate(src), np.concatenate(dst),
                                    np.concatenate(w))
     return CriticalPath(length, path, N, T, pipeline="writer")

@@ -10,7 +10,10 @@ Per CTA two resources run concurrently:
   or sequence-end mask), then hands it to the dQ writer through shared-memory
   buffer ``j % buffers`` (2 in the kernel).  The hand-off waits only until
   that buffer is free again, i.e. until the reduce-add of step ``j - buffers``
-  has *read* it (``read`` after it started).  A task ends with its epilogue
+  has *read* it (``read`` after it started); the wait comes after the
+  fraction ``handoff_at`` of the step's compute (the rest, the dK GEMM, runs
+  on during it) and the step ends at the later of its compute and the
+  hand-off, when the writer may start the add.  A task ends with its epilogue
   (``epilogue``: the dK/dV store; the next task starts after it);
 * the dQ writer handles the CTA's steps in order, one buffer's steps per
   writer warp: writer ``b`` takes step j (``j % buffers == b``) once it has
@@ -86,6 +89,10 @@ class CostModel:
     deterministic:  writer: False runs the non-deterministic mode (no semaphores, a writer
                     moves on once its buffer is read)
     pipeline:       "writer" (the kernel) or "serial" (the paper's DAG)
+    handoff_at:     writer: the fraction of a step's compute after which the MMA warps wait for
+                    a free sdQ buffer (the kernel: after the dQ GEMM, with the dK GEMM, the
+                    step's last, still running; the step ends at the later of its compute and
+                    the hand-off).  1: at the end of the step
     """
 
     compute: float = 1.0
@@ -98,6 +105,7 @@ class CostModel:
     buffers: int = 2
     deterministic: bool = True
     pipeline: str = "writer"
+    handoff_at: float = 1.0
 
     def __post_init__(self):
         if self.scale not in ("constant", "elements"):
@@ -112,6 +120,8 @@ class CostModel:
             raise ValueError("CostModel.read must be <= reduce (an add has read its buffer before it completes)")
         if isinstance(self.buffers, bool) or not isinstance(self.buffers, int) or self.buffers < 1:
             raise ValueError(f"CostModel.buffers must be a positive integer, got {self.buffers!r}")
+        if not 0.0 < self.handoff_at <= 1.0:
+            raise ValueError(f"CostModel.handoff_at must be in (0, 1], got {self.handoff_at!r}")
         if self.pipeline == "serial" and not self.deterministic:
             raise ValueError("the serial (paper) pipeline models the deterministic mode only")
 
@@ -237,135 +247,163 @@ def kernel_program(schedule, num_sms: int | None = None):
     return (np.arange(schedule.num_steps, dtype=np.int64), np.arange(T, dtype=np.int64), task_cta)
 
 
+class WriterProgram:
+    """The cost-independent part of a writer-pipeline simulation of one
+    schedule: the CTA programs, each step's semaphore predecessor and buffer
+    predecessor, and the Kahn frontiers of the wait-for graph (topological
+    levels: they do not depend on the costs).  :meth:`run` evaluates it for
+    per-step costs; calibration runs one program under many costs."""
+
+    def __init__(self, schedule, num_sms: int, buffers: int = 2, deterministic: bool = True):
+        N, T = schedule.num_steps, schedule.num_tasks
+        self.schedule, self.num_sms = schedule, int(num_sms)
+        self.deterministic = bool(deterministic)
+        step_perm, task_perm, task_cta = kernel_program(schedule, num_sms)
+        self.step_perm, self.task_perm, self.task_cta = step_perm, task_perm, task_cta
+        lens = schedule.task_steps[task_perm]
+        self.lens = lens
+        p_task = np.repeat(np.arange(T, dtype=np.int64), lens)
+        p_cta = task_cta[task_perm][p_task]
+        self.p_cta = p_cta
+        offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        self.offs = offs
+        first = np.zeros(N, dtype=bool)
+        first[offs[:-1][lens > 0]] = True
+        same1 = np.zeros(N, dtype=bool)
+        same1[1:] = p_cta[1:] == p_cta[:-1]
+        self.epi_before = first & same1       # the previous task's epilogue runs before this step
+        inv = np.empty(N, dtype=np.int64)
+        inv[step_perm] = np.arange(N, dtype=np.int64)
+        self.inv = inv
+        pred = np.full(N, -1, dtype=np.int64)
+        if self.deterministic and N:
+            gid, rank = schedule.step_dq_tile, schedule.step_rank
+            order = np.lexsort((rank, gid))
+            same = gid[order][1:] == gid[order][:-1]
+            pred[inv[order[1:][same]]] = inv[order[:-1][same]]
+        B = int(buffers)
+        prevB = np.arange(N, dtype=np.int64) - B
+        okB = prevB >= 0
+        okB[okB] = p_cta[prevB[okB]] == p_cta[okB]
+        prevB = np.where(okB, prevB, -1)
+        prev1 = np.where(same1, np.arange(N, dtype=np.int64) - 1, -1)
+        # Kahn frontiers (at most one step per CTA each)
+        has_s = pred >= 0
+        indeg = same1.astype(np.int32) + has_s.astype(np.int32)
+        psucc = np.full(N, -1, dtype=np.int64)
+        psucc[np.flatnonzero(same1) - 1] = np.flatnonzero(same1)
+        ssucc = np.full(N, -1, dtype=np.int64)
+        ssucc[pred[has_s]] = np.flatnonzero(has_s)
+        levels = []
+        front = np.flatnonzero(indeg == 0)
+        done = 0
+        while front.size:
+            levels.append(front)
+            done += front.size
+            ps = psucc[front]
+            ps = ps[ps >= 0]
+            ss = ssucc[front]
+            ss = ss[ss >= 0]
+            indeg[ps] -= 1
+            indeg[ss] -= 1
+            cand = np.concatenate([ps, ss])
+            cand = cand[indeg[cand] == 0]
+            front = np.unique(cand) if cand.size > 1 else cand
+        if done != N:
+            raise RuntimeError(f"{schedule.name}: the wait-for graph has a cycle (schedule not validated?)")
+        self.levels = levels
+        # per level: the gathered predecessor indices (-1 -> the sentinel at N)
+        self._lv = [(f, prev1[f], prevB[f], pred[f]) for f in levels]
+
+    def run(self, c, r, rd, epilogue: float, latency: float, handoff_at: float = 1.0):
+        """(start, H, end, A, semaphore waits, buffer stalls) in program order, for
+        per-step costs ``c``, ``r``, ``rd`` (program order), the epilogue, the
+        latency and the hand-off point (:class:`CostModel`)."""
+        N = c.size
+        pre = np.where(self.epi_before, float(epilogue), 0.0)
+        stall = np.zeros(N)
+        semw = np.zeros(N)
+        St = np.zeros(N)
+        Hx = np.zeros(N)
+        Ex = np.zeros(N + 1)              # the step's end (sdQ full); Ex[-1] = 0
+        Ax = np.zeros(N + 1)
+        Rel = np.full(N + 1, -np.inf)     # A + r
+        Rdx = np.full(N + 1, -np.inf)     # A + rd
+        Wx = np.full(N + 1, -np.inf)      # the writer is done
+        det = self.deterministic
+        lat = float(latency)
+        phi = float(handoff_at)
+        for f, p1, pb, sp in self._lv:
+            st = Ex[p1] + pre[f]           # Ex[-1] = 0: a CTA's first step starts at 0
+            cf = c[f]
+            hr = st + cf * phi if phi != 1.0 else st + cf
+            h = np.maximum(hr, Rdx[pb])
+            stall[f] = h - hr
+            end = np.maximum(st + cf, h) if phi != 1.0 else h
+            own = np.maximum(end, Wx[pb])
+            if det:
+                a = np.maximum(own, Rel[sp] + lat)
+                semw[f] = a - own
+            else:
+                a = own
+            St[f] = st
+            Hx[f] = h
+            Ex[f] = end
+            Ax[f] = a
+            rel = a + r[f]
+            rdd = a + rd[f]
+            Rel[f] = rel
+            Rdx[f] = rdd
+            Wx[f] = rel if det else rdd
+        return St, Hx, Ex[:N], Ax[:N], semw, stall
+
+    def makespan(self, c, r, rd, epilogue: float, latency: float, handoff_at: float = 1.0) -> float:
+        """Only the makespan (program-order costs)."""
+        _, _, E, A, _, _ = self.run(c, r, rd, epilogue, latency, handoff_at)
+        if not c.size:
+            return 0.0
+        last = self.offs[1:][self.lens > 0] - 1
+        return float(max((E[last] + epilogue).max(), (A + r).max()))
+
+
 def _simulate_writer(schedule, costs: CostModel, S: int) -> SimResult:
     N, T = schedule.num_steps, schedule.num_tasks
     if not schedule.dynamic and S < schedule.num_ctas:
         raise ValueError(f"static schedule needs {schedule.num_ctas} resident CTAs, got {S} SMs")
+    prog = WriterProgram(schedule, S, costs.buffers, costs.deterministic)
     c0, r0 = costs.step_costs(schedule)
     frac = costs.read_time / costs.reduce if costs.reduce > 0 else 1.0
-    step_perm, task_perm, task_cta = kernel_program(schedule, S)
-    # everything below in program order (p = position in step_perm)
+    step_perm, task_perm, task_cta = prog.step_perm, prog.task_perm, prog.task_cta
     c, r = c0[step_perm], r0[step_perm]
     rd = r * frac if costs.read is not None else r
-    lens = schedule.task_steps[task_perm]
-    p_task = np.repeat(np.arange(T, dtype=np.int64), lens)          # program-order task index
-    p_cta = task_cta[task_perm][p_task]
-    first = np.zeros(N, dtype=bool)
-    offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    first[offs[:-1][lens > 0]] = True
-    same1 = np.zeros(N, dtype=bool)
-    same1[1:] = p_cta[1:] == p_cta[:-1]
     e = float(costs.epilogue)
-    pre = np.where(first & same1, e, 0.0)    # the previous task's epilogue runs before this step
-    # semaphore predecessor (program positions)
-    inv = np.empty(N, dtype=np.int64)
-    inv[step_perm] = np.arange(N, dtype=np.int64)
-    pred = np.full(N, -1, dtype=np.int64)
-    if costs.deterministic and N:
-        gid, rank = schedule.step_dq_tile, schedule.step_rank
-        order = np.lexsort((rank, gid))
-        same = gid[order][1:] == gid[order][:-1]
-        pred[inv[order[1:][same]]] = inv[order[:-1][same]]
-    B = int(costs.buffers)
-    prevB = np.arange(N, dtype=np.int64) - B
-    okB = prevB >= 0
-    okB[okB] = p_cta[prevB[okB]] == p_cta[okB]
-    prevB = np.where(okB, prevB, -1)
-    H, A, W, sem_w, stall = _evaluate_writer(c, r, rd, pre, same1, prevB, pred, float(costs.latency),
-                                              costs.deterministic)
+    start_p, H, E, A, sem_w, stall = prog.run(c, r, rd, e, float(costs.latency), costs.handoff_at)
+    lens, offs, inv = prog.lens, prog.offs, prog.inv
     # back to schedule order
     st = np.empty(N); ce = np.empty(N); hs = np.empty(N); rs = np.empty(N); en = np.empty(N)
-    start_p = H - stall - c                      # compute start = handoff - stall - c
     st[step_perm] = start_p
     ce[step_perm] = start_p + c
     hs[step_perm] = H
     rs[step_perm] = A
     en[step_perm] = A + r
-    # tasks (schedule order)
     t_start = np.zeros(T); ep_start = np.zeros(T); t_end = np.zeros(T)
     nz = lens > 0
     first_p = offs[:-1][nz]
     last_p = offs[1:][nz] - 1
     tp = task_perm[nz]
     t_start[tp] = start_p[first_p]
-    ep_start[tp] = H[last_p]
-    t_end[tp] = H[last_p] + e
+    ep_start[tp] = E[last_p]
+    t_end[tp] = E[last_p] + e
     makespan = float(max(t_end.max() if T else 0.0, (A + r).max() if N else 0.0))
     work = float(c.sum() + e * T)
     eps = 1e-9 * max(1.0, makespan)
     idle = max(0.0, 1.0 - work / (S * makespan)) if makespan > 0 else 0.0
     return SimResult(schedule=schedule.name, num_sms=S, makespan=makespan, work=work, lower_bound=work / S,
                      sm_idle_fraction=idle, waits=int((sem_w > eps).sum()), wait_time=float(sem_w.sum()),
-                     step_cta=p_cta[inv], step_start=st, step_compute_end=ce, step_reduce_start=rs,
+                     step_cta=prog.p_cta[inv], step_start=st, step_compute_end=ce, step_reduce_start=rs,
                      step_end=en, task_cta=task_cta.copy(), task_start=t_start, task_end=t_end,
                      epilogue_start=ep_start, pipeline="writer", step_handoff=hs,
                      buffer_stalls=int((stall > eps).sum()), buffer_stall_time=float(stall.sum()))
-
-
-def _evaluate_writer(c, r, rd, pre, same1, prevB, pred, lat, det):
-    """The writer pipeline's recurrences, a Kahn frontier at a time (program order).
-
-    Step p's MMA starts when step p-1 of its CTA handed off (+ ``pre[p]``, the
-    previous task's epilogue): compute end ``ce = start + c``; hand-off
-    ``H = max(ce, A[prevB] + rd[prevB])`` (its buffer read by the add of step
-    ``prevB``).  Its add starts at ``A = max(H, W[prevB], A[pred] + r[pred] +
-    lat)``: the writer is done with its previous step (``W = A + r``
-    deterministic, ``A + rd`` not) and the rank predecessor released.
-    Returns (H, A, W, semaphore wait of each add, buffer stall of each hand-off).
-    """
-    N = c.size
-    H = np.zeros(N); A = np.zeros(N); W = np.zeros(N)
-    semw = np.zeros(N); stall = np.zeros(N)
-    if N == 0:
-        return H, A, W, semw, stall
-    has_p = same1
-    has_s = pred >= 0
-    indeg = has_p.astype(np.int32) + has_s.astype(np.int32)
-    psucc = np.full(N, -1, dtype=np.int64)
-    psucc[np.flatnonzero(has_p) - 1] = np.flatnonzero(has_p)
-    ssucc = np.full(N, -1, dtype=np.int64)
-    ssucc[pred[has_s]] = np.flatnonzero(has_s)
-    # padded copies: index -1 reads the sentinel at the end
-    Hx = np.append(H, 0.0)
-    Ax = np.append(A, -np.inf)
-    Rel = np.append(np.zeros(N), -np.inf)     # A + r
-    Rdx = np.append(np.zeros(N), -np.inf)     # A + rd
-    Wx = np.append(W, -np.inf)
-    prev1 = np.where(has_p, np.arange(N) - 1, -1)
-    front = np.flatnonzero(indeg == 0)
-    done = 0
-    while front.size:
-        p1 = prev1[front]
-        start = np.where(p1 >= 0, Hx[p1], 0.0) + pre[front]
-        ce = start + c[front]
-        pb = prevB[front]
-        h = np.maximum(ce, Rdx[pb])
-        stall[front] = h - ce
-        own = np.maximum(h, Wx[pb])
-        if det:
-            sm = Rel[pred[front]] + lat
-            a = np.maximum(own, sm)
-            semw[front] = a - own
-        else:
-            a = own
-        Hx[front] = h
-        Ax[front] = a
-        Rel[front] = a + r[front]
-        Rdx[front] = a + rd[front]
-        Wx[front] = Rel[front] if det else Rdx[front]
-        done += front.size
-        ps = psucc[front]
-        ps = ps[ps >= 0]
-        ss = ssucc[front]
-        ss = ss[ss >= 0]
-        indeg[ps] -= 1
-        indeg[ss] -= 1
-        cand = np.concatenate([ps, ss])
-        cand = cand[indeg[cand] == 0]
-        front = np.unique(cand) if cand.size > 1 else cand
-    if done != N:
-        raise RuntimeError("the schedule's wait-for graph has a cycle (schedule not validated?)")
-    return Hx[:N], Ax[:N], Wx[:N], semw, stall
 
 
 # ------------------------------------------------------------------ serial pipeline (the paper's DAG)
