@@ -71,4 +71,4 @@ def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int) -> M.Sc
 def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
     """The validated, static metadata the backward kernel runs; cached by shape."""
     num_sms = _check_num_sms(num_sms)
-    return _kernel_metadata_cached(resolve_schedule_name(name, geometry), geometry, num_sms)
+    return _kernel_metadata_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)

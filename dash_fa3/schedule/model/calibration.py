@@ -144,11 +144,13 @@ class Calibration:
     headdims: dict = field(default_factory=dict)   # head dim -> HeadDimCosts
 
     def costs_for(self, headdim: int, geometry: Geometry) -> HeadDimCosts:
-        """The costs of ``headdim``: its own, else the nearest calibrated head dim's,
-        scaled by the tile's MMA work (compute, epilogue) and dQ bytes (reduce, read)."""
+        """The costs of ``headdim``: its own, else those of the nearest calibrated head
+        dim (one with the same tile sizes first), scaled by the tile's MMA work
+        (compute, epilogue) and dQ bytes (reduce, read)."""
         if headdim in self.headdims:
             return self.headdims[headdim]
-        ref = min(self.headdims, key=lambda d: (abs(d - headdim), d))
+        tiles = (geometry.block_m, geometry.block_n)
+        ref = min(self.headdims, key=lambda d: (bwd_block_sizes(d) != tiles, abs(d - headdim), d))
         hc = self.headdims[ref]
         rbm, rbn = bwd_block_sizes(ref)
         work = (geometry.block_m * geometry.block_n * headdim) / float(rbm * rbn * ref)
@@ -312,12 +314,14 @@ def _pool(workers: int):
 
 
 def evaluate_grid(calibration: Calibration, grid: MeasuredGrid, train_seqlens=(), headdims=None,
-                  workers: int = 1) -> list[dict]:
-    """Measured and predicted ms of every cell of ``grid`` (one dict per cell);
-    ``split`` says whether the cell's seqlen was among the fit's."""
+                  workers: int = 1, seqlens=None) -> list[dict]:
+    """Measured and predicted ms of every cell of ``grid`` (one dict per cell;
+    only ``headdims`` / ``seqlens`` when given); ``split`` says whether the
+    cell's seqlen was among the fit's."""
     global _CELLS
     # the cells are built before the pool forks: the workers inherit them
-    _CELLS = [Cell(grid, *p) for p in grid.points() if headdims is None or p[0] in headdims]
+    _CELLS = [Cell(grid, *p) for p in grid.points()
+              if (headdims is None or p[0] in headdims) and (seqlens is None or p[2] in seqlens)]
     pool = _pool(workers)
     out = []
     try:

@@ -361,6 +361,7 @@ def _calibrate_main(argv) -> int:
     p.add_argument("--fit", action="store_true", help="refit the costs (from the shipped ones) before the table")
     p.add_argument("--train", default="512,2048,8192", help="seqlens the fit uses (the rest are held out)")
     p.add_argument("--headdim", type=sm_list, default=None, help="head dims (default: all of the grid)")
+    p.add_argument("--seqlens", type=sm_list, default=None, help="seqlens of the table (default: all)")
     p.add_argument("--max-evals", type=positive_int, default=80, help="fit: evaluations per head dim")
     p.add_argument("--workers", type=positive_int, default=min(4, os.cpu_count() or 1))
     p.add_argument("--json", action="store_true", help="print rows, ranking and summary as JSON")
@@ -372,7 +373,7 @@ def _calibrate_main(argv) -> int:
     if args.fit:
         cal = C.refit(cal, grid, train, hds, args.workers, args.max_evals,
                       log=lambda m: print(m, file=sys.stderr, flush=True))
-    rows = C.evaluate_grid(cal, grid, train, hds, args.workers)
+    rows = C.evaluate_grid(cal, grid, train, hds, args.workers, args.seqlens)
     ranks = C.ranking(rows)
     summary = C.summarize(rows, ranks)
     if args.json:
