@@ -133,3 +133,14 @@ def test_calibrate_cli(capsys):
     assert len(out["rows"]) == 2 * 7 and len(out["ranking"]) == 2
     assert out["calibration"]["device"].startswith("NVIDIA H100")
     assert out["summary"]["fit"]["max_abs_error"] < 0.10
+
+
+def test_real_shape_cli_calibrated(capsys):
+    assert main(["--seqlen", "1024", "--headdim", "128", "--heads", "4", "--batch", "2", "--causal",
+                 "--calibrated", "--no-gantt", "--json", "--no-critical-path", "--sms", "16",
+                 "--schedule", "spt,symmetric_shift"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    g = Geometry.from_shape(batch=2, heads=4, seqlen_q=1024, headdim=128, causal=True)
+    for r in rows:
+        assert r["pipeline"] == "writer"
+        assert math.isclose(r["predicted_ms"], C.predict_ms(r["schedule"], g, 128, num_sms=16), rel_tol=1e-12)

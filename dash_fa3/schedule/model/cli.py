@@ -201,10 +201,17 @@ def _real_main(argv) -> int:
     p.add_argument("--no-gantt", action="store_true")
     p.add_argument("--no-critical-path", action="store_true")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
+    p.add_argument("--calibrated", action="store_true",
+                   help="the fitted H100 costs (model/calibration.py, microseconds) instead of the cost "
+                        "arguments; adds each schedule's predicted ms of the whole backward call")
     args = p.parse_args(argv)
     g = _shape_geometry(p, args, args.block_m, args.block_n)
     names = _schedule_list(p, args.schedule)
     costs = _costs_from(args)
+    cal = None
+    if args.calibrated:
+        from .calibration import H100 as cal
+        costs = cal.cost_model(args.headdim, g)
     if not args.no_gantt:
         os.makedirs(args.gantt_dir, exist_ok=True)
     rows = []
@@ -214,12 +221,17 @@ def _real_main(argv) -> int:
             gp = os.path.join(args.gantt_dir, f"{name}_{g.mask}_b{g.batch}h{g.heads}_sq{g.seqlen_q}_sk{g.seqlen_k}"
                                               f"_bm{g.block_m}bn{g.block_n}_sms{args.sms}.png")
         rows.append(evaluate(name, g, args.sms, costs, want_cp=not args.no_critical_path, gantt_path=gp))
+        if cal is not None and rows[-1].get("valid"):
+            rows[-1]["predicted_ms"] = (cal.overhead + rows[-1]["makespan"]) / 1000.0
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print(f"{g.describe()}; headdim {args.headdim}; {args.sms} SMs; c={costs.compute:g} r={costs.reduce:g} "
               f"latency={costs.latency:g} ({costs.scale} costs, {costs.pipeline} pipeline)")
         print(_fmt_table(rows))
+        if cal is not None:
+            print(f"predicted ms of the backward call ({cal.device}, costs of {cal.data.split(':')[0]}): "
+                  + ", ".join(f"{r['schedule']} {r['predicted_ms']:.3f}" for r in rows if r.get("valid")))
         if not args.no_gantt:
             print(f"Gantt charts in {args.gantt_dir}/")
     return 0 if all(r.get("valid") for r in rows) else 1
