@@ -153,3 +153,14 @@ def test_writer_cost_model_checks():
         CostModel(buffers=0)
     with pytest.raises(ValueError):
         CostModel(deterministic=False, pipeline="serial")
+
+
+def test_gantt_of_the_writer_pipeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    from dash_fa3.schedule import plot_gantt
+    s = get_schedule("fa3", Geometry.model(6, 2, "full"), 6)
+    sim = simulate(s, CostModel(1.0, 1.0, latency=0.2))
+    assert sim.buffer_stalls > 0 and sim.waits > 0
+    path = tmp_path / "writer.png"
+    plot_gantt(s, sim, str(path))
+    assert path.stat().st_size > 1000
