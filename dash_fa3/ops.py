@@ -81,7 +81,7 @@ def _bwd_plan(q_shape, k_shape, dtype, causal, deterministic, schedule, sm_margi
     geometry = Geometry(batch=batch, heads=heads, heads_kv=k_shape[2], seqlen_q=seqlen_q, seqlen_k=k_shape[1],
                         block_m=block_m, block_n=block_n, mask="causal" if causal else "full")
     # "auto" depends on the mode: without ordering constraints the best-balanced order wins.
-    name = resolve_schedule_name(schedule, geometry, deterministic)
+    name = resolve_schedule_name(schedule, geometry, deterministic, num_sms=total - sm_margin, headdim=hdim)
     flat = torch.from_numpy(get_kernel_metadata(name, geometry, total - sm_margin).as_int32_array())
     return flat.to(device), flat.clone(), _ext.ops().bwd.default
 
