@@ -57,7 +57,7 @@ def _local_index(p: cp_runs.RunPlan, rank: int) -> dict[int, int]:
 
 
 def _seq_major(x: torch.Tensor) -> torch.Tensor:
-    """(batch, n, ...) -> a contiguous (n, batch, ...) copy."""
+    """(batch, n, ...) -> contiguous (n, batch, ...): a view when batch is 1, else a copy."""
     return x.transpose(0, 1).contiguous()
 
 
@@ -88,18 +88,17 @@ def _gather_kv(p, rank, k, v, group):
     kg = k.new_empty((need * G, b, hk, d))
     vg = v.new_empty((need * G, b, hk, d))
     mine = _Blocks(p, rank)
-    k_sm, v_sm = _seq_major(k), _seq_major(v)
     for lo, hi in p.kv_from(rank, rank):
         sl = mine.rows(lo, hi)
-        kg[lo * G:hi * G].copy_(k_sm[sl])
-        vg[lo * G:hi * G].copy_(v_sm[sl])
+        kg[lo * G:hi * G].copy_(k[:, sl].transpose(0, 1))
+        vg[lo * G:hi * G].copy_(v[:, sl].transpose(0, 1))
     sends, recvs = [], []
     for peer in range(P):
         if peer == rank:
             continue
         for lo, hi in p.kv_from(peer, rank):        # what peer needs of mine
             sl = mine.rows(lo, hi)
-            sends += [(peer, k_sm[sl]), (peer, v_sm[sl])]
+            sends += [(peer, _seq_major(k[:, sl])), (peer, _seq_major(v[:, sl]))]
         for lo, hi in p.kv_from(rank, peer):
             recvs += [(peer, kg[lo * G:hi * G]), (peer, vg[lo * G:hi * G])]
     return kg, vg, sends, recvs
@@ -176,6 +175,32 @@ def _run_input(t_local, dim, mine, received, p, rank, lo, hi, name):
             else:
                 raise AssertionError(f"rows [{a}, {b_}) of run [{lo}, {hi}) were not received")
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _sum_partials(contributions, mine, dk, dv) -> None:
+    """dk, dv of this rank's key blocks: each block's partials summed in fp32 in (rank, run)
+    order, then cast once. Cut into segments covered by the same partials, so a block with one
+    partial is a plain copy and the others take one fp32 pass per partial (no zeroed buffer)."""
+    contributions = sorted(contributions, key=lambda c: c[:3])
+    cuts = sorted({x for c in contributions for x in c[2:4]})
+    covered = 0
+    for lo, hi in zip(cuts, cuts[1:]):
+        parts = [(c[4].narrow(1, (lo - c[2]) * G, (hi - lo) * G), c[5].narrow(1, (lo - c[2]) * G, (hi - lo) * G))
+                 for c in contributions if c[2] <= lo and hi <= c[3]]
+        if not parts:
+            continue
+        sl = mine.rows(lo, hi)
+        covered += hi - lo
+        for j, dst in enumerate((dk, dv)):
+            if len(parts) == 1:
+                dst[:, sl] = parts[0][j]
+                continue
+            acc = parts[0][j].float()
+            for part in parts[1:]:
+                acc += part[j]
+            dst[:, sl] = acc
+    # every key block is in its own rank's prefix, so each gets at least one partial
+    assert covered == len(mine.index), f"dK/dV of {len(mine.index) - covered} key blocks got no partial"
 
 
 def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
@@ -301,13 +326,6 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
     _wait(_exchange(sends, recvs, group))
     for lo, hi, buf in dq_landing:
         dq[:, mine.rows(lo, hi)] = buf
-    dk32 = torch.zeros((b, n, hk, d), dtype=torch.float32, device=q.device)
-    dv32 = torch.zeros_like(dk32)
-    for _, _, lo, hi, dk_part, dv_part in sorted(contributions, key=lambda c: c[:3]):
-        sl = mine.rows(lo, hi)
-        dk32[:, sl] += dk_part
-        dv32[:, sl] += dv_part
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dk.copy_(dk32)
-    dv.copy_(dv32)
+    _sum_partials(contributions, mine, dk, dv)
     return dq, dk, dv
