@@ -86,7 +86,7 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic,
                         block_m=block_m, block_n=block_n, mask=mask, window_left=window_left,
                         window_right=window_right)
     # "auto" depends on the mode: without ordering constraints the best-balanced order wins.
-    name = resolve_schedule_name(schedule, geometry, deterministic)
+    name = resolve_schedule_name(schedule, geometry, deterministic, num_sms=total - sm_margin, headdim=hdim)
     flat = torch.from_numpy(get_kernel_metadata(name, geometry, total - sm_margin).as_int32_array())
     return flat.to(device), flat.clone(), _ext.ops().bwd.default
 

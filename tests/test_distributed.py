@@ -25,6 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # Global lengths per rank count, each a multiple of 2 * P * 128; P = 1 runs both, so every P is
 # compared bit for bit with one rank. Zigzag chunks: 3 blocks at P = 3 (odd), 1 block at P = 8.
 LENGTHS = {1: (2048, 2304), 2: (2048,), 3: (2304,), 4: (2048,), 8: (2048,)}
+# The non-deterministic mode (the run plan, cuda_runtime.py, on the CPU reference ops) is checked
+# against fp64 at one length per P.
+NONDET_LENGTHS = {1: 2048, 2: 2048, 3: 2304, 4: 2048, 8: 2048}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # name: (causal, batch, heads, heads_kv, headdim, dtype)
 CONFIGS = {
@@ -46,10 +49,10 @@ def make_inputs(seed, seqlen, cfg):
     return [torch.randn(s, generator=g).to(DTYPES[dt]) for s in shapes]
 
 
-def _attention_run(D, group, seed, seqlen, cfg, layout):
+def _attention_run(D, group, seed, seqlen, cfg, layout, deterministic=True):
     q, k, v, dout = make_inputs(seed, seqlen, cfg)
     ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
-    out = D.context_parallel_attn(ql, kl, vl, group, causal=cfg[0], layout=layout)
+    out = D.context_parallel_attn(ql, kl, vl, group, causal=cfg[0], layout=layout, deterministic=deterministic)
     out.backward(D.shard(dout, group, layout=layout))
     return [D.unshard(x, group, layout=layout) for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
 
@@ -61,6 +64,10 @@ def _job_attention(D, group, rank, P, job, outdir):
                 res = _attention_run(D, group, job["seed"], n, cfg, layout)
                 if rank == 0:
                     torch.save(res, os.path.join(outdir, f"{name}-{layout}-N{n}-P{P}.pt"))
+                if n == NONDET_LENGTHS.get(P):
+                    res = _attention_run(D, group, job["seed"], n, cfg, layout, deterministic=False)
+                    if rank == 0:
+                        torch.save(res, os.path.join(outdir, f"nondet-{name}-{layout}-N{n}-P{P}.pt"))
     return {}
 
 
@@ -69,7 +76,8 @@ def _job_fault(D, group, rank, P, job, outdir):
     from dash_fa3.distributed import backend
 
     # a healthy call first, so `elapsed` below is communication and compute, not first-call set-up
-    _attention_run(D, group, job["seed"], job["seqlen"], CONFIGS["causal_mha_bf16"], "contiguous")
+    _attention_run(D, group, job["seed"], job["seqlen"], CONFIGS["causal_mha_bf16"], "contiguous",
+                   job.get("deterministic", True))
     if rank == job["bad"]:
         calls = [0]
         tile = backend.TorchBlockBackend.fwd_tile
@@ -87,7 +95,8 @@ def _job_fault(D, group, rank, P, job, outdir):
         backend.TorchBlockBackend.fwd_tile = faulty
     t0 = time.monotonic()
     try:
-        _attention_run(D, group, job["seed"], job["seqlen"], CONFIGS["causal_mha_bf16"], "contiguous")
+        _attention_run(D, group, job["seed"], job["seqlen"], CONFIGS["causal_mha_bf16"], "contiguous",
+                       job.get("deterministic", True))
         return {"raised": None, "elapsed": time.monotonic() - t0}
     except Exception as e:   # the test inspects what each rank raised
         if rank == job["bad"]:
@@ -121,7 +130,7 @@ def _job_checkpoint(D, group, rank, P, job, outdir):
     def block(x, i):
         b, n, _ = x.shape
         q, k, v = qkv[i](x).view(b, n, 3, heads, dim // heads).unbind(2)
-        o = D.context_parallel_attn(q, k, v, group, causal=True)
+        o = D.context_parallel_attn(q, k, v, group, causal=True, deterministic=True)
         return x + proj[i](torch.nn.functional.gelu(o.reshape(b, n, dim)))
 
     x_full = torch.randn(1, job["seqlen"], dim)
@@ -330,6 +339,18 @@ def test_invariance_is_not_vacuous(attention_runs):
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, other):
         assert a.abs().sum() > 0, name
         assert not torch.equal(a, b.to(a.dtype)), f"{name}: the reference's fp32 order gave the same bits"
+
+
+@pytest.mark.parametrize("P", sorted(NONDET_LENGTHS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_nondeterministic_run_plan_matches_fp64_reference(attention_runs, name, layout, P):
+    """deterministic=False: whole runs of query blocks through the single-GPU ops (here their CPU
+    reference), helper rows moved to other ranks and back, dK/dV partials summed by the owners."""
+    seed, load = attention_runs
+    n = NONDET_LENGTHS[P]
+    res = load(f"nondet-{name}", layout, n, P)
+    check_vs_reference(res, seed, n, CONFIGS[name], f"non-deterministic {name} P={P} {layout}")
 
 
 @pytest.mark.parametrize("fault,P", [("raise", 2), ("exit", 2), ("stall", 3)])

@@ -1,4 +1,9 @@
-"""The paper's closed forms (n KV tiles = n SMs, m heads) and the DAG/simulator agreement."""
+"""The paper's closed forms (n KV tiles = n SMs, m heads) and the DAG/simulator agreement.
+
+The closed forms are properties of the paper's serial DAG (compute -> reduce on
+the SM), so those tests run ``pipeline="serial"``; the default pipeline is the
+kernel's (a dQ writer per sdQ buffer overlapping the adds with the MMA work),
+tested in tests/test_schedule_writer.py."""
 
 import math
 
@@ -15,7 +20,7 @@ COSTS = [(1.0, 0.5), (1.0, 1.0), (2.0, 0.3), (1.0, 2.0)]
 
 def run(mask, name, n, m, c, r, **kw):
     s = get_schedule(name, Geometry.model(n, m, mask), n)
-    return s, simulate(s, CostModel(c, r, **kw))
+    return s, simulate(s, CostModel(c, r, pipeline="serial", **kw))
 
 
 def close(a, b):
@@ -113,9 +118,10 @@ def test_shift_survives_latency_up_to_compute():
         assert fa3.makespan > m * n * 1.5 + (n - 1) * 0.5
 
 
+@pytest.mark.parametrize("pipeline", ["serial", "writer"])
 @pytest.mark.parametrize("mask", ["full", "causal"])
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_critical_path_equals_simulation(name, mask):
+def test_critical_path_equals_simulation(name, mask, pipeline):
     """Two independent evaluations of one DAG: the simulator and a generic longest path."""
     rng = np.random.default_rng(3)
     for n, m, S in [(4, 2, 4), (7, 3, 5), (8, 4, 8), (5, 5, 3)]:
@@ -123,7 +129,10 @@ def test_critical_path_equals_simulation(name, mask):
         s = get_schedule(name, g, S)
         for lat in (0.0, 0.7):
             costs = CostModel(float(rng.uniform(0.5, 2)), float(rng.uniform(0.1, 2)), latency=lat,
-                              epilogue=0.25)
+                              epilogue=0.25, pipeline=pipeline)
+            if pipeline == "writer":
+                costs = costs.replace(read=costs.reduce * float(rng.uniform(0.2, 1)),
+                                      masked_compute=costs.compute * 1.2)
             sim = simulate(s, costs)
             cp = critical_path(s, costs, task_cta=sim.task_cta if s.dynamic else None)
             assert close(cp.length, sim.makespan), (n, m, S, lat)
@@ -148,11 +157,12 @@ def test_model_idle_fraction_and_timeline():
     assert np.all(sim.step_reduce_start[o][1:][same] >= sim.step_end[o][:-1][same] - 1e-9)
 
 
-def test_elements_cost_scaling():
+@pytest.mark.parametrize("pipeline", ["serial", "writer"])
+def test_elements_cost_scaling(pipeline):
     g = Geometry(1, 2, 2, 1000, 1000, 128, 128, "causal")
     s = get_schedule("symmetric_shift", g, 8)
     c, r = CostModel(1.0, 1.0, scale="elements").step_costs(s)
     assert np.all(c <= 1) and np.all(c > 0) and np.all(r <= 1)
     assert c.min() < 0.6          # diagonal / ragged tiles are cheaper
-    sim = simulate(s, CostModel(1.0, 1.0, scale="elements"))
-    assert sim.makespan < simulate(s, CostModel(1.0, 1.0)).makespan
+    sim = simulate(s, CostModel(1.0, 1.0, scale="elements", pipeline=pipeline))
+    assert sim.makespan < simulate(s, CostModel(1.0, 1.0, pipeline=pipeline)).makespan

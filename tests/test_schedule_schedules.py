@@ -165,13 +165,18 @@ def test_gqa_epilogue_waits_for_nothing(name, heads_kv):
     its task's last reduce ends."""
     gqa = Geometry(2, 8, heads_kv, 256, 256, 64, 64, "causal")
     mha = Geometry(2, 8, 8, 256, 256, 64, 64, "causal")
-    costs = CostModel(1, 1, latency=0.3, epilogue=0.5)
     s, ref = build_schedule(name, gqa, 7), build_schedule(name, mha, 7)
     assert np.array_equal(s.meta.tasks[:, M.C_HEAD_KV], s.task_head // (8 // heads_kv))
-    sim, sim_ref = simulate(s, costs), simulate(ref, costs)
-    assert sim.makespan == sim_ref.makespan and sim.waits == sim_ref.waits
-    assert np.array_equal(sim.epilogue_start, sim_ref.epilogue_start)
-    assert np.array_equal(sim.epilogue_start, sim.step_end[s.step_offsets[1:] - 1])
+    for pipeline in ("serial", "writer"):
+        costs = CostModel(1, 1, latency=0.3, epilogue=0.5, pipeline=pipeline)
+        sim, sim_ref = simulate(s, costs), simulate(ref, costs)
+        assert sim.makespan == sim_ref.makespan and sim.waits == sim_ref.waits
+        assert np.array_equal(sim.epilogue_start, sim_ref.epilogue_start)
+        # serial: after the last reduce; writer (the kernel): once the MMA warps
+        # handed the last partial dQ over, not waiting for its add
+        last = s.step_offsets[1:] - 1
+        done = sim.step_end if pipeline == "serial" else sim.step_handoff
+        assert np.array_equal(sim.epilogue_start, done[last])
     assert s.validate().collisions == ref.validate().collisions
 
 

@@ -75,8 +75,10 @@ def test_window_edge_cases_validate(shape, heads, sms):
         inactive = np.flatnonzero(g.task_len == 0)
         for kv in inactive:  # a tile no query sees: a task without steps
             assert s.task_steps[s.find_task(1, heads[0] - 1, int(kv))] == 0
-        sim = simulate(s, CostModel(1.0, 0.5, latency=0.3, epilogue=0.2))
+        sim = simulate(s, CostModel(1.0, 0.5, latency=0.3, epilogue=0.2, pipeline="serial"))
         assert sim.makespan >= sim.lower_bound - 1e-9
+        w = simulate(s, CostModel(1.0, 0.5, latency=0.0, epilogue=0.2))  # the kernel's writer pipeline
+        assert w.makespan >= w.lower_bound - 1e-9
         meta = get_kernel_metadata(name, g, sms)
         assert meta.num_tasks == g.num_tasks
 
@@ -127,14 +129,14 @@ def test_lpt_on_a_window_whose_first_tiles_are_shorter():
        sq=st.integers(1, 800), sk=st.integers(1, 800),
        bm=st.sampled_from([16, 32, 64, 128]), bn=st.sampled_from([16, 32, 64, 128]),
        left=st.one_of(st.just(-1), st.integers(0, 900)), right=st.one_of(st.just(-1), st.integers(0, 900)),
-       sms=st.one_of(st.integers(1, 24), st.sampled_from(SMS)))
-def test_property_window_schedules_valid_and_simulate(b, hkv, grp, sq, sk, bm, bn, left, right, sms):
+       sms=st.one_of(st.integers(1, 24), st.sampled_from(SMS)), pipeline=st.sampled_from(["serial", "writer"]))
+def test_property_window_schedules_valid_and_simulate(b, hkv, grp, sq, sk, bm, bn, left, right, sms, pipeline):
     g = Geometry(b, hkv * grp, hkv, sq, sk, bm, bn, "local", left, right)
     if g.num_steps > 8000:
         return
     for name in SCHEDULES:
         s = build_schedule(name, g, sms)
-        costs = CostModel(1.0, 0.5, latency=0.3, epilogue=0.2)
+        costs = CostModel(1.0, 0.5, latency=0.3 if pipeline == "serial" else 0.0, epilogue=0.2, pipeline=pipeline)
         sim = simulate(s, costs)
         assert sim.makespan >= sim.lower_bound - 1e-9
         assert 0.0 <= sim.sm_idle_fraction < 1.0

@@ -1,5 +1,13 @@
 """``context_parallel_attn`` and its custom ops ``dash_fa3::cp_fwd`` / ``dash_fa3::cp_bwd``.
 
+Two executions, chosen by the mode:
+
+* ``deterministic=True``: the fold schedules (``runtime.py``), bitwise the same for every number of
+  ranks. CPU only for now: on CUDA the forward alone is available (it is P-invariant on the run
+  path too), a backward is refused before the forward runs.
+* ``deterministic=False``: the run plan (``cuda_runtime.py``): each rank calls the single-GPU
+  kernels (on CPU, the reference) on whole runs of query blocks; partial dK/dV summed in fp32.
+
 Custom ops (not a bare autograd.Function) so that selective activation
 checkpointing (``dash_fa3.checkpoint``) can save their outputs and skip them --
 computation and communication -- when a checkpointed region is recomputed.
@@ -14,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import distributed as S
-from . import runtime
+from . import cuda_runtime, runtime
 from .backend import get_backend
 from .sharding import resolve_group, resolve_layout
 
@@ -28,10 +36,13 @@ def _group(name: str):
 @torch.library.custom_op("dash_fa3::cp_fwd", mutates_args=())
 def cp_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
            softmax_scale: float, deterministic: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context-parallel attention forward on local shards: (out, lse (b, h, n) fp32).
-    ``deterministic`` matters to GPU backends only: the CPU path is always the P-invariant one."""
-    backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
-    return runtime.forward(q, k, v, group=_group(group_name), causal=causal, layout=layout, backend=backend)
+    """Context-parallel attention forward on local shards: (out, lse (b, h, n) fp32)."""
+    if deterministic and q.device.type == "cpu":
+        backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
+        return runtime.forward(q, k, v, group=_group(group_name), causal=causal, layout=layout, backend=backend)
+    # The run path's forward is bitwise a single-GPU call's rows, so it serves both modes.
+    return cuda_runtime.forward(q, k, v, group=_group(group_name), causal=causal, layout=layout,
+                                softmax_scale=softmax_scale)
 
 
 @cp_fwd.register_fake
@@ -45,9 +56,12 @@ def cp_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
            lse: torch.Tensor, group_name: str, causal: bool, softmax_scale: float, deterministic: bool,
            layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Context-parallel attention backward on local shards: (dq, dk, dv) like q, k, v."""
-    backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
-    return runtime.backward(dout, q, k, v, out, lse, group=_group(group_name), causal=causal, layout=layout,
-                            backend=backend)
+    if deterministic:
+        backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
+        return runtime.backward(dout, q, k, v, out, lse, group=_group(group_name), causal=causal,
+                                layout=layout, backend=backend)
+    return cuda_runtime.backward(dout, q, k, v, out, lse, group=_group(group_name), causal=causal,
+                                 layout=layout, softmax_scale=softmax_scale)
 
 
 @cp_bwd.register_fake
@@ -99,16 +113,31 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
     """Attention over a sequence split across the ranks of ``group``; returns this rank's output.
 
     q: (batch, local_seqlen, heads, headdim); k, v: (batch, local_seqlen, heads_kv, headdim),
-    heads % heads_kv == 0; bf16, fp16 or fp32, CPU for now. Each rank passes its shard as
+    heads % heads_kv == 0; bf16 or fp16 (fp32 too on CPU). Each rank passes its shard as
     ``shard(x, group, layout=layout)`` gives it; the global length P * local_seqlen must be a
     multiple of 2 * P * 128. ``group``: a ProcessGroup, a 1-D DeviceMesh or (DeviceMesh, dim);
     required. ``layout``: "contiguous" (default, helper-worker load balancing) or "zigzag".
-    Differentiable. Output and gradients are bitwise identical for every number of ranks (and
-    both layouts); see docs/distributed.md. ``deterministic=False`` currently runs the same path.
+    Differentiable.
+
+    ``deterministic=True``: output and gradients bitwise identical for every number of ranks and
+    both layouts (docs/distributed.md); on CUDA only the forward exists so far, and a call that
+    would need a backward raises NotImplementedError. ``deterministic=False``: the Hopper kernels
+    on whole runs of query blocks (the reference on CPU); the output is bitwise a single-GPU
+    call's, the gradients agree with one GPU to rounding (partial dK/dV summed in fp32).
     """
     pg = resolve_group(group)
     layout = resolve_layout(layout)
     _check(q, k, v, pg)
+    if q.device.type == "cuda":
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"dash_fa3.distributed on CUDA takes bf16 or fp16, got {q.dtype}")
+        if deterministic and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError(
+                "dash_fa3.distributed: the deterministic (bitwise the same for every number of GPUs) "
+                "backward needs fold kernels that are not built yet (issue 16); on CUDA use "
+                "deterministic=False for training, or run the deterministic forward under torch.no_grad()")
+    elif q.device.type != "cpu":
+        raise ValueError(f"dash_fa3.distributed runs on CUDA or CPU tensors, got {q.device.type}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):

@@ -24,14 +24,22 @@ from .geometry import Geometry
 from .schedules import Schedule, _check_num_sms, _i32, get_schedule, greedy_assignment, resolve_schedule_name
 
 
+def lowering_order(s: Schedule, num_ctas: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(task_cta, perm) of the lowering of dynamic schedule ``s``: the CTA each
+    task (in queue order) is claimed by, and the task-table order of the
+    lowered schedule (by CTA, queue order within a CTA). ``num_ctas`` defaults
+    to the schedule's."""
+    T = s.num_tasks
+    # A task without steps (windows) still stores dK, dV: cost it as one step.
+    cta = greedy_assignment(np.maximum(s.task_steps, 1), int(num_ctas or s.num_ctas))
+    return cta, np.lexsort((np.arange(T), cta))
+
+
 def lower_to_static(s: Schedule, *, validate: bool = True) -> Schedule:
     """The static form of ``s`` (``s`` itself when it is already static)."""
     if not s.dynamic:
         return s
-    T = s.num_tasks
-    # A task without steps (windows) still stores dK, dV: cost it as one step.
-    cta = greedy_assignment(np.maximum(s.task_steps, 1), s.num_ctas)
-    perm = np.lexsort((np.arange(T), cta))  # by CTA, queue order within a CTA
+    cta, perm = lowering_order(s)
     lens = s.task_steps[perm]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     step_idx = np.repeat(s.step_offsets[perm] - offsets[:-1], lens) + np.arange(int(offsets[-1]))
@@ -64,4 +72,4 @@ def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int) -> M.Sc
 def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
     """The validated, static metadata the backward kernel runs; cached by shape."""
     num_sms = _check_num_sms(num_sms)
-    return _kernel_metadata_cached(resolve_schedule_name(name, geometry), geometry, num_sms)
+    return _kernel_metadata_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)

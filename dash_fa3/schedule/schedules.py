@@ -22,6 +22,7 @@ u // S; CTA i runs its rows in order.
 from __future__ import annotations
 
 import heapq
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -35,8 +36,39 @@ DYNAMIC_SCHEDULES = ("fa3", "spt", "descending", "lpt")
 STATIC_SCHEDULES = ("shift", "symmetric_shift")
 
 
-def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = True) -> str:
+#: How a deterministic ``auto`` is resolved: "table" (the default: the rule below, from
+#: measured grid points) or "model" (the schedule the calibrated simulator predicts
+#: fastest for the shape, :func:`.model.calibration.best_schedule`; opt-in, see
+#: docs/schedule.md "Calibration" for how it compares).  The environment variable
+#: DASH_FA3_AUTO_POLICY sets it at import; :func:`set_auto_policy` at run time.
+AUTO_POLICIES = ("table", "model")
+_auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
+if _auto_policy not in AUTO_POLICIES:
+    raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
+
+
+def set_auto_policy(policy: str) -> str:
+    """Set how a deterministic ``auto`` resolves ("table" or "model"); returns the previous
+    policy.  Resolved schedules are cached per shape, so set it before the first call."""
+    global _auto_policy
+    if policy not in AUTO_POLICIES:
+        raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
+    old, _auto_policy = _auto_policy, policy
+    return old
+
+
+def get_auto_policy() -> str:
+    return _auto_policy
+
+
+def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = True, *,
+                          num_sms: int | None = None, headdim: int | None = None,
+                          policy: str | None = None) -> str:
     """Map ``auto`` to a concrete schedule; check the name.
+
+    ``policy`` (default: :func:`get_auto_policy`) "model" picks the calibrated
+    model's fastest deterministic schedule for ``num_sms`` SMs (default 132) and
+    ``headdim`` (default: from the tile sizes); "table" is the rule below.
 
     Deterministic, ``auto`` is the best measured deterministic schedule on the
     bench grid (H100, 2026-11-22, commit a99797c, the side-by-side grid of
@@ -57,8 +89,14 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         g = geometry
         if not deterministic:
             return "lpt"
-        if g.local:
+        policy = policy or _auto_policy
+        if policy not in AUTO_POLICIES:
+            raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
+        if g.local:  # (the calibration covers full and causal masks only)
             return "spt"
+        if policy == "model":
+            from .model.calibration import best_schedule  # lazy: the contract does not need the model
+            return best_schedule(g, num_sms or 132, headdim)
         if g.causal:
             return "symmetric_shift" if g.n_kv >= 32 else "spt"
         shift_max_kv = 64 if g.block_m == g.block_n else 128
@@ -530,7 +568,7 @@ def build_schedule(name: str, geometry: Geometry, num_sms: int, *, validate: boo
     if not isinstance(geometry, Geometry):
         raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
     num_sms = _check_num_sms(num_sms)
-    name = resolve_schedule_name(name, geometry)
+    name = resolve_schedule_name(name, geometry, num_sms=num_sms)
     builder = _build_dynamic if name in DYNAMIC_SCHEDULES else _build_static
     sched = builder(name, geometry, num_sms)
     if validate:
@@ -555,7 +593,7 @@ def get_schedule(name: str, geometry: Geometry, num_sms: int) -> Schedule:
     costs one dictionary lookup.
     """
     num_sms = _check_num_sms(num_sms)
-    return _get_schedule_cached(resolve_schedule_name(name, geometry), geometry, num_sms)
+    return _get_schedule_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)
 
 
 def get_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
@@ -565,7 +603,7 @@ def get_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
     cached for fewer shapes; the launcher should call this.
     """
     num_sms = _check_num_sms(num_sms)
-    return _get_metadata_cached(resolve_schedule_name(name, geometry), geometry, num_sms)
+    return _get_metadata_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)
 
 
 def clear_cache() -> None:

@@ -195,7 +195,7 @@ def check_structure(s) -> None:
 
 def _dynamic_unit_model(s) -> tuple[int, float]:
     from .model.simulate import CostModel, simulate
-    sim = simulate(s, CostModel(1.0, 1.0))
+    sim = simulate(s, CostModel(1.0, 1.0, pipeline="serial"))  # the paper's collisions
     return sim.waits, sim.makespan
 
 

@@ -20,6 +20,10 @@ Gallery (the Gantt charts of docs/schedule.md)::
 
     python -m dash_fa3.schedule gallery --out docs/gantt
 
+Calibration (the simulator against the measured H100 grid; ``--fit`` refits it)::
+
+    python -m dash_fa3.schedule calibrate [--fit] [--train 512,2048,8192] [--json]
+
 Export (the kernel's validated static metadata, for the C++ harness)::
 
     python -m dash_fa3.schedule export --out sched.i32 --sms 132 --schedule fa3,spt \
@@ -103,8 +107,10 @@ def evaluate(name: str, geometry: Geometry, num_sms: int, costs: CostModel, *, w
                ratio=sim.ratio, sm_idle_fraction=sim.sm_idle_fraction, collisions=sim.waits,
                wait_time=sim.wait_time, metadata_bytes=rep.metadata_bytes)
     if want_cp:
-        # the paper's DAG: zero-weight dependency edges (no semaphore latency)
+        # the DAG with zero-weight dependency edges (no semaphore latency), as in the paper
         out["critical_path"] = critical_path(sched, costs.replace(latency=0.0)).length
+    if costs.pipeline == "writer":
+        out.update(pipeline="writer", buffer_stalls=sim.buffer_stalls, buffer_stall_time=sim.buffer_stall_time)
     if gantt_path:
         from .plot import plot_gantt
         plot_gantt(sched, sim, gantt_path)
@@ -130,18 +136,30 @@ def _fmt_table(rows: list[dict]) -> str:
 
 def _costs_from(args) -> CostModel:
     reduce = args.reduce if args.reduce is not None else args.compute * args.rc_ratio
+    if args.read is not None and args.read > reduce:
+        raise SystemExit(f"error: --read ({args.read:g}) must be <= the reduce cost ({reduce:g})")
     return CostModel(compute=args.compute, reduce=reduce, latency=args.latency, epilogue=args.epilogue,
-                     scale=args.cost_scale)
+                     scale=args.cost_scale, masked_compute=args.masked_compute, read=args.read,
+                     pipeline=args.pipeline)
 
 
-def _add_cost_args(p, *, rc_default: float):
+def _add_cost_args(p, *, rc_default: float, pipeline: str = "writer"):
+    p.add_argument("--pipeline", choices=("writer", "serial"), default=pipeline,
+                   help="writer: the kernel (dQ adds on a writer warp per sdQ buffer, overlapping the MMA "
+                        "work); serial: the paper's DAG (compute -> reduce on the SM)"
+                        f" (default {pipeline})")
+    p.add_argument("--read", type=nonnegative_float, default=None,
+                   help="writer: time until an add has read its sdQ buffer (default: the reduce cost)")
+    p.add_argument("--masked-compute", type=nonnegative_float, default=None,
+                   help="compute cost of a step whose tile needs the mask (default: --compute)")
     p.add_argument("--compute", type=nonnegative_float, default=1.0,
                    help="c: compute cost of one tile step (default 1)")
     p.add_argument("--rc-ratio", type=nonnegative_float, default=rc_default,
                    help=f"r/c when --reduce is not given (default {rc_default})")
     p.add_argument("--reduce", type=nonnegative_float, default=None, help="r: cost of one dQ tile add")
     p.add_argument("--latency", type=nonnegative_float, default=0.0,
-                   help="extra delay of a cross-SM semaphore signal, in the same units (default 0)")
+                   help="semaphore hand-off delay, in the same units (writer: every hand-off; serial: "
+                        "between SMs) (default 0)")
     p.add_argument("--epilogue", type=nonnegative_float, default=0.0,
                    help="cost of a task's dK/dV epilogue (default 0)")
     p.add_argument("--cost-scale", choices=("constant", "elements"), default="constant",
@@ -183,10 +201,17 @@ def _real_main(argv) -> int:
     p.add_argument("--no-gantt", action="store_true")
     p.add_argument("--no-critical-path", action="store_true")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
+    p.add_argument("--calibrated", action="store_true",
+                   help="the fitted H100 costs (model/calibration.py, microseconds) instead of the cost "
+                        "arguments; adds each schedule's predicted ms of the whole backward call")
     args = p.parse_args(argv)
     g = _shape_geometry(p, args, args.block_m, args.block_n)
     names = _schedule_list(p, args.schedule)
     costs = _costs_from(args)
+    cal = None
+    if args.calibrated:
+        from .calibration import H100 as cal
+        costs = cal.cost_model(args.headdim, g)
     if not args.no_gantt:
         os.makedirs(args.gantt_dir, exist_ok=True)
     rows = []
@@ -196,12 +221,17 @@ def _real_main(argv) -> int:
             gp = os.path.join(args.gantt_dir, f"{name}_{g.mask}_b{g.batch}h{g.heads}_sq{g.seqlen_q}_sk{g.seqlen_k}"
                                               f"_bm{g.block_m}bn{g.block_n}_sms{args.sms}.png")
         rows.append(evaluate(name, g, args.sms, costs, want_cp=not args.no_critical_path, gantt_path=gp))
+        if cal is not None and rows[-1].get("valid"):
+            rows[-1]["predicted_ms"] = (cal.overhead + rows[-1]["makespan"]) / 1000.0
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print(f"{g.describe()}; headdim {args.headdim}; {args.sms} SMs; c={costs.compute:g} r={costs.reduce:g} "
-              f"latency={costs.latency:g} ({costs.scale} costs)")
+              f"latency={costs.latency:g} ({costs.scale} costs, {costs.pipeline} pipeline)")
         print(_fmt_table(rows))
+        if cal is not None:
+            print(f"predicted ms of the backward call ({cal.device}, costs of {cal.data.split(':')[0]}): "
+                  + ", ".join(f"{r['schedule']} {r['predicted_ms']:.3f}" for r in rows if r.get("valid")))
         if not args.no_gantt:
             print(f"Gantt charts in {args.gantt_dir}/")
     return 0 if all(r.get("valid") for r in rows) else 1
@@ -216,7 +246,7 @@ def _model_main(argv) -> int:
     p.add_argument("--sms", type=positive_int, default=None, help="SMs (default: kv tiles)")
     p.add_argument("--mask", choices=("full", "causal"), default="full")
     p.add_argument("--schedule", default="all")
-    _add_cost_args(p, rc_default=1.0)
+    _add_cost_args(p, rc_default=1.0, pipeline="serial")
     p.add_argument("--json", action="store_true")
     p.add_argument("--gantt", default=None, help="PNG path (single schedule) or directory (all)")
     args = p.parse_args(argv)
@@ -306,7 +336,7 @@ def _gallery_main(argv) -> int:
     from .plot import plot_gantt
 
     os.makedirs(args.out, exist_ok=True)
-    costs = CostModel(args.compute, args.reduce)
+    costs = CostModel(args.compute, args.reduce, pipeline="serial")  # the paper's model
     for mask, name, n, m in GALLERY:
         g = Geometry.model(n, m, mask)
         sched = build_schedule(name, g, n)
@@ -330,6 +360,43 @@ def _gallery_main(argv) -> int:
                  f"makespan {sim.makespan:g}, lower bound {sim.lower_bound:.4g}")
         plot_gantt(sched, sim, path, title=title)
         print(f"{path}: makespan {sim.makespan:g}")
+    return 0
+
+
+def _calibrate_main(argv) -> int:
+    from . import calibration as C
+    p = argparse.ArgumentParser(
+        prog="python -m dash_fa3.schedule calibrate",
+        description="The simulator against the measured H100 grid (model/calibration.py): per grid point and "
+                    "schedule measured / predicted ms and error, the ranking agreement; --fit refits the costs "
+                    "on the --train seqlens first (needs scipy; minutes).")
+    p.add_argument("--fit", action="store_true", help="refit the costs (from the shipped ones) before the table")
+    p.add_argument("--train", default="512,2048,8192", help="seqlens the fit uses (the rest are held out)")
+    p.add_argument("--headdim", type=sm_list, default=None, help="head dims (default: all of the grid)")
+    p.add_argument("--seqlens", type=sm_list, default=None, help="seqlens of the table (default: all)")
+    p.add_argument("--max-evals", type=positive_int, default=80, help="fit: evaluations per head dim")
+    p.add_argument("--workers", type=positive_int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--json", action="store_true", help="print rows, ranking and summary as JSON")
+    args = p.parse_args(argv)
+    train = tuple(sm_list(args.train))
+    grid = C.H100_B064A4D
+    cal = C.H100
+    hds = tuple(args.headdim) if args.headdim else tuple(sorted({r[0] for r in grid.rows}))
+    if args.fit:
+        cal = C.refit(cal, grid, train, hds, args.workers, args.max_evals,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = C.evaluate_grid(cal, grid, train, hds, args.workers, args.seqlens)
+    ranks = C.ranking(rows)
+    summary = C.summarize(rows, ranks)
+    if args.json:
+        print(json.dumps(dict(calibration=cal.to_dict(), rows=rows, ranking=ranks, summary=summary), indent=1))
+    else:
+        print(f"calibration: {cal.device}, {cal.num_sms} SMs; data: {cal.data}; fitted: {cal.fitted}")
+        for hd in hds:
+            print(f"  hdim {hd}: {cal.headdims[hd]}")
+        print("cells: measured / predicted ms (error)")
+        print(C.format_table(rows, ranks))
+        print(json.dumps(summary, indent=1))
     return 0
 
 
@@ -378,6 +445,8 @@ def main(argv=None) -> int:
         return _grid_main(argv[1:])
     if argv and argv[0] == "gallery":
         return _gallery_main(argv[1:])
+    if argv and argv[0] == "calibrate":
+        return _calibrate_main(argv[1:])
     if argv and argv[0] == "shape":
         argv = argv[1:]
     return _real_main(argv)

@@ -20,6 +20,18 @@ contract's (:mod:`..waitgraph`, shared by validation and the static
 simulator); here is :func:`longest_path`, a generic node-and-edge-weighted
 longest path that :func:`critical_path` uses as an independent check of the
 simulator.
+
+With the writer pipeline (``CostModel.pipeline == "writer"``, the kernel's;
+see :mod:`.simulate`) the DAG has, per step p in CTA-program order, the nodes
+C (compute up to the hand-off, ``handoff_at * c``), K (the rest of the
+compute), H (hand-off, 0), D (step done, 0), R (the add until it has read
+its buffer, ``read``) and X (the rest of the add, ``reduce - read``), and one
+E (epilogue) per task.  Edges: D of step p-1 (or the previous task's E) ->
+C; C -> H; R of step p-B -> H (B = buffers: the buffer is free); C -> K;
+K -> D; H -> D; D -> R; the writer's previous step (X of p-B deterministic,
+R of p-B not) -> R; X of the rank predecessor -> R (weight ``latency``,
+deterministic only); R -> X; D of a task's last step -> E.  Built here
+explicitly, it checks the simulator's recurrences.
 """
 
 from __future__ import annotations
@@ -101,18 +113,23 @@ class CriticalPath:
     path: np.ndarray          # split-node ids of one critical path (see describe_node)
     num_steps: int
     num_tasks: int
+    pipeline: str = "serial"
 
     def describe_node(self, v: int) -> str:
+        """serial: C<k>, R<k>, E<t>; writer: C, H, R, X, K, D <p> (p = step in program order), E<t>."""
         N = self.num_steps
-        if v < N:
-            return f"C{v}"
-        if v < 2 * N:
-            return f"R{v - N}"
-        return f"E{v - 2 * N}"
+        kinds = "CR" if self.pipeline == "serial" else "CHRXKD"
+        if v < len(kinds) * N:
+            return f"{kinds[v // N]}{v % N}" if N else f"E{v}"
+        return f"E{v - len(kinds) * N}"
 
 
 def critical_path(schedule, costs=None, *, task_cta: np.ndarray | None = None) -> CriticalPath:
     """Critical path of the schedule's DAG (compute and reduce as separate nodes).
+
+    Writer pipeline (the default ``CostModel``): the DAG of the module doc on
+    the CTA programs the kernel runs (a dynamic schedule lowered as the
+    launcher lowers it; ``task_cta`` is not used).  Serial pipeline:
 
     ``costs`` (a :class:`~.simulate.CostModel`) gives the node weights and the
     weight of cross-CTA semaphore edges (``costs.latency``; the paper's model
@@ -120,6 +137,8 @@ def critical_path(schedule, costs=None, *, task_cta: np.ndarray | None = None) -
     default, the one a zero-latency simulation's greedy dispatch produces.
     """
     costs = costs or CostModel()
+    if costs.pipeline == "writer":
+        return _critical_path_writer(schedule, costs)
     if schedule.dynamic:
         if task_cta is None:
             task_cta = simulate(schedule, costs.replace(latency=0.0)).task_cta
@@ -159,3 +178,67 @@ def critical_path(schedule, costs=None, *, task_cta: np.ndarray | None = None) -
     length, _, path = longest_path(2 * N + T, node_w, np.concatenate(src), np.concatenate(dst),
                                    np.concatenate(w))
     return CriticalPath(length, path, N, T)
+
+
+def _critical_path_writer(schedule, costs) -> CriticalPath:
+    from .simulate import kernel_program
+    N, T = schedule.num_steps, schedule.num_tasks
+    step_perm, task_perm, task_cta = kernel_program(schedule)
+    c0, r0 = costs.step_costs(schedule)
+    c, r = c0[step_perm], r0[step_perm]
+    rd = r * (costs.read_time / costs.reduce if costs.reduce > 0 else 1.0) if costs.read is not None else r
+    lens = schedule.task_steps[task_perm]
+    offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    p_task = np.repeat(np.arange(T, dtype=np.int64), lens)
+    p_cta = task_cta[task_perm][p_task]
+    C, H, R, X, K, D, E = 0, N, 2 * N, 3 * N, 4 * N, 5 * N, 6 * N
+    phi = float(costs.handoff_at)
+    node_w = np.concatenate([c * phi, np.zeros(N), rd, r - rd, c * (1 - phi), np.zeros(N),
+                             np.full(T, float(costs.epilogue))])
+    src, dst, w = [], [], []
+
+    def edge(a, b, weight=0.0):
+        a = np.asarray(a, dtype=np.int64)
+        src.append(a); dst.append(np.asarray(b, dtype=np.int64)); w.append(np.broadcast_to(weight, a.shape))
+
+    p = np.arange(N, dtype=np.int64)
+    first = np.zeros(N, dtype=bool)
+    first[offs[:-1][lens > 0]] = True
+    same1 = np.zeros(N, dtype=bool)
+    same1[1:] = p_cta[1:] == p_cta[:-1]
+    inner = same1 & ~first
+    edge(D + p[inner] - 1, C + p[inner])                          # MMA program order
+    # A task follows the previous task of its CTA: its first step (or, without
+    # steps, its epilogue) waits for that task's epilogue.
+    t_cta = task_cta[task_perm]
+    tt = np.arange(T, dtype=np.int64)
+    chained = np.zeros(T, dtype=bool)
+    chained[1:] = t_cta[1:] == t_cta[:-1]
+    with_steps = chained & (lens > 0)
+    edge(E + tt[with_steps] - 1, C + offs[:-1][with_steps])       # previous task's epilogue
+    without = chained & (lens == 0)
+    edge(E + tt[without] - 1, E + tt[without])
+    edge(C + p, H + p)
+    edge(C + p, K + p)
+    edge(K + p, D + p)
+    edge(H + p, D + p)
+    B = int(costs.buffers)
+    pb = p - B
+    okb = pb >= 0
+    okb[okb] = p_cta[pb[okb]] == p_cta[okb]
+    edge(R + pb[okb], H + p[okb])                                 # buffer free
+    edge(D + p, R + p)
+    edge((X if costs.deterministic else R) + pb[okb], R + p[okb])  # the writer's previous step
+    if costs.deterministic and N:
+        inv = np.empty(N, dtype=np.int64)
+        inv[step_perm] = p
+        gid, rank = schedule.step_dq_tile, schedule.step_rank
+        order = np.lexsort((rank, gid))
+        same = gid[order][1:] == gid[order][:-1]
+        edge(X + inv[order[:-1][same]], R + inv[order[1:][same]], float(costs.latency))
+    edge(R + p, X + p)
+    last = offs[1:][lens > 0] - 1
+    edge(D + last, E + np.arange(T)[lens > 0])
+    length, _, path = longest_path(6 * N + T, node_w, np.concatenate(src), np.concatenate(dst),
+                                   np.concatenate(w))
+    return CriticalPath(length, path, N, T, pipeline="writer")

@@ -6,6 +6,12 @@ marks the time a reduce waited for its semaphore (a collision), grey a task's
 epilogue (dK/dV store).  A dashed line marks the lower bound.  Small charts
 print the Q tile of each step in its compute segment.  Large runs (more than ``max_detail_steps`` steps) draw one
 bar per task instead of per step, plus the waits.
+
+Writer pipeline (the kernel's, :mod:`.simulate`): the adds run on the CTA's
+dQ writer, drawn hatched in a thin band under the SM's row (they overlap the
+next computes); red in that band is the time a handed-over partial dQ waited
+for its add (the writer behind or its semaphore), red in the row itself the
+MMA warps' stall for a free sdQ buffer.
 """
 
 from __future__ import annotations
@@ -49,12 +55,17 @@ def plot_gantt(schedule, sim, path=None, *, title: str | None = None, max_detail
     step_task = schedule.step_task
     detail = schedule.num_steps <= max_detail_steps
     bar_h = 0.8
+    writer = getattr(sim, "pipeline", "serial") == "writer"
+    if writer:
+        bar_h = 0.6
+    wy = 0.42  # writer band offset below the row (writer pipeline)
     if detail:
         y = sim.step_cta
         col = tcol[step_task]
         ax.add_collection(PolyCollection(_verts(y, sim.step_start, sim.step_compute_end, bar_h),
                                          facecolors=col, edgecolors="k", linewidths=0.3))
-        ax.add_collection(PolyCollection(_verts(y, sim.step_reduce_start, sim.step_end, bar_h),
+        ry, rh = (y + wy, 0.22) if writer else (y, bar_h)
+        ax.add_collection(PolyCollection(_verts(ry, sim.step_reduce_start, sim.step_end, rh),
                                          facecolors=col * [0.75, 0.75, 0.75, 1], edgecolors="k",
                                          linewidths=0.3, hatch="////"))
         if label_steps is None:
@@ -70,13 +81,26 @@ def plot_gantt(schedule, sim, path=None, *, title: str | None = None, max_detail
     else:
         ax.add_collection(PolyCollection(_verts(sim.task_cta, sim.task_start, sim.task_end, bar_h),
                                          facecolors=tcol, edgecolors="none"))
-    wait = sim.step_reduce_start - sim.step_compute_end
     eps = 1e-9 * max(sim.makespan, 1.0)
-    w_idx = np.flatnonzero(wait > eps)
-    if w_idx.size:
-        ax.add_collection(PolyCollection(_verts(sim.step_cta[w_idx], sim.step_compute_end[w_idx],
-                                                sim.step_reduce_start[w_idx], bar_h * 0.35),
-                                         facecolors="red", edgecolors="none"))
+    if writer:
+        ready = np.maximum(sim.step_compute_end, sim.step_handoff)
+        w_idx = np.flatnonzero(sim.step_reduce_start - ready > eps)
+        if w_idx.size:
+            ax.add_collection(PolyCollection(_verts(sim.step_cta[w_idx] + wy, ready[w_idx],
+                                                    sim.step_reduce_start[w_idx], 0.1),
+                                             facecolors="red", edgecolors="none"))
+        s_idx = np.flatnonzero(sim.step_handoff - sim.step_compute_end > eps)
+        if s_idx.size:
+            ax.add_collection(PolyCollection(_verts(sim.step_cta[s_idx], sim.step_compute_end[s_idx],
+                                                    sim.step_handoff[s_idx], bar_h * 0.35),
+                                             facecolors="red", edgecolors="none"))
+    else:
+        wait = sim.step_reduce_start - sim.step_compute_end
+        w_idx = np.flatnonzero(wait > eps)
+        if w_idx.size:
+            ax.add_collection(PolyCollection(_verts(sim.step_cta[w_idx], sim.step_compute_end[w_idx],
+                                                    sim.step_reduce_start[w_idx], bar_h * 0.35),
+                                             facecolors="red", edgecolors="none"))
     ep = sim.task_end - sim.epilogue_start
     p_idx = np.flatnonzero(ep > eps)
     if p_idx.size:
@@ -97,8 +121,9 @@ def plot_gantt(schedule, sim, path=None, *, title: str | None = None, max_detail
     ax.set_title(title, fontsize=9)
     handles = [Patch(facecolor=cmap(i % 10), label=f"head {i}") for i in range(min(n_heads, 8))]
     if detail:
-        handles.append(Patch(facecolor="white", edgecolor="k", hatch="////", label="reduce (dQ add)"))
-    handles.append(Patch(facecolor="red", label="semaphore wait"))
+        handles.append(Patch(facecolor="white", edgecolor="k", hatch="////",
+                             label="dQ add (writer band)" if writer else "reduce (dQ add)"))
+    handles.append(Patch(facecolor="red", label="add waits / buffer stall" if writer else "semaphore wait"))
     if p_idx.size:
         handles.append(Patch(facecolor="0.35", label="epilogue (dK/dV)"))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)

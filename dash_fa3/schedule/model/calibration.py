@@ -1,0 +1,483 @@
+"""The simulator calibrated on measured GPU times (issue 15, deliverable 2).
+
+One place for the fitted physical costs of the backward kernel: per head dim,
+the MMA work of one step (a tile without mask, its growth with the sequence
+length, the extra of a tile that needs the mask), the per-task epilogue, the
+dQ reduce-add (until its sdQ buffer is read, until it has completed) and the
+semaphore hand-off latency; plus the fixed cost of the rest of the call (the
+pre- and postprocess kernels and launch gaps).  :data:`H100` holds the costs
+fitted to the H100 grid of commit b064a4d (:data:`H100_B064A4D`, copied from
+``benchmarks/RESULTS.md``); :func:`predict_ms` turns them into a predicted
+time of the whole backward call, :func:`best_schedule` into a schedule choice
+for any shape.  ``python -m dash_fa3.schedule calibrate`` refits them (needs
+scipy) and prints the table of docs/schedule.md.
+
+Units: microseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from ..geometry import Geometry, bwd_block_sizes
+from .simulate import CostModel, simulate
+
+# --------------------------------------------------------------------- the measured grid
+#: Columns of a measured row: ``nd`` is our non-deterministic backward (its
+#: ``auto``, the ``lpt`` order without semaphores), the others the
+#: deterministic backward with that schedule.
+COLUMNS = ("nd", "fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
+
+
+@dataclass(frozen=True)
+class MeasuredGrid:
+    """Backward TFLOP/s of one benchmark run, per (head dim, mask, seqlen) and column."""
+
+    device: str
+    date: str
+    commit: str
+    source: str
+    num_sms: int
+    total_tokens: int
+    hidden: int
+    rows: tuple  # (hdim, mask, seqlen, (TFLOP/s per COLUMNS))
+
+    def geometry(self, hdim: int, mask: str, seqlen: int) -> Geometry:
+        return Geometry.from_shape(batch=self.total_tokens // seqlen, heads=self.hidden // hdim,
+                                   seqlen_q=seqlen, headdim=hdim, causal=mask == "causal")
+
+    def flops(self, hdim: int, mask: str, seqlen: int) -> float:
+        """The benchmark's count: 2.5 x 4 b h s^2 d, halved when causal."""
+        g = self.geometry(hdim, mask, seqlen)
+        f = 2.5 * 4.0 * g.batch * g.heads * seqlen * seqlen * hdim
+        return f / 2 if mask == "causal" else f
+
+    def points(self):
+        """(hdim, mask, seqlen, column, measured ms) of every cell."""
+        for hdim, mask, seqlen, tflops in self.rows:
+            for col, tf in zip(COLUMNS, tflops):
+                yield hdim, mask, seqlen, col, self.flops(hdim, mask, seqlen) / (tf * 1e12) * 1e3
+
+
+#: benchmarks/RESULTS.md, "The whole grid at b064a4d" (bench_peers.py --rounds 3 --iters 10,
+#: GPU time of the whole dash_fa3::bwd op: preprocess + main kernel + postprocess).
+H100_B064A4D = MeasuredGrid(
+    device="NVIDIA H100 80GB HBM3", date="2026-11-23", commit="b064a4d",
+    source="benchmarks/RESULTS.md: The whole grid at b064a4d", num_sms=132,
+    total_tokens=16384, hidden=2048,
+    rows=(
+    (64, "full", 512, (282, 279, 279, 280, 280, 279, 279)),
+    (64, "full", 1024, (380, 328, 329, 328, 373, 372, 328)),
+    (64, "full", 2048, (455, 337, 338, 340, 450, 449, 338)),
+    (64, "full", 4096, (503, 369, 369, 369, 493, 493, 370)),
+    (64, "full", 8192, (520, 431, 432, 431, 517, 523, 426)),
+    (64, "full", 16384, (525, 527, 525, 519, 496, 518, 532)),
+    (64, "causal", 512, (172, 86, 171, 164, 145, 166, 143)),
+    (64, "causal", 1024, (276, 89, 260, 149, 219, 262, 158)),
+    (64, "causal", 2048, (373, 159, 364, 237, 216, 358, 161)),
+    (64, "causal", 4096, (456, 54, 394, 148, 208, 439, 161)),
+    (64, "causal", 8192, (511, 84, 488, 194, 199, 491, 156)),
+    (64, "causal", 16384, (532, 155, 524, 339, 216, 516, 155)),
+    (128, "full", 512, (306, 298, 298, 299, 296, 295, 297)),
+    (128, "full", 1024, (434, 378, 378, 378, 405, 404, 377)),
+    (128, "full", 2048, (526, 414, 414, 414, 504, 504, 414)),
+    (128, "full", 4096, (584, 479, 479, 478, 568, 569, 478)),
+    (128, "full", 8192, (613, 554, 565, 564, 593, 598, 560)),
+    (128, "full", 16384, (594, 582, 592, 590, 594, 584, 575)),
+    (128, "causal", 512, (159, 98, 167, 139, 155, 157, 161)),
+    (128, "causal", 1024, (292, 102, 288, 179, 229, 278, 188)),
+    (128, "causal", 2048, (423, 172, 407, 281, 249, 398, 205)),
+    (128, "causal", 4096, (522, 74, 465, 196, 259, 494, 211)),
+    (128, "causal", 8192, (593, 119, 546, 324, 263, 556, 213)),
+    (128, "causal", 16384, (625, 215, 584, 542, 317, 589, 214)),
+    ),
+)
+
+
+# --------------------------------------------------------------------- the fitted costs
+@dataclass(frozen=True)
+class HeadDimCosts:
+    """Fitted costs of one head dim's kernel (microseconds).
+
+    compute:          MMA work of one step on a tile without mask, extrapolated to seqlen_k -> 0
+    compute_per_kkey: its growth per 1024 keys of seqlen_k (the L2 working set of a head
+                      grows with the sequence; the only memory effect modelled)
+    masked_extra:     extra of a step whose tile needs the causal mask
+    epilogue:         per task: the dK/dV store and the next task's start
+    reduce:           one 32 KiB fp32 reduce-add of a partial dQ, issue to completion
+                      (deterministic: to the semaphore release)
+    read:             from its issue until the add has read its sdQ buffer (frees it)
+    latency:          semaphore hand-off: release -> the waiting writer sees it
+    handoff_at:       fraction of a step's compute before the MMA warps wait for a free
+                      sdQ buffer (the dK GEMM after it overlaps the wait)
+    """
+
+    compute: float
+    compute_per_kkey: float
+    masked_extra: float
+    epilogue: float
+    reduce: float
+    read: float
+    latency: float
+    handoff_at: float = 1.0
+
+    def step_compute(self, seqlen_k: int) -> float:
+        return self.compute + self.compute_per_kkey * seqlen_k / 1024.0
+
+    def cost_model(self, seqlen_k: int, deterministic: bool = True) -> CostModel:
+        c = self.step_compute(seqlen_k)
+        return CostModel(compute=c, reduce=self.reduce, latency=self.latency, epilogue=self.epilogue,
+                         masked_compute=c + self.masked_extra, read=min(self.read, self.reduce),
+                         deterministic=deterministic, pipeline="writer", handoff_at=self.handoff_at)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted costs of one device, and where they came from."""
+
+    device: str
+    num_sms: int
+    data: str                  # the measurement: date, commit, where it is written down
+    fitted: str                # how and when the costs were fitted
+    overhead: float            # us per call outside the main kernel (pre/postprocess, launch gaps); not fitted
+    headdims: dict = field(default_factory=dict)   # head dim -> HeadDimCosts
+
+    def costs_for(self, headdim: int, geometry: Geometry) -> HeadDimCosts:
+        """The costs of ``headdim``: its own, else those of the nearest calibrated head
+        dim (one with the same tile sizes first), scaled by the tile's MMA work
+        (compute, epilogue) and dQ bytes (reduce, read)."""
+        if headdim in self.headdims:
+            return self.headdims[headdim]
+        tiles = (geometry.block_m, geometry.block_n)
+        ref = min(self.headdims, key=lambda d: (bwd_block_sizes(d) != tiles, abs(d - headdim), d))
+        hc = self.headdims[ref]
+        rbm, rbn = bwd_block_sizes(ref)
+        work = (geometry.block_m * geometry.block_n * headdim) / float(rbm * rbn * ref)
+        dq = (geometry.block_m * headdim) / float(rbm * ref)
+        return replace(hc, compute=hc.compute * work, compute_per_kkey=hc.compute_per_kkey * work,
+                       masked_extra=hc.masked_extra * work, epilogue=hc.epilogue * work,
+                       reduce=hc.reduce * dq, read=hc.read * dq)
+
+    def cost_model(self, headdim: int, geometry: Geometry, deterministic: bool = True) -> CostModel:
+        return self.costs_for(headdim, geometry).cost_model(geometry.seqlen_k, deterministic)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["headdims"] = {str(k): asdict(v) for k, v in self.headdims.items()}
+        return d
+
+
+#: The H100's costs: fitted by ``python -m dash_fa3.schedule calibrate --fit`` (least squares of
+#: the log error, scipy) on the seqlens 512, 2048 and 8192 of the b064a4d grid, every column
+#: (our non-deterministic backward and the six deterministic schedules; 42 cells per head
+#: dim), the seqlens 1024, 4096 and 16384 held out (docs/schedule.md, "Calibration").
+#: ``handoff_at`` is not fitted (the model is insensitive to it): the dK GEMM is the last of
+#: a step's five.  ``overhead`` is not fitted either (on this grid it cannot be told apart from
+#: the epilogue: every point of a head dim has the same number of tasks): the pre- and
+#: postprocess of this token count measured 0.091 + 0.058 ms on an H200 (RESULTS.md, c8842f4),
+#: scaled by the HBM bandwidths (4.8 / 3.35 TB/s), rounded up for the launch gaps.
+H100 = Calibration(
+    device="NVIDIA H100 80GB HBM3", num_sms=132,
+    data="H100_B064A4D: NVIDIA H100 80GB HBM3, 2026-11-23, commit b064a4d (benchmarks/RESULTS.md)",
+    fitted="2026-11-23, on seqlens 512, 2048, 8192 of both head dims and masks, all 7 columns; "
+           "1024, 4096, 16384 held out",
+    overhead=200.0,
+    headdims={
+        64: HeadDimCosts(compute=2.346, compute_per_kkey=0.009782, masked_extra=0.0002085, epilogue=3.467,
+                         reduce=1.739, read=1.205, latency=0.2145, handoff_at=0.8),
+        128: HeadDimCosts(compute=1.986, compute_per_kkey=0.006842, masked_extra=0.1484, epilogue=7.416,
+                          reduce=2.236, read=0.002825, latency=0.001678, handoff_at=0.8),
+    },
+)
+
+
+# --------------------------------------------------------------------- prediction
+def predict_ms(name: str, geometry: Geometry, headdim: int, *, deterministic: bool = True,
+               calibration: Calibration | None = None, num_sms: int | None = None) -> float:
+    """Predicted time (ms) of one backward call (pre/postprocess included) with schedule ``name``."""
+    from ..schedules import get_schedule
+    cal = calibration or H100
+    sms = int(num_sms or cal.num_sms)
+    s = get_schedule(name, geometry, sms)
+    sim = simulate(s, cal.cost_model(headdim, geometry, deterministic), num_sms=sms)
+    return (cal.overhead + sim.makespan) / 1000.0
+
+
+# --------------------------------------------------------------------- fitting
+PARAMS = ("compute", "compute_per_kkey", "masked_extra", "epilogue", "reduce", "read", "latency",
+          "handoff_at")
+
+
+class Cell:
+    """One measured (shape, column) and its prepared simulation (:class:`.simulate.WriterProgram`)."""
+
+    def __init__(self, grid: MeasuredGrid, hdim: int, mask: str, seqlen: int, column: str, measured_ms: float):
+        import numpy as np
+        from ..schedules import build_schedule
+        from .simulate import WriterProgram
+        self.hdim, self.mask, self.seqlen, self.column, self.measured_ms = hdim, mask, seqlen, column, measured_ms
+        g = grid.geometry(hdim, mask, seqlen)
+        self.geometry = g
+        s = build_schedule("lpt" if column == "nd" else column, g, grid.num_sms, validate=False)
+        self.prog = WriterProgram(s, grid.num_sms, 2, deterministic=column != "nd")
+        kv = s.task_kv[s.step_task]
+        self.masked = np.asarray(g.tiles.needs_mask(s.step_q, kv), dtype=float)[self.prog.step_perm]
+
+    def makespan(self, hc: HeadDimCosts) -> float:
+        import numpy as np
+        n = self.masked.size
+        c = hc.step_compute(self.geometry.seqlen_k) + hc.masked_extra * self.masked
+        r = np.full(n, hc.reduce)
+        rd = np.full(n, min(hc.read, hc.reduce))
+        return self.prog.makespan(c, r, rd, hc.epilogue, hc.latency, hc.handoff_at)
+
+    def predict_ms(self, hc: HeadDimCosts, overhead: float) -> float:
+        return (overhead + self.makespan(hc)) / 1000.0
+
+
+_CELLS: list = []
+
+
+def _cell_ms(args):
+    i, x, overhead = args
+    return _CELLS[i].predict_ms(HeadDimCosts(*x), overhead)
+
+
+def predict_cells(cells_idx, hc: HeadDimCosts, overhead: float, pool=None) -> list:
+    args = [(i, tuple(asdict(hc).values()), overhead) for i in cells_idx]
+    return list(pool.map(_cell_ms, args, chunksize=1)) if pool else [_cell_ms(a) for a in args]
+
+
+class _Stop(Exception):
+    pass
+
+
+def fit_headdim(cells_idx, x0: HeadDimCosts, overhead: float, pool=None, max_evals: int = 120,
+                log=print) -> HeadDimCosts:
+    """Least squares of log(predicted / measured) over the cells (scipy, imported
+    here), from ``x0``; stops after ``max_evals`` evaluations (Jacobian ones
+    included) with the best point seen."""
+    import numpy as np
+    from scipy.optimize import least_squares
+    meas = np.log([_CELLS[i].measured_ms for i in cells_idx])
+
+    # read as a fraction of reduce, so that read <= reduce is a box bound
+    def unpack(z):
+        d = dict(zip(PARAMS, (float(v) for v in z)))
+        d["read"] = d["read"] * d["reduce"]
+        return HeadDimCosts(**d)
+    z0 = np.array(list(asdict(x0).values()), dtype=float)
+    z0[PARAMS.index("read")] = x0.read / x0.reduce if x0.reduce > 0 else 0.5
+    lo = np.zeros(len(PARAMS))
+    hi = np.full(len(PARAMS), np.inf)
+    hi[PARAMS.index("read")] = 1.0
+    hi[PARAMS.index("handoff_at")] = 1.0
+    lo[PARAMS.index("handoff_at")] = 0.05
+    z0 = np.clip(z0, lo + 1e-6, np.where(np.isfinite(hi), hi - 1e-6, np.inf))
+    best = [np.inf, z0]
+    calls = [0]
+
+    def resid(z):
+        if calls[0] >= max_evals:
+            raise _Stop
+        calls[0] += 1
+        pred = np.log(predict_cells(cells_idx, unpack(z), overhead, pool))
+        res = pred - meas
+        ss = float(np.sum(res ** 2))
+        if ss < best[0]:
+            best[0], best[1] = ss, np.array(z, dtype=float)
+            log(f"  eval {calls[0]}: rms {np.sqrt(np.mean(res ** 2)):.4f} max {np.abs(res).max():.3f} "
+                + " ".join(f"{v:.4g}" for v in z))
+        return res
+    try:
+        least_squares(resid, z0, bounds=(lo, hi), diff_step=0.03, x_scale="jac")
+    except _Stop:
+        pass
+    return unpack(best[1])
+
+
+# --------------------------------------------------------------------- evaluation and the table
+def headdim_of(geometry: Geometry) -> int:
+    """The head dim a geometry's backward tiles stand for (its calibrated costs):
+    the smallest head dim with these block sizes (64x128 tiles: 96 and 128 -> 96)."""
+    from ..contract import BWD_BLOCK_SIZES
+    for hd in sorted(BWD_BLOCK_SIZES):
+        if BWD_BLOCK_SIZES[hd] == (geometry.block_m, geometry.block_n):
+            return hd
+    return 128
+
+
+def _pool(workers: int):
+    import multiprocessing as mp
+    return mp.get_context("fork").Pool(workers) if workers > 1 else None
+
+
+def evaluate_grid(calibration: Calibration, grid: MeasuredGrid, train_seqlens=(), headdims=None,
+                  workers: int = 1, seqlens=None) -> list[dict]:
+    """Measured and predicted ms of every cell of ``grid`` (one dict per cell;
+    only ``headdims`` / ``seqlens`` when given); ``split`` says whether the
+    cell's seqlen was among the fit's."""
+    global _CELLS
+    # the cells are built before the pool forks: the workers inherit them
+    _CELLS = [Cell(grid, *p) for p in grid.points()
+              if (headdims is None or p[0] in headdims) and (seqlens is None or p[2] in seqlens)]
+    pool = _pool(workers)
+    out = []
+    try:
+        for hd in sorted({c.hdim for c in _CELLS}):
+            idx = [i for i, c in enumerate(_CELLS) if c.hdim == hd]
+            pred = predict_cells(idx, calibration.headdims[hd], calibration.overhead, pool)
+            for i, p in zip(idx, pred):
+                c = _CELLS[i]
+                out.append(dict(hdim=c.hdim, mask=c.mask, seqlen=c.seqlen, column=c.column,
+                                measured_ms=c.measured_ms, predicted_ms=p, error=p / c.measured_ms - 1.0,
+                                split="fit" if c.seqlen in train_seqlens else "held out"))
+    finally:
+        if pool:
+            pool.close()
+        _CELLS = []
+    out.sort(key=lambda r: (r["hdim"], r["mask"] != "full", r["seqlen"], COLUMNS.index(r["column"])))
+    return out
+
+
+def refit(calibration: Calibration, grid: MeasuredGrid, train_seqlens, headdims=None, workers: int = 1,
+          max_evals: int = 80, log=print) -> Calibration:
+    """``calibration`` with the costs of ``headdims`` refitted on the cells of
+    ``train_seqlens`` (least squares of the log error, from the current costs)."""
+    global _CELLS
+    fitted = dict(calibration.headdims)
+    for hd in headdims or sorted({r[0] for r in grid.rows}):
+        _CELLS = [Cell(grid, *p) for p in grid.points() if p[0] == hd and p[2] in train_seqlens]
+        pool = _pool(workers)
+        try:
+            log(f"fitting head dim {hd} on seqlens {tuple(train_seqlens)}: {len(_CELLS)} cells")
+            fitted[hd] = fit_headdim(list(range(len(_CELLS))), calibration.headdims[hd], calibration.overhead,
+                                     pool, max_evals=max_evals, log=log)
+            log(f"  {fitted[hd]}")
+        finally:
+            if pool:
+                pool.close()
+            _CELLS = []
+    return replace(calibration, headdims=fitted,
+                   fitted=f"refit on seqlens {tuple(train_seqlens)} (calibrate --fit)")
+
+
+def _kendall(a, b) -> float:
+    n = len(a)
+    s = 0
+    m = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            x = (a[i] - a[j]) * (b[i] - b[j])
+            s += (x > 0) - (x < 0)
+            m += 1
+    return s / m if m else 1.0
+
+
+def ranking(rows: list[dict], tie: float = 0.02) -> list[dict]:
+    """Per grid point, the deterministic schedules ranked by the GPU and by the
+    model: the best of each, what the model's pick costs on the GPU
+    (``pick_loss``: its measured time over the measured best's, - 1), Kendall's
+    tau, and ``pairs_agree`` / ``pairs``: pairs of schedules whose measured
+    times differ by more than ``tie`` that the model orders the same way."""
+    pts = {}
+    for r in rows:
+        if r["column"] != "nd":
+            pts.setdefault((r["hdim"], r["mask"], r["seqlen"]), []).append(r)
+    out = []
+    for key, rs in pts.items():
+        names = [r["column"] for r in rs]
+        m = [r["measured_ms"] for r in rs]
+        p = [r["predicted_ms"] for r in rs]
+        best_m = names[m.index(min(m))]
+        best_p = names[p.index(min(p))]
+        loss = m[names.index(best_p)] / min(m) - 1.0
+        pairs = agree = 0
+        for i in range(len(rs)):
+            for j in range(i + 1, len(rs)):
+                if abs(m[i] / m[j] - 1.0) > tie:
+                    pairs += 1
+                    agree += (m[i] < m[j]) == (p[i] < p[j])
+        out.append(dict(hdim=key[0], mask=key[1], seqlen=key[2], measured_best=best_m, model_best=best_p,
+                        pick_loss=loss, kendall_tau=_kendall(m, p), pairs=pairs, pairs_agree=agree,
+                        order_measured=[names[i] for i in sorted(range(len(m)), key=m.__getitem__)],
+                        order_model=[names[i] for i in sorted(range(len(p)), key=p.__getitem__)]))
+    return out
+
+
+def format_table(rows: list[dict], ranks: list[dict]) -> str:
+    """The markdown table of docs/schedule.md: per grid point, each column's
+    measured / predicted ms and error, then the ranking columns."""
+    short = {"nd": "nd (lpt)", "fa3": "fa3", "spt": "spt", "descending": "desc", "shift": "shift",
+             "symmetric_shift": "sym_shift", "lpt": "lpt"}
+    lines = ["| hdim | mask | seqlen | split | " + " | ".join(short[c] for c in COLUMNS)
+             + " | GPU best | model best | pick loss | tau | pairs |",
+             "|---" * (4 + len(COLUMNS) + 5) + "|"]
+    rk = {(r["hdim"], r["mask"], r["seqlen"]): r for r in ranks}
+    pts = {}
+    for r in rows:
+        pts.setdefault((r["hdim"], r["mask"], r["seqlen"]), {})[r["column"]] = r
+    for key, cols in pts.items():
+        k = rk[key]
+        cells = []
+        for c in COLUMNS:
+            r = cols.get(c)
+            cells.append("" if r is None else
+                         f"{r['measured_ms']:.3f} / {r['predicted_ms']:.3f} ({100 * r['error']:+.1f}%)")
+        split = next(iter(cols.values()))["split"]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {split} | " + " | ".join(cells)
+                     + f" | {k['measured_best']} | {k['model_best']} | {100 * k['pick_loss']:.1f}% | "
+                       f"{k['kendall_tau']:.2f} | {k['pairs_agree']}/{k['pairs']} |")
+    return "\n".join(lines)
+
+
+def summarize(rows: list[dict], ranks: list[dict]) -> dict:
+    import statistics
+    out = {}
+    for split in ("fit", "held out", "all"):
+        rs = [r for r in rows if split == "all" or r["split"] == split]
+        if not rs:
+            continue
+        errs = [abs(r["error"]) for r in rs]
+        out[split] = dict(cells=len(rs), median_abs_error=statistics.median(errs), max_abs_error=max(errs),
+                          within_10pct=sum(e <= 0.10 for e in errs),
+                          within_5pct=sum(e <= 0.05 for e in errs))
+    out["ranking"] = dict(points=len(ranks),
+                          same_best=sum(r["measured_best"] == r["model_best"] for r in ranks),
+                          pick_within_2pct=sum(r["pick_loss"] <= 0.02 for r in ranks),
+                          max_pick_loss=max(r["pick_loss"] for r in ranks),
+                          same_full_order=sum(r["order_measured"] == r["order_model"] for r in ranks),
+                          median_kendall_tau=statistics.median(r["kendall_tau"] for r in ranks),
+                          pairs=sum(r["pairs"] for r in ranks),
+                          pairs_agree=sum(r["pairs_agree"] for r in ranks))
+    return out
+
+
+# --------------------------------------------------------------------- auto from the model
+DETERMINISTIC_CANDIDATES = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
+
+
+def predict_all(geometry: Geometry, num_sms: int, headdim: int | None = None,
+                calibration: Calibration | None = None, candidates=DETERMINISTIC_CANDIDATES) -> dict:
+    """Predicted ms of each candidate deterministic schedule for this shape."""
+    cal = calibration or H100
+    hd = headdim or headdim_of(geometry)
+    return {name: predict_ms(name, geometry, hd, calibration=cal, num_sms=num_sms) for name in candidates}
+
+
+_BEST_CACHE: dict = {}
+
+
+def best_schedule(geometry: Geometry, num_sms: int, headdim: int | None = None,
+                  calibration: Calibration | None = None) -> str:
+    """The deterministic schedule the calibrated model predicts fastest (ties: the
+    order of DETERMINISTIC_CANDIDATES); cached per (shape, SMs, head dim, calibration)."""
+    cal = calibration or H100
+    key = (geometry, int(num_sms), headdim or headdim_of(geometry), id(cal))
+    name = _BEST_CACHE.get(key)
+    if name is None:
+        pred = predict_all(geometry, num_sms, key[2], cal)
+        name = min(DETERMINISTIC_CANDIDATES, key=lambda n: pred[n])
+        _BEST_CACHE[key] = name
+    return name
