@@ -141,6 +141,19 @@ def _row_pieces(p, rank, lo, hi):
     return pieces
 
 
+def _runs_in_order(p, rank, works):
+    """This rank's runs as (lo, hi, key prefix in tokens), waiting for the posted receives before
+    the first run that needs remote data (and after the last run, so the receives are done)."""
+    waited = False
+    for lo, hi in p.runs[rank]:
+        if not waited and not p.run_is_local(rank, lo, hi):
+            _wait(works)
+            waited = True
+        yield lo, hi, p.kv_end(lo, hi) * G
+    if not waited:
+        _wait(works)
+
+
 def _foreign_buffers(p, rank, make):
     """Result buffers for the rows this rank computes for each peer, one per ``rows_from`` range
     (the same ranges the peer posts its receives for): {(peer, lo, hi): make(lo, hi)}."""
@@ -218,12 +231,7 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
     results = _foreign_buffers(p, rank, lambda lo, hi: (
         q.new_empty((b, (hi - lo) * G, h, d)),
         torch.empty((b, h, (hi - lo) * G), dtype=torch.float32, device=q.device)))
-    waited = False
-    for lo, hi in p.runs[rank]:
-        if not waited and not p.run_is_local(rank, lo, hi):
-            _wait(works)
-            waited = True
-        e = p.kv_end(lo, hi) * G
+    for lo, hi, e in _runs_in_order(p, rank, works):
         q_run = _run_input(q, 1, mine, received, p, rank, lo, hi, "q")
         o_run, l_run = ops.fwd(q_run, _bshd(kg[:e]), _bshd(vg[:e]), softmax_scale, causal, 0)
         for a, b_, o in _row_pieces(p, rank, lo, hi):
@@ -234,8 +242,6 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
                 lse[:, :, sl] = l_run[:, :, rows]
             else:
                 _store_foreign(results, a, b_, o, (o_run[:, rows], l_run[:, :, rows]), (1, 2))
-    if not waited:
-        _wait(works)
     # results back to their owners
     sends, recvs, landing = [], [], []
     for peer in range(P):
@@ -271,12 +277,7 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
     partials = []                        # per run, in call order: (key blocks it covers, dk, dv)
     dq = torch.empty_like(q)
     dq_out = _foreign_buffers(p, rank, lambda lo, hi: (q.new_empty((b, (hi - lo) * G, h, d)),))
-    waited = False
-    for lo, hi in p.runs[rank]:
-        if not waited and not p.run_is_local(rank, lo, hi):
-            _wait(works)
-            waited = True
-        e = p.kv_end(lo, hi) * G
+    for lo, hi, e in _runs_in_order(p, rank, works):
         args = [_run_input(t, dim, mine, received, p, rank, lo, hi, name) for name, (t, dim) in rows.items()]
         q_run, do_run, o_run, l_run = args
         l_run = l_run.contiguous()    # the backward op takes a contiguous (b, h, rows) LSE
@@ -289,8 +290,6 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
                 dq[:, mine.rows(a, b_)] = dq_run[:, r_]
             else:
                 _store_foreign(dq_out, a, b_, o, (dq_run[:, r_],), (1,))
-    if not waited:
-        _wait(works)
 
     def pieces(src, dst):
         """(run index, lo, hi) of the dK/dV partials that rank src's runs hold of rank dst's keys,
