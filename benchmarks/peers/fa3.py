@@ -72,8 +72,9 @@ def load_fa3(build_dir=DEFAULT_BUILD_DIR) -> FA3:
     return FA3(module, module.flash_attn_func, varlen, info, str(build_dir))
 
 
-def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None):
-    """(out, lse) from FA3's forward op, called as flash_attn_func calls it."""
+def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None, window=(-1, -1)):
+    """(out, lse) from FA3's forward op, called as flash_attn_func calls it; ``window`` is FA3's
+    (left, right) window_size (needs a build with --features local)."""
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     out, lse, *_ = fa3.module._flash_attn_forward(
@@ -88,14 +89,14 @@ def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None)
         None, None, None,   # rotary_cos, rotary_sin, seqlens_rotary
         None, None, None,   # q_descale, k_descale, v_descale
         softmax_scale,
-        causal=causal, window_size_left=-1, window_size_right=-1, attention_chunk=0,
+        causal=causal, window_size_left=window[0], window_size_right=window[1], attention_chunk=0,
         softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
     )
     return out, lse
 
 
 def backward(fa3: FA3, dout, q, k, v, out, lse, causal: bool, deterministic: bool,
-             softmax_scale: float | None = None, dq=None, dk=None, dv=None):
+             softmax_scale: float | None = None, dq=None, dk=None, dv=None, window=(-1, -1)):
     """(dq, dk, dv) from FA3's backward op as its autograd calls it: into dq/dk/dv
     when given (preallocated), else into fresh empty_like tensors, as FA3 does."""
     if softmax_scale is None:
@@ -109,7 +110,7 @@ def backward(fa3: FA3, dout, q, k, v, out, lse, causal: bool, deterministic: boo
         None, None,         # max_seqlen_q, max_seqlen_k
         dq, dk, dv,
         softmax_scale, causal,
-        -1, -1,             # window_size left, right
+        window[0], window[1],   # window_size left, right
         0.0,                # softcap
         deterministic,
         0,                  # sm_margin

@@ -1,0 +1,122 @@
+"""Sliding-window attention, ours against FlashAttention-3 (issue 17's window bar), one process.
+
+Per configuration (batch 1, hidden 2048 so heads = 2048 / hdim, bf16): our forward (the local
+kernel, ``fwd_window``), our backward non-deterministic and deterministic (``auto`` schedule) and
+FA3's forward and both backward modes with the same window, interleaved in rounds (median of
+per-round CUDA-event medians; ``bench_peers.time_point``). FA3 must be built with windows:
+``python benchmarks/peers/build_fa3.py --src PATH --hdims 128 --features local``.
+
+    python benchmarks/bench_window.py --seqlen 16384 --hdim 128 --window 4096,0 --commit <sha>
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_peers  # noqa: E402
+from peers import fa3 as fa3_peer  # noqa: E402
+
+from dash_fa3 import _ext, ops  # noqa: E402
+from dash_fa3._timing import commit_label  # noqa: E402
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (-1 = unbounded), got {text!r}")
+    left, right = (int(p) for p in parts)
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"window sides are >= -1, got {text!r}")
+    return left, right
+
+
+def window_entries(seqlen: int, left: int, right: int) -> int:
+    """Score entries inside the window (seqlen_q == seqlen_k): the FLOP count's pair count."""
+    total = 0
+    for i in range(seqlen):
+        lo = 0 if left < 0 else max(0, i - left)
+        hi = seqlen - 1 if right < 0 else min(seqlen - 1, i + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--hdim", type=int, default=128)
+    ap.add_argument("--window", type=parse_window, action="append")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR))
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args(argv)
+    args.window = args.window or [(4096, 0)]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_window: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    fa3 = fa3_peer.load_fa3(args.fa3_build)
+    heads = 2048 // args.hdim
+    print(f"# sliding windows, {torch.cuda.get_device_name()}, {datetime.date.today()}, commit "
+          f"{args.commit or commit_label()}, FA3 {fa3.commit}; batch 1, {args.seqlen} tokens, {heads} heads, hdim "
+          f"{args.hdim}, bf16; TFLOP/s over the window's entries (fwd 4*h*d per entry, bwd 2.5x); median of "
+          f"{args.rounds} interleaved rounds")
+    print("| window | ours fwd | FA3 fwd | ours nd | FA3 nd | ours det | FA3 det | fwd ours/FA3 | nd ours/FA3 "
+          "| det ours/FA3 | det/nd ours | max rel diff out, dq vs FA3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for left, right in args.window:
+        g = torch.Generator(device="cuda").manual_seed(left * 7 + right)
+        q, k, v, dout = (torch.randn(1, args.seqlen, heads, args.hdim, device="cuda", dtype=torch.bfloat16,
+                                     generator=g) for _ in range(4))
+        scale = args.hdim ** -0.5
+        win = (left, right)
+        out, lse = _ext.ops().fwd_window(q, k, v, scale, left, right, 0)
+        f_out, f_lse = fa3_peer.forward(fa3, q, k, v, False, scale, window=win)
+        dq = ops._bwd_cuda_window(dout, q, k, v, out, lse, scale, left, right, False, "auto", 0)[0]
+        f_dq = fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, False, False, scale, window=win)[0]
+        diffs = [bench_peers.rel_diff(a, b) for a, b in ((out, f_out), (dq, f_dq))]
+        fns = {
+            "ours fwd": lambda: _ext.ops().fwd_window(q, k, v, scale, left, right, 0),
+            "FA3 fwd": lambda: fa3_peer.forward(fa3, q, k, v, False, scale, window=win),
+            "ours nd": lambda: ops._bwd_cuda_window(dout, q, k, v, out, lse, scale, left, right, False, "auto", 0),
+            "FA3 nd": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, False, False, scale, window=win),
+            "ours det": lambda: ops._bwd_cuda_window(dout, q, k, v, out, lse, scale, left, right, True, "auto", 0),
+            "FA3 det": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, False, True, scale, window=win),
+        }
+        errors: dict = {}
+        round_ms, _ = bench_peers.time_point(fns, errors, args.rounds, args.warmup, args.iters)
+        entries = window_entries(args.seqlen, left, right)
+        fwd_flops = 4.0 * heads * args.hdim * entries
+        tf = {}
+        for name, ms in round_ms.items():
+            flops = fwd_flops if name.endswith("fwd") else 2.5 * fwd_flops
+            tf[name] = flops / (sorted(ms)[len(ms) // 2] * 1e-3) / 1e12
+
+        def cell(name):
+            return f"{tf[name]:.0f}" if name in tf else f"n/a ({errors.get(name, '?')})"
+
+        def ratio(a, b):
+            return f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "n/a"
+
+        print(f"| ({left}, {right}) | " + " | ".join(cell(n) for n in fns) + " | "
+              + " | ".join((ratio("ours fwd", "FA3 fwd"), ratio("ours nd", "FA3 nd"), ratio("ours det", "FA3 det"),
+                            ratio("ours det", "ours nd")))
+              + f" | {diffs[0]:.1e}, {diffs[1]:.1e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
