@@ -1,0 +1,34 @@
+"""benchmarks/bench_window.py's CPU parts: the window's entry count (its FLOP count) and arguments."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_window  # noqa: E402
+
+
+@pytest.mark.parametrize("n,left,right", [(8, 2, 0), (9, -1, 0), (7, -1, -1), (10, 3, 2), (6, 0, 0), (5, 10, 10)])
+def test_window_entries_counts_the_mask(n, left, right):
+    i = torch.arange(n).view(-1, 1)
+    j = torch.arange(n).view(1, -1)
+    inside = torch.ones(n, n, dtype=torch.bool)
+    if left >= 0:
+        inside &= j >= i - left
+    if right >= 0:
+        inside &= j <= i + right
+    assert bench_window.window_entries(n, left, right) == int(inside.sum())
+
+
+def test_window_argument():
+    assert bench_window.parse_window("4096,0") == (4096, 0)
+    assert bench_window.parse_window("-1,128") == (-1, 128)
+    for bad in ("4096", "a,b", "-2,0", "1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_window.parse_window(bad)
+    assert bench_window.parse_args([]).window == [(4096, 0)]
+    assert bench_window.parse_args(["--window", "1,2", "--window", "3,-1"]).window == [(1, 2), (3, -1)]
