@@ -217,10 +217,11 @@ class TorchBlockBackend(BlockBackend):
 
 
 def get_backend(device: torch.device, heads: int, heads_kv: int, softmax_scale: float) -> BlockBackend:
-    """The backend for tensors on ``device``. Only the CPU is wired up: the CUDA backend (the
-    Hopper kernels with fp32 fold state in global memory) is still to come."""
+    """The fold backend (the deterministic mode) for tensors on ``device``. Only the CPU one exists:
+    the CUDA one (the Hopper kernels with fp32 fold state in global memory) is still to come."""
     if device.type != "cpu":
         raise NotImplementedError(
-            f"dash_fa3.distributed runs on CPU tensors (gloo) for now; {device.type} tensors need the kernel "
-            f"block backend, which is not written yet (issue 16)")
+            f"dash_fa3.distributed: the deterministic mode's folds run on CPU tensors (gloo) only; {device.type} "
+            f"tensors need the kernel fold backend, which is not written yet (issue 16); deterministic=False "
+            f"runs on {device.type}")
     return TorchBlockBackend(heads, heads_kv, softmax_scale, device)
