@@ -52,10 +52,6 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _local_index(p: cp_runs.RunPlan, rank: int) -> dict[int, int]:
-    return {b: i for i, b in enumerate(p.local(rank))}
-
-
 def _seq_major(x: torch.Tensor) -> torch.Tensor:
     """(batch, n, ...) -> contiguous (n, batch, ...): a view when batch is 1, else a copy."""
     return x.transpose(0, 1).contiguous()
@@ -70,7 +66,7 @@ class _Blocks:
     """Global-position block ranges of one rank's local (batch, n, ...) tensors."""
 
     def __init__(self, p: cp_runs.RunPlan, rank: int):
-        self.index = _local_index(p, rank)
+        self.index = {b: i for i, b in enumerate(p.local(rank))}
 
     def rows(self, lo: int, hi: int) -> slice:
         """Local token slice of global blocks [lo, hi) (consecutive locally too: runs of own blocks)."""
@@ -79,15 +75,14 @@ class _Blocks:
         return slice(i * G, (i + hi - lo) * G)
 
 
-def _gather_kv(p, rank, k, v, group):
-    """Sequence-major key/value prefixes [0, kv_need) with own blocks copied in and the others'
-    receives posted. Returns (kg, vg, works) and the sends' keep-alive list."""
+def _gather_kv(p, rank, mine, k, v):
+    """Sequence-major key/value prefixes [0, kv_need) with own blocks copied in: (kg, vg, sends,
+    receives), the messages that fill in the other ranks' blocks (to post with ``_exchange``)."""
     P = p.num_ranks
     need = p.kv_need(rank)
     b, _, hk, d = k.shape
     kg = k.new_empty((need * G, b, hk, d))
     vg = v.new_empty((need * G, b, hk, d))
-    mine = _Blocks(p, rank)
     for lo, hi in p.kv_from(rank, rank):
         sl = mine.rows(lo, hi)
         kg[lo * G:hi * G].copy_(k[:, sl].transpose(0, 1))
@@ -104,12 +99,11 @@ def _gather_kv(p, rank, k, v, group):
     return kg, vg, sends, recvs
 
 
-def _gather_rows(p, rank, tensors, group_sends, group_recvs):
+def _gather_rows(p, rank, mine, tensors, group_sends, group_recvs):
     """Row inputs of the runs this rank computes for others: per peer, per block run, each tensor
     of ``tensors`` (name -> (local tensor, seq_dim)). Adds to the send/receive lists; returns
     {(lo, hi): {name: received tensor}}."""
     P = p.num_ranks
-    mine = _Blocks(p, rank)
     received = {}
     for peer in range(P):
         if peer == rank:
@@ -127,18 +121,6 @@ def _gather_rows(p, rank, tensors, group_sends, group_recvs):
                 group_recvs.append((peer, got[name]))
             received[(lo, hi)] = got
     return received
-
-
-def _row_pieces(p, rank, lo, hi):
-    """A run [lo, hi) of this rank cut into (piece lo, piece hi, owner) by owner."""
-    pieces = []
-    for b in range(lo, hi):
-        o = p.owner[b]
-        if pieces and pieces[-1][2] == o and pieces[-1][1] == b:
-            pieces[-1][1] = b + 1
-        else:
-            pieces.append([b, b + 1, o])
-    return pieces
 
 
 def _runs_in_order(p, rank, works):
@@ -174,9 +156,8 @@ def _store_foreign(bufs, a, b_, owner, values, dims):
 def _run_input(t_local, dim, mine, received, p, rank, lo, hi, name):
     """A run's rows of one input, assembled from own rows and received ones (a view when the run
     is one own piece)."""
-    pieces = _row_pieces(p, rank, lo, hi)
     parts = []
-    for a, b_, o in pieces:
+    for a, b_, o in p.pieces(lo, hi):
         if o == rank:
             sl = mine.rows(a, b_)
             parts.append(t_local.narrow(dim, sl.start, sl.stop - sl.start))
@@ -223,8 +204,8 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
     b, n, h, d = q.shape
     p = cp_runs.plan(P, n * P, bool(causal), layout)
     mine = _Blocks(p, rank)
-    kg, vg, sends, recvs = _gather_kv(p, rank, k, v, group)
-    received = _gather_rows(p, rank, {"q": (q, 1)}, sends, recvs)
+    kg, vg, sends, recvs = _gather_kv(p, rank, mine, k, v)
+    received = _gather_rows(p, rank, mine, {"q": (q, 1)}, sends, recvs)
     works = _exchange(sends, recvs, group)
     out = q.new_empty((b, n, h, d))
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
@@ -234,7 +215,7 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
     for lo, hi, e in _runs_in_order(p, rank, works):
         q_run = _run_input(q, 1, mine, received, p, rank, lo, hi, "q")
         o_run, l_run = ops.fwd(q_run, _bshd(kg[:e]), _bshd(vg[:e]), softmax_scale, causal, 0)
-        for a, b_, o in _row_pieces(p, rank, lo, hi):
+        for a, b_, o in p.pieces(lo, hi):
             rows = slice((a - lo) * G, (b_ - lo) * G)
             if o == rank:
                 sl = mine.rows(a, b_)
@@ -270,11 +251,11 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
     hk = k.shape[2]
     p = cp_runs.plan(P, n * P, bool(causal), layout)
     mine = _Blocks(p, rank)
-    kg, vg, sends, recvs = _gather_kv(p, rank, k, v, group)
+    kg, vg, sends, recvs = _gather_kv(p, rank, mine, k, v)
     rows = {"q": (q, 1), "dout": (dout, 1), "out": (out, 1), "lse": (lse, 2)}
-    received = _gather_rows(p, rank, rows, sends, recvs)
+    received = _gather_rows(p, rank, mine, rows, sends, recvs)
     works = _exchange(sends, recvs, group)
-    partials = []                        # per run, in call order: (key blocks it covers, dk, dv)
+    partials = []                        # per run, in call order: (dk, dv) over its key prefix
     dq = torch.empty_like(q)
     dq_out = _foreign_buffers(p, rank, lambda lo, hi: (q.new_empty((b, (hi - lo) * G, h, d)),))
     for lo, hi, e in _runs_in_order(p, rank, works):
@@ -283,15 +264,15 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
         l_run = l_run.contiguous()    # the backward op takes a contiguous (b, h, rows) LSE
         dq_run, dk_run, dv_run = ops.bwd(do_run, q_run, _bshd(kg[:e]), _bshd(vg[:e]), o_run, l_run,
                                          softmax_scale, causal, False, "auto", 0)
-        partials.append((p.kv_end(lo, hi), dk_run, dv_run))
-        for a, b_, o in _row_pieces(p, rank, lo, hi):
+        partials.append((dk_run, dv_run))
+        for a, b_, o in p.pieces(lo, hi):
             r_ = slice((a - lo) * G, (b_ - lo) * G)
             if o == rank:
                 dq[:, mine.rows(a, b_)] = dq_run[:, r_]
             else:
                 _store_foreign(dq_out, a, b_, o, (dq_run[:, r_],), (1,))
 
-    def pieces(src, dst):
+    def partial_pieces(src, dst):
         """(run index, lo, hi) of the dK/dV partials that rank src's runs hold of rank dst's keys,
         in the order src sends them."""
         out_ = []
@@ -312,15 +293,15 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
             buf = q.new_empty((b, (hi - lo) * G, h, d))
             recvs.append((peer, buf))
             dq_landing.append((lo, hi, buf))
-        for i, lo, hi in pieces(rank, peer):
-            _, dk_run, dv_run = partials[i]
+        for i, lo, hi in partial_pieces(rank, peer):
+            dk_run, dv_run = partials[i]
             sends += [(peer, t[:, lo * G:hi * G].contiguous()) for t in (dk_run, dv_run)]
-        for i, lo, hi in pieces(peer, rank):
+        for i, lo, hi in partial_pieces(peer, rank):
             bufs = (k.new_empty((b, (hi - lo) * G, hk, d)), v.new_empty((b, (hi - lo) * G, hk, d)))
             recvs += [(peer, t) for t in bufs]
             contributions.append((peer, i, lo, hi, *bufs))
-    for i, lo, hi in pieces(rank, rank):
-        _, dk_run, dv_run = partials[i]
+    for i, lo, hi in partial_pieces(rank, rank):
+        dk_run, dv_run = partials[i]
         contributions.append((rank, i, lo, hi, dk_run[:, lo * G:hi * G], dv_run[:, lo * G:hi * G]))
     _wait(_exchange(sends, recvs, group))
     for lo, hi, buf in dq_landing:

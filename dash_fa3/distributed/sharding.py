@@ -37,17 +37,6 @@ def resolve_layout(layout) -> str:
     return layout
 
 
-def _runs(blocks) -> list[tuple[int, int]]:
-    """Consecutive global blocks as [lo, hi) runs."""
-    runs = []
-    for b in blocks:
-        if runs and runs[-1][1] == b:
-            runs[-1][1] = b + 1
-        else:
-            runs.append([b, b + 1])
-    return [tuple(r) for r in runs]
-
-
 def _check_dim(x: torch.Tensor, seq_dim: int) -> int:
     if not isinstance(seq_dim, int) or not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"seq_dim={seq_dim!r} is not a dimension of a {x.dim()}-D tensor")
@@ -66,7 +55,7 @@ def shard(x: torch.Tensor, group, seq_dim: int = 1, layout=None) -> torch.Tensor
     P, rank = dist.get_world_size(pg), dist.get_rank(pg)
     nb = S.check_seqlen(x.shape[dim], P)
     parts = [x.narrow(dim, lo * S.G, (hi - lo) * S.G)
-             for lo, hi in _runs(S.local_blocks(layout, P, nb, rank).tolist())]
+             for lo, hi in S.block_runs(S.local_blocks(layout, P, nb, rank).tolist())]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
@@ -86,7 +75,7 @@ def unshard(x_local: torch.Tensor, group, seq_dim: int = 1, layout=None) -> torc
     full = x_local.new_empty(shape)
     for r in range(P):
         pos = 0
-        for lo, hi in _runs(S.local_blocks(layout, P, nb, r).tolist()):
+        for lo, hi in S.block_runs(S.local_blocks(layout, P, nb, r).tolist()):
             full.narrow(dim, lo * S.G, (hi - lo) * S.G).copy_(gathered[r].narrow(dim, pos, (hi - lo) * S.G))
             pos += (hi - lo) * S.G
     return full

@@ -23,23 +23,27 @@ so a rank can compute what it holds while the rest arrives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache, wraps
 
 import numpy as np
 
-from .distributed import G, block_owners, check_seqlen, local_blocks
+from .distributed import G, block_owners, block_runs, check_seqlen, local_blocks
 
 __all__ = ["RunPlan", "plan", "validate", "simulate"]
 
 
-def _runs(blocks) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for b in blocks:
-        if out and out[-1][1] == b:
-            out[-1][1] = b + 1
-        else:
-            out.append([b, b + 1])
-    return [(lo, hi) for lo, hi in out]
+def _memo(method):
+    """Cache a RunPlan method's result per arguments on the plan: plans are cached per shape
+    (``plan``), so the runtime's per-call lookups cost one dict hit, not a walk over the blocks.
+    The results are shared between callers: read them, do not modify them."""
+    @wraps(method)
+    def cached(self, *args):
+        key = (method.__name__, *args)
+        memo = self._memo_table
+        if key not in memo:
+            memo[key] = method(self, *args)
+        return memo[key]
+    return cached
 
 
 @dataclass(frozen=True)
@@ -51,31 +55,52 @@ class RunPlan:
     owner: tuple[int, ...]                          # block -> owning rank
     runs: tuple[tuple[tuple[int, int], ...], ...]   # per rank: query-block runs [lo, hi), in call order
 
+    @cached_property
+    def _memo_table(self) -> dict:
+        return {}
+
     def kv_end(self, lo: int, hi: int) -> int:
         """Key blocks [0, kv_end) a run's call reads."""
         return hi if self.causal else self.num_blocks
 
+    @_memo
     def kv_need(self, rank: int) -> int:
         """Key blocks [0, kv_need) this rank gathers (the longest prefix of its runs)."""
         return max((self.kv_end(lo, hi) for lo, hi in self.runs[rank]), default=0)
 
+    @_memo
     def local(self, rank: int) -> tuple[int, ...]:
         return tuple(b for b in range(self.num_blocks) if self.owner[b] == rank)
 
+    @_memo
     def run_is_local(self, rank: int, lo: int, hi: int) -> bool:
         """Whether the run's rows and key prefix are all this rank's own blocks."""
         return all(self.owner[b] == rank for b in range(0, max(hi, self.kv_end(lo, hi))))
 
+    @_memo
     def rows_from(self, rank: int, peer: int) -> list[tuple[int, int]]:
         """Query-row block runs that ``rank`` computes and ``peer`` owns (peer sends their inputs,
         rank sends back their results)."""
         blocks = [b for lo, hi in self.runs[rank] for b in range(lo, hi) if self.owner[b] == peer]
-        return _runs(sorted(blocks))
+        return block_runs(sorted(blocks))
 
+    @_memo
     def kv_from(self, rank: int, peer: int) -> list[tuple[int, int]]:
         """Key blocks ``rank`` needs from ``peer`` (and, in the backward, returns partials of)."""
-        return _runs([b for b in range(self.kv_need(rank)) if self.owner[b] == peer])
+        return block_runs([b for b in range(self.kv_need(rank)) if self.owner[b] == peer])
 
+    @_memo
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Query blocks [lo, hi) cut by owner: (piece lo, piece hi, owner) in order."""
+        out: list[list[int]] = []
+        for b in range(lo, hi):
+            if out and out[-1][2] == self.owner[b]:
+                out[-1][1] = b + 1
+            else:
+                out.append([b, b + 1, self.owner[b]])
+        return [(a, b_, o) for a, b_, o in out]
+
+    @_memo
     def tiles(self, rank: int) -> int:
         """G x G tiles this rank's calls cover (a causal diagonal tile counts one)."""
         return sum(self.kv_end(b, b + 1) for lo, hi in self.runs[rank] for b in range(lo, hi))
@@ -125,7 +150,7 @@ def plan(num_ranks: int, seqlen: int, causal: bool, layout: str) -> RunPlan:
         cuts = _equal_work_cuts(nb, num_ranks)
         runs = [[(cuts[r], cuts[r + 1])] for r in range(num_ranks)]
     else:
-        runs = [_runs(local_blocks(layout, num_ranks, nb, r).tolist()) for r in range(num_ranks)]
+        runs = [block_runs(local_blocks(layout, num_ranks, nb, r).tolist()) for r in range(num_ranks)]
     runs = tuple(_split_local(rs, owner, r, causal, nb) for r, rs in enumerate(runs))
     p = RunPlan(num_ranks, nb, bool(causal), layout, owner, runs)
     validate(p)

@@ -151,6 +151,17 @@ def local_blocks(layout: str, num_ranks: int, num_blocks: int, rank: int) -> np.
     return np.flatnonzero(block_owners(layout, num_ranks, num_blocks) == rank)
 
 
+def block_runs(blocks) -> list[tuple[int, int]]:
+    """Ascending global blocks as maximal [lo, hi) runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    return [(lo, hi) for lo, hi in runs]
+
+
 def fold_range(kind: str, block: int, num_blocks: int, causal: bool) -> tuple[int, int]:
     """Partner blocks [lo, hi) the fold needs. Causal (seqlen_q == seqlen_k): query block i sees key
     blocks 0..i; key block j is seen by query blocks j..nb-1."""
