@@ -42,6 +42,19 @@ def assert_close_to_ref(name, ours, lowp, ref):
     assert e_ours <= ERR_FACTOR * e_lowp + ERR_FLOOR, f"{name}: error {e_ours:.3g} > {ERR_FACTOR} x baseline {e_lowp:.3g}"
 
 
+def assert_bitwise_repeatable(run, repeats):
+    """``run()`` (a tuple of tensors) gives the same bits ``repeats`` more times on the current
+    stream and once more on a side stream."""
+    first = run()
+    for _ in range(repeats):
+        assert all(torch.equal(a, b) for a, b in zip(run(), first))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        other = run()
+    stream.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(other, first))
+
+
 def require_built(v, direction):
     """Skip unless the extension has the ``direction`` ("fwd"/"bwd") kernel of variant ``v``."""
     built = _ext.built_fwd_variants() if direction == "fwd" else _ext.built_bwd_variants()

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from attn_utils import assert_close_to_ref, attention_lowp, make_inputs, require_built
+from attn_utils import assert_bitwise_repeatable, assert_close_to_ref, attention_lowp, make_inputs, require_built
 from conftest import poison_cuda_allocator
 import dash_fa3
 from dash_fa3 import reference, variants
@@ -96,15 +96,7 @@ def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     v = variants.Variant(128, "bf16", "causal")
     require_built(v, "bwd")
     q, k, vv, dout = make_inputs(v, (2, 2048, 2048, 8, 4), 5)
-    first = grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:]
-    for _ in range(99):
-        again = grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:]
-        assert all(torch.equal(a, b) for a, b in zip(again, first))
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        other = grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:]
-    stream.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(other, first))
+    assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:], 99)
 
 
 def test_nondeterministic_mode_runs_and_is_close():

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from attn_utils import assert_close_to_ref, attention_lowp, make_inputs, require_built
+from attn_utils import assert_bitwise_repeatable, assert_close_to_ref, attention_lowp, make_inputs, require_built
 from conftest import poison_cuda_allocator
 import dash_fa3
 from dash_fa3 import _ext, ops, reference, variants
@@ -229,15 +229,8 @@ def test_deterministic_is_bitwise_for_every_schedule(schedule, case):
     v = variants.Variant(128, "bf16", "local")
     require_built(v, "bwd")
     q, k, vv, dout = make_inputs(v, shape, 5)
-    first = grads(q, k, vv, dout, None, window, False, deterministic=True, schedule=schedule)[1:]
-    for _ in range(20):
-        again = grads(q, k, vv, dout, None, window, False, deterministic=True, schedule=schedule)[1:]
-        assert all(torch.equal(a, b) for a, b in zip(again, first))
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        other = grads(q, k, vv, dout, None, window, False, deterministic=True, schedule=schedule)[1:]
-    stream.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(other, first))
+    assert_bitwise_repeatable(
+        lambda: grads(q, k, vv, dout, None, window, False, deterministic=True, schedule=schedule)[1:], 20)
 
 
 def test_schedules_agree_within_rounding():
