@@ -149,8 +149,8 @@ def parse_args(argv=None, grid=None):
     args.schedules = _flat([args.schedules], str, "--schedules")
     args.peers = _flat([args.peers], str, "--peers")
     for d in args.hdims:
-        if d <= 0 or grid["hidden"] % d:
-            ap.error(f"--hdims: {d} does not divide the grid's hidden size {grid['hidden']}")
+        if d <= 0 or d > grid["hidden"]:
+            ap.error(f"--hdims: {d} must be in 1..{grid['hidden']} (the grid's hidden size)")
     for s in args.seqlens:
         if s <= 0 or grid["total_tokens"] % s:
             ap.error(f"--seqlens: {s} does not divide the grid's {grid['total_tokens']} tokens")
@@ -168,7 +168,9 @@ def parse_args(argv=None, grid=None):
 
 def grid_points(grid, hdims, seqlens, masks) -> list[dict]:
     """The grid's shapes for the chosen head dims, lengths and masks (hdim-major,
-    then mask, then length): batch = tokens / seqlen, heads = hidden / hdim."""
+    then mask, then length): batch = tokens / seqlen, heads = hidden // hdim (as
+    FA3's benchmark: a head dim that does not divide the hidden size, e.g. 192 of
+    2048, gets the largest whole number of heads, 10)."""
     return [{"hdim": d, "mask": m, "seqlen": s, "batch": grid["total_tokens"] // s, "heads": grid["hidden"] // d}
             for d in hdims for m in masks for s in seqlens]
 

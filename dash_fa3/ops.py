@@ -30,7 +30,6 @@ before reaching them), never a slow fallback. CPU tensors run the reference.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -38,7 +37,8 @@ from . import _ext, _schemas, reference, variants
 
 
 class ReferenceBackwardWarning(UserWarning):
-    """The GPU backward ran the fp32 reference: no backward kernel exists for this head dim."""
+    """No longer raised: every head dim has a backward kernel, and a variant missing from
+    the build is an error. Kept so that code filtering it keeps working."""
 
 
 _lib = _schemas.LIB
@@ -68,16 +68,20 @@ _lib.impl("fwd", _fwd_reference, "CPU")
 def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic, schedule, sm_margin, device):
     """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
     (-1, 0) causal) runs, built once per shape: (schedule on the device, its header on
-    the host, the C++ op), or None when no backward kernel is built for the head dim
-    (the fp32 reference runs, with a warning)."""
+    the host, the C++ op). A variant this build lacks is an error that says how to build it:
+    nothing falls back to a slow path."""
     from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
     from .schedule.lowering import get_kernel_metadata
 
     batch, seqlen_q, heads, hdim = q_shape
     mask = variants.mask_of_window(window_left, window_right)
     variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask)
-    if variant.name not in _ext.built_bwd_variants():
-        return None
+    built = _ext.built_bwd_variants()
+    if variant.name not in built:
+        raise RuntimeError(
+            f"dash_fa3: no backward kernel for {variant.name} in this build (built: {', '.join(built) or 'none'}); "
+            f"rebuild with {variants.ENV_VAR} naming it, e.g. {variants.ENV_VAR}=hdim{hdim} pip install "
+            "--no-build-isolation -e .")
     total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if total - sm_margin < 1:
         raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
@@ -92,31 +96,17 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic,
 
 
 def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic, schedule,
-                     sm_margin, reference_bwd):
-    """The backward kernels for a window (full and causal included); reference_bwd() where
-    no backward kernel exists for the head dim."""
-    plan = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right, deterministic, schedule, sm_margin,
-                     q.device)
-    if plan is not None:
-        schedule_flat, schedule_header, run = plan
-        return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, window_left, window_right,
-                   deterministic)
-    warnings.warn(
-        f"dash_fa3: no Hopper backward kernel for head dim {q.shape[-1]} (kernels exist for head dims "
-        f"{', '.join(map(str, variants.BWD_HEADDIMS))}), so the GPU backward runs the fp32 reference: "
-        "correct and deterministic, but slow",
-        ReferenceBackwardWarning,
-        stacklevel=3,
-    )
-    return reference_bwd()
+                     sm_margin):
+    """The backward kernels for a window (full and causal included)."""
+    schedule_flat, schedule_header, run = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right,
+                                                    deterministic, schedule, sm_margin, q.device)
+    return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, window_left, window_right,
+               deterministic)
 
 
 def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
-    def reference_bwd():
-        return _bwd_reference(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin)
-
     return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, -1, 0 if causal else -1, deterministic, schedule,
-                            sm_margin, reference_bwd)
+                            sm_margin)
 
 
 def _bwd_reference(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
@@ -208,12 +198,8 @@ def _bwd_general_cuda(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     if not _kernels_serve(cu_seqlens_q, softcap):
         raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
 
-    def reference_bwd():
-        return _bwd_general_reference(dout, q, k, v, out, lse, None, None, 0, 0, softmax_scale, window_left,
-                                      window_right, softcap, deterministic, schedule, sm_margin)
-
     return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic,
-                            schedule, sm_margin, reference_bwd)
+                            schedule, sm_margin)
 
 
 @torch.library.register_fake("dash_fa3::fwd_general")

@@ -32,8 +32,8 @@ DTYPES: tuple[str, ...] = ("bf16", "fp16")
 # right) window, FA3's window_size with causal folded in, taken at run time.
 MASKS: tuple[str, ...] = ("full", "causal", "local")
 MASK_WINDOWS: dict[str, tuple[int, int]] = {"full": (-1, -1), "causal": (-1, 0)}
-# Head dims with a Hopper backward kernel; the others run the reference backward, with a warning.
-BWD_HEADDIMS: tuple[int, ...] = (64, 96, 128)
+# Head dims with a Hopper backward kernel: all of them.
+BWD_HEADDIMS: tuple[int, ...] = HEADDIMS
 
 # What a plain build compiles: the head dims of the benchmark grid. Wider
 # builds name their head dims explicitly (``DASH_FA3_VARIANTS=all``).

@@ -61,12 +61,23 @@ def test_gradients_match_reference(v, shape):
     check_case(v, shape, seed=sum(shape) + 1, schedule="auto", deterministic=False)
 
 
+# 128: the row split; 192, 256: the head-dim split (csrc/kernels/bwd/bwd_traits.h).
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_every_schedule_is_correct(schedule, causal):
-    v = variants.Variant(128, "bf16", "causal" if causal else "full")
+@pytest.mark.parametrize("hdim", [128, 192, 256])
+def test_every_schedule_is_correct(hdim, schedule, causal):
+    v = variants.Variant(hdim, "bf16", "causal" if causal else "full")
     require_built(v, "bwd")
     check_case(v, (2, 1000, 1000, 4, 2), seed=3, schedule=schedule, deterministic=True)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("hdim", [192, 256])
+def test_head_dim_split_is_bitwise_for_every_schedule(hdim, schedule):
+    v = variants.Variant(hdim, "bf16", "causal")
+    require_built(v, "bwd")
+    q, k, vv, dout = make_inputs(v, (2, 1536, 1536, 4, 2), 5)
+    assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:], 19)
 
 
 @pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)

@@ -5,7 +5,6 @@ bitwise determinism of the deterministic backward for every schedule (GPU)."""
 
 import math
 import random
-import warnings
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from dash_fa3.schedule.lowering import get_kernel_metadata
 pytestmark = pytest.mark.gpu
 
 LOCAL = [v for v in variants.ALL_VARIANTS if v.local]
-LOCAL_BWD = [v for v in LOCAL if v.has_bwd]
 SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
     (2, 256, 256, 4, 4),
     (1, 1000, 1000, 2, 2),  # ragged last tiles
@@ -152,7 +150,7 @@ def test_bad_windows_are_refused_by_the_dispatch():
 
 @pytest.mark.parametrize("window", WINDOWS, ids=case_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("v", LOCAL_BWD, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", LOCAL, ids=lambda v: v.name)
 def test_gradients_match_reference(v, shape, window):
     require_built(v, "bwd")
     check_backward(v, shape, *window, seed=sum(shape), deterministic=True)
@@ -167,7 +165,7 @@ def test_every_schedule_is_correct(schedule, window):
     check_backward(v, (2, 1000, 1200, 4, 2), *window, seed=3, schedule=schedule, deterministic=True)
 
 
-@pytest.mark.parametrize("v", LOCAL_BWD, ids=lambda v: v.name)
+@pytest.mark.parametrize("v", LOCAL, ids=lambda v: v.name)
 def test_random_windows(v):
     require_built(v, "bwd")
     rng = random.Random(v.name + "bwd")
@@ -200,20 +198,6 @@ def test_schedule_built_for_another_window_is_refused():
                             .as_int32_array())
     with pytest.raises(RuntimeError, match="window"):
         _ext.ops().bwd(dout, q, k, vv, out, lse, flat.cuda(), flat, 0.1, 64, 0, True)
-
-
-@pytest.mark.parametrize("v", [v for v in LOCAL if not v.has_bwd], ids=lambda v: v.name)
-def test_head_dims_without_a_backward_kernel_run_the_reference_with_a_warning(v):
-    require_built(v, "fwd")
-    q, k, vv, dout = make_inputs(v, (1, 300, 300, 2, 2), 4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out, dq, dk, dv = grads(q, k, vv, dout, None, (64, 0), False)
-    assert any(issubclass(w.category, dash_fa3.ReferenceBackwardWarning) for w in caught)
-    ref = reference.attention_bwd_ref(dout, q, k, vv, out, None, False, window_size=(64, 0))
-    lowp = lowp_grads(q, k, vv, dout, v.hdim ** -0.5, (64, 0), False)
-    for name, ours, want, base in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, lowp):
-        assert_close_to_ref(name, ours, base, want)
 
 
 # ---------------------------------------------------------------- determinism

@@ -89,13 +89,15 @@ ENUMS = {
 
 # Backward tile sizes (block_m = Q rows per tile, block_n = KV rows per tile)
 # per head dim.  64 and 128 follow FlashAttention-3's Hopper backward; the
-# others are our choice (registers bound the accumulators, so wider heads get
-# narrower tiles).  Head dims between entries round up to the next entry.
+# others are our choice.  Above 128 the kernel's two MMA warpgroups split the
+# head dim and share the KV rows (csrc/kernels/bwd/bwd_traits.h), which fixes
+# block_n at one 64-row WGMMA: dK and dV of 64 rows take d / 2 registers per
+# thread.  Head dims between entries round up to the next entry.
 BWD_BLOCK_SIZES: dict[int, tuple[int, int]] = {
     64: (128, 128),
     96: (64, 128),
     128: (64, 128),
-    192: (64, 96),
+    192: (64, 64),
     256: (64, 64),
 }
 

@@ -101,6 +101,8 @@ struct BwdEpilogue {
     int const kv = row[schedule::kCKvTile];
     int const n0 = kv * kBlockN;
     constexpr int kV = decltype(size<0, 2>(tdKrdK))::value;
+    static_assert(decltype(size<1>(tdKrdK))::value == 1 && decltype(size<2>(tdKrdK))::value == 1,
+                  "one WGMMA atom per warpgroup: registers (2, 2, kV)");
 
     if (p.dk_partial == nullptr) {
       Tensor tdKout = make_tensor<Element>(typename FragDkv::layout_type{});

@@ -21,12 +21,25 @@
 
 namespace dash_fa3::bwd {
 
+// The Q and dO pipelines' parameters: the producer warpgroup fills each stage
+// (Q or dO and its row statistic), every MMA thread releases it.
+template <class Traits, class Pipeline>
+CUTE_DEVICE typename Pipeline::Params pipeline_params(int warpgroup) {
+  typename Pipeline::Params params;
+  params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = Traits::kNumMmaThreads;
+  params.transaction_bytes = Traits::kTmaBytesQ + Traits::kRowStatBytes;
+  return params;
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using SharedStorage = typename Traits::SharedStorage;
-  using Pipeline = typename Traits::Pipeline;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineDo = typename Traits::PipelineDo;
   extern __shared__ char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
@@ -42,14 +55,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     smem.kv_full.init(1);  // one arrival: the producer's expect-tx
   }
 
-  typename Pipeline::Params pipe_params;
-  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = Traits::kNumMmaThreads;  // every MMA thread releases each stage
-  pipe_params.transaction_bytes = Traits::kTmaBytesQ + Traits::kRowStatBytes;
   // Warp 0 initialises the stage barriers (and fences the inits).
-  Pipeline pipeline_q(smem.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
-  Pipeline pipeline_do(smem.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
+  PipelineQ pipeline_q(smem.pipeline_q, pipeline_params<Traits, PipelineQ>(warpgroup), Shape<_1, _1, _1>{});
+  PipelineDo pipeline_do(smem.pipeline_do, pipeline_params<Traits, PipelineDo>(warpgroup), Shape<_1, _1, _1>{});
   // Barrier inits must be visible to every thread before anyone waits.
   __syncthreads();
 
@@ -65,7 +73,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     using Mainloop = BwdMainloop<Traits>;
     int const mma_tid = threadIdx.x - Traits::kThreadsPerWarpgroup;
     Mainloop::init();
-    typename Traits::PipelineState read_q, read_do;
+    typename Traits::PipelineStateQ read_q;
+    typename Traits::PipelineStateDo read_do;
     int kv_phase = 0;
     int ds_stage = 0;
     int dq_stage = 0;

@@ -1,8 +1,10 @@
 // MMA (consumer) role of the backward kernel, run by both MMA warpgroups.
-// Warpgroup w owns KV rows [64w, 64w + 64) of the task's KV tile; its dK and
-// dV rows accumulate in registers across all steps of the task.
+// Row split (d <= 128): warpgroup w owns KV rows [64w, 64w + 64) of the task's
+// KV tile; its dK and dV rows accumulate in registers across all steps of the
+// task. Head-dim split (d > 128): both own all 64 KV rows, warpgroup w the
+// head-dim half w of dK and dV (bwd_traits.h).
 //
-// One step (one Q tile q):
+// One step (one Q tile q), row split:
 //   S^T  = K Q^T         (SS WGMMA)    issued together, then
 //   dP^T = V dO^T        (SS WGMMA)    P is computed while dP still runs
 //   P^T  = exp2(S^T * scale_log2 - lse_log2[m])   (masked entries -> 0)
@@ -14,6 +16,9 @@
 //   dQ -> sdQ[step % 2], this warpgroup's half handed to the dQ writer
 //                        (dq_empty / dq_full) while the dK GEMM still runs; 128-bit stores of
 //                        register groups in fragment order (common/dq_accum_layout.h)
+// Head-dim split: S^T and dP^T of Q rows [32w, 32w + 32) as above; then P^T
+// and dS^T -> sP, sdS; after kDsReady dV += P^T dO, dQ = dS K and dK += dS^T Q
+// for head-dim half w, all three from shared memory; the dQ hand-off as above.
 // dK here is unscaled; the epilogue multiplies it by softmax_scale.
 #pragma once
 
@@ -36,8 +41,11 @@ struct BwdMainloop {
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
   using SharedStorage = typename Traits::SharedStorage;
-  using Pipeline = typename Traits::Pipeline;
-  using PipelineState = typename Traits::PipelineState;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineDo = typename Traits::PipelineDo;
+  using PipelineStateQ = typename Traits::PipelineStateQ;
+  using PipelineStateDo = typename Traits::PipelineStateDo;
+  static constexpr bool kSplitHeadDim = Traits::kSplitHeadDim;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -66,7 +74,8 @@ struct BwdMainloop {
   // registers before the S^T GEMM (16 registers; at kBlockM = 128 the 32 they
   // would take make ptxas spill). The register order this assumes: per
   // warpgroup one 64 x kBlockM atom, accumulator ((2, 2, kBlockM / 8), 1, 1).
-  static constexpr bool kLseEarly = kBlockM == 64;
+  // (Head-dim split: 8 registers, 32 Q rows of a 64 x 32 atom; not worth a second path.)
+  static constexpr bool kLseEarly = kBlockM == 64 && !kSplitHeadDim;
   static_assert(!kLseEarly || (decltype(size<0, 0>(typename FragSdP::layout_type{}))::value == 2 &&
                                 decltype(size<0, 1>(typename FragSdP::layout_type{}))::value == 2 &&
                                 decltype(size<0, 2>(typename FragSdP::layout_type{}))::value == kBlockM / 8 &&
@@ -97,21 +106,32 @@ struct BwdMainloop {
                  : "memory");
   }
 
-  CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, PipelineState const& state) {
+  template <class Pipeline>
+  CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, typename Pipeline::PipelineState const& state) {
     auto token = pipeline.consumer_try_wait(state);
     pipeline.consumer_wait(state, token);
   }
 
   // Runs the n_steps >= 1 steps of one task. K and V must have landed.
-  // ds_stage, dq_stage: which sdS / sdQ buffer the next step writes (flip every step).
-  CUTE_DEVICE static void run_task(Params const& p, SharedStorage& smem, Pipeline& pipeline_q,
-                                   Pipeline& pipeline_do, PipelineState& read_q, PipelineState& read_do,
+  // ds_stage, dq_stage: which sdS / sdQ buffer the next step writes (flip every
+  // step; dq_stage stays 0 with one sdQ buffer).
+  // sP (head-dim split); the row split has none and gets sdS, which it never reads as P.
+  CUTE_DEVICE static Element* sp_data(SharedStorage& smem) {
+    if constexpr (kSplitHeadDim) {
+      return smem.pbuf.p.data();
+    } else {
+      return smem.ds.data();
+    }
+  }
+
+  CUTE_DEVICE static void run_task(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
+                                   PipelineDo& pipeline_do, PipelineStateQ& read_q, PipelineStateDo& read_do,
                                    int& ds_stage, int& dq_stage, int32_t const* row, int n_steps, int mma_tid,
                                    FragDkv& tdKrdK, FragDkv& tdVrdV) {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDo{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDot{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
@@ -123,6 +143,11 @@ struct BwdMainloop {
     // through the dS^T computation and made ptxas spill.
     Tensor sDst = as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{}));
+    // Head-dim split: sP written the same way; sP^T and sdS^T as the K-major A operands of dV and dK.
+    Tensor sPst = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(sp_data(smem)), typename Traits::SmemLayoutDst{}));
+    Tensor sPt = make_tensor(make_smem_ptr(sp_data(smem)), typename Traits::SmemLayoutDst{});
+    Tensor sDsT = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{});
     // This thread's first dQ slot in sdQ stage 0 (32-bit shared address): its
     // register group g goes to (g * 128 + wg_tid) * 4 of its warpgroup's region.
     int const dq_wg = mma_tid / kDqFragWgThreads;
@@ -154,10 +179,18 @@ struct BwdMainloop {
     Tensor tDrdOt = wg_dkv.partition_fragment_B(sdOt);  // (.., stage)
     Tensor tDrQt = wg_dkv.partition_fragment_B(sQt);    // (.., stage)
     Tensor tQrDs = wg_dq.partition_fragment_A(sDs);     // (.., stage)
+    // Head-dim split: P^T and dS^T as the shared-memory A operands of dV, dK (.., stage).
+    auto tDrPt = [&] {
+      if constexpr (kSplitHeadDim) { return wg_dkv.partition_fragment_A(sPt); } else { return 0; }
+    }();
+    auto tDrDst = [&] {
+      if constexpr (kSplitHeadDim) { return wg_dkv.partition_fragment_A(sDsT); } else { return 0; }
+    }();
     Tensor tQrKt = wg_dq.partition_fragment_B(sKt);
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(mma_tid);
     Tensor tRsDst = thr_r2s_ds.partition_D(sDst);         // (.., stage), this thread's dS^T slots
+    Tensor tRsPt = thr_r2s_ds.partition_D(sPst);          // (.., stage), head-dim split: its P^T slots
     // (KV row, Q row) of each accumulator register, tile-local.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
 
@@ -249,31 +282,49 @@ struct BwdMainloop {
       for (int i = 0; i < size(tdPrdP); ++i) {
         tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
       }
-      // P^T is converted only now, after dS^T: converting it before the dP^T
-      // wait kept the 16-bit P^T live next to fp32 S^T and dP^T (hdim 64:
-      // 64 + 64 + 32 registers on top of dK, dV), which made ptxas spill.
-      Tensor tDrP = make_tensor<Element>(LayoutA{});
-      convert_fragment(make_tensor(tSrS.data(), LayoutA{}), tDrP);
-      Tensor tDrDs = make_tensor<Element>(LayoutA{});
-      convert_fragment(make_tensor(tdPrdP.data(), LayoutA{}), tDrDs);
-
-      warpgroup_gemm<false, -1>(mma_dkv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
-
-      // dS^T -> sdS with stmatrix: each 8 x 8 block of the accumulator (8 KV
-      // rows x 8 adjacent Q rows) is one matrix whose rows are 16 contiguous
-      // bytes of the M-contiguous sdS; one STSM.x4 moves 8 registers' worth
-      // (4-byte stores took 4x the instructions, which queued in front of the
-      // WGMMAs on the MIO pipe).
-      copy(r2s_ds, thr_r2s_ds.retile_S(make_tensor(tDrDs.data(), typename FragSdP::layout_type{})),
-           tRsDst(_, _, _, ds_stage));
-      // The generic-proxy stores above are read by WGMMA (async proxy) next.
-      cutlass::arch::fence_view_async_shared();
-
-      // Wait until both warpgroups have written their KV rows of dS.
-      named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
       FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
-      warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+      if constexpr (!kSplitHeadDim) {
+        // P^T is converted only now, after dS^T: converting it before the dP^T
+        // wait kept the 16-bit P^T live next to fp32 S^T and dP^T (hdim 64:
+        // 64 + 64 + 32 registers on top of dK, dV), which made ptxas spill.
+        Tensor tDrP = make_tensor<Element>(LayoutA{});
+        convert_fragment(make_tensor(tSrS.data(), LayoutA{}), tDrP);
+        Tensor tDrDs = make_tensor<Element>(LayoutA{});
+        convert_fragment(make_tensor(tdPrdP.data(), LayoutA{}), tDrDs);
+
+        warpgroup_gemm<false, -1>(mma_dkv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
+
+        // dS^T -> sdS with stmatrix: each 8 x 8 block of the accumulator (8 KV
+        // rows x 8 adjacent Q rows) is one matrix whose rows are 16 contiguous
+        // bytes of the M-contiguous sdS; one STSM.x4 moves 8 registers' worth
+        // (4-byte stores took 4x the instructions, which queued in front of the
+        // WGMMAs on the MIO pipe).
+        copy(r2s_ds, thr_r2s_ds.retile_S(make_tensor(tDrDs.data(), typename FragSdP::layout_type{})),
+             tRsDst(_, _, _, ds_stage));
+        // The generic-proxy stores above are read by WGMMA (async proxy) next.
+        cutlass::arch::fence_view_async_shared();
+
+        // Wait until both warpgroups have written their KV rows of dS.
+        named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
+        warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
+        warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+      } else {
+        // P^T and dS^T of this warpgroup's Q rows -> sP, sdS (stmatrix, as above).
+        Tensor tPrP = make_tensor<Element>(typename FragSdP::layout_type{});
+        convert_fragment(tSrS, tPrP);
+        Tensor tPrDs = make_tensor<Element>(typename FragSdP::layout_type{});
+        convert_fragment(tdPrdP, tPrDs);
+        copy(r2s_ds, thr_r2s_ds.retile_S(tPrP), tRsPt(_, _, _, ds_stage));
+        copy(r2s_ds, thr_r2s_ds.retile_S(tPrDs), tRsDst(_, _, _, ds_stage));
+        // The generic-proxy stores above are read by WGMMA (async proxy) next.
+        cutlass::arch::fence_view_async_shared();
+
+        // Wait until both warpgroups have written their Q rows of P^T and dS^T.
+        named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
+        warpgroup_gemm<false, -1>(mma_dkv, tDrPt(_, _, _, ds_stage), tDrdOt(_, _, _, read_do.index()), tdVrdV);
+        warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
+        warpgroup_gemm<false, -1>(mma_dkv, tDrDst(_, _, _, ds_stage), tDrQt(_, _, _, read_q.index()), tdKrdK);
+      }
       warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
       warpgroup_fence_operand(tQrDq);
       // dO and dPsum of this stage are read (dP^T and dV retired): the producer
@@ -308,7 +359,7 @@ struct BwdMainloop {
       pipeline_q.consumer_release(read_q);
       ++read_q;
       ds_stage ^= 1;
-      dq_stage ^= 1;
+      if constexpr (Traits::kStagesDq > 1) { dq_stage ^= 1; }
     }
   }
 };

@@ -4,8 +4,9 @@
 // kv_full transaction barrier, after the MMA warpgroups have released the
 // previous task's K and V (kKvEmpty). Then, per step, in the schedule's Q-tile
 // order: Q + its LSE rows into the Q pipeline, dO + its dPsum rows into the
-// dO pipeline, each kStages deep, so the loads of the next steps run under
-// the current step's GEMMs.
+// dO pipeline (kStagesQ / kStagesDo deep), so the loads of the next steps run
+// under the current step's GEMMs where shared memory leaves room for a second
+// stage.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,8 +23,8 @@ template <class Traits>
 struct BwdProducer {
   using Params = typename Traits::Params;
   using SharedStorage = typename Traits::SharedStorage;
-  using Pipeline = typename Traits::Pipeline;
-  using PipelineState = typename Traits::PipelineState;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineDo = typename Traits::PipelineDo;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -57,11 +58,11 @@ struct BwdProducer {
 
   // Run by all 32 lanes of the producer warp; lane 0 issues the copies and the
   // expect-tx arrivals (it is the pipelines' leader thread).
-  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, Pipeline& pipeline_q,
-                              Pipeline& pipeline_do) {
+  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
+                              PipelineDo& pipeline_do) {
     bool const leader = (threadIdx.x % 32) == 0;
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDo{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
     auto tma_q = p.tma_q.get_slice(_0{});
@@ -73,8 +74,8 @@ struct BwdProducer {
     Tensor tKsK = tma_k.partition_D(sK);     // (TMA, TMA_N, TMA_D)
     Tensor tVsV = tma_v.partition_D(sV);
 
-    PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
-    PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+    auto write_q = cutlass::make_producer_start_state<PipelineQ>();
+    auto write_do = cutlass::make_producer_start_state<PipelineDo>();
     uint64_t& kv_full = reinterpret_cast<uint64_t&>(smem.kv_full);
 
     CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
@@ -111,7 +112,7 @@ struct BwdProducer {
       // Loads Q tile q's rows of one Q-shaped tensor (Q or dO) and its per-row
       // statistic (LSE or dPsum) into the next stage of `pipeline`. Q and dO
       // of one tile are read by every KV tile of the head: keep them in L2.
-      auto load_stage = [&](Pipeline& pipeline, PipelineState& write, auto const& tma, auto const& tXgX,
+      auto load_stage = [&](auto& pipeline, auto& write, auto const& tma, auto const& tXgX,
                             auto& tXsX, float const* stat, auto& smem_stat, int q) {
         pipeline.producer_acquire(write);
         if (leader) {

@@ -3,8 +3,10 @@
 // types, the shared storage and the kernel parameter block. Everything the
 // role files need is derived here from (head dim, element type, mask kind).
 //
-// Operand choices (the same for every head dim; docs/bwd_kernel.md has the
+// Two arrangements of the two MMA warpgroups (docs/bwd_kernel.md has the
 // longer argument):
+//
+// Row split (head dims up to 128, kBlockN = 128):
 //  * S and dP are computed transposed, S^T = K Q^T and dP^T = V dO^T, with
 //    the two MMA warpgroups split along the KV rows (warpgroup w owns KV rows
 //    [64w, 64w + 64) of the 128-row KV tile). The accumulator of S^T is then
@@ -17,9 +19,20 @@
 //    accumulator) and read by both warpgroups. The dQ tile is split between
 //    the warpgroups along M when kBlockM = 128 (hdim 64) and along the head
 //    dim when kBlockM = 64 (hdim 96/128), so each warpgroup's WGMMA is 64 x N.
-//  * The partial dQ goes to shared memory and on to the fp32 accumulator in
-//    the accumulator registers' own order (common/dq_accum_layout.h): 128-bit
-//    stores without bank conflicts, and one 1-D bulk reduce-add per tile.
+//
+// Head-dim split (head dims 192 and 256, kBlockN = 64): a warpgroup's dK and
+// dV rows over the whole head dim would take 2 x 64 x d / 128 = d registers
+// per thread, more than a thread has. So both warpgroups share the 64 KV rows
+// and split the head dim instead: warpgroup w accumulates columns
+// [w d/2, (w + 1) d/2) of dK and dV (d/2 registers in all) and of each partial
+// dQ. S^T and dP^T (64 x kBlockM) are split along the Q rows, 32 per
+// warpgroup; P^T and dS^T both go to shared memory, because each warpgroup's
+// dK/dV GEMMs need all Q rows of them. Every GEMM is then shared-memory
+// sourced.
+//
+// Both: the partial dQ goes to shared memory and on to the fp32 accumulator
+// in the accumulator registers' own order (common/dq_accum_layout.h): 128-bit
+// stores without bank conflicts, and one 1-D bulk reduce-add per tile.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -27,6 +40,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
+
+#include <type_traits>
 
 #include "common/block_range.h"
 #include "common/dq_accum_layout.h"
@@ -84,22 +99,29 @@ struct BwdTraits {
   static constexpr bool kLocal = kMask == MaskKind::kLocal;
 
   // Tile shape per head dim, from dash_fa3/schedule/contract.py (as FA3's
-  // Hopper backward at hdim 64/128): kBlockN KV rows (two warpgroups x 64),
-  // kBlockM Q rows per step.
+  // Hopper backward at hdim 64/128): kBlockN KV rows, kBlockM Q rows per step.
   static constexpr int kBlockM = bwd_block_m(kHeadDim);
   static constexpr int kBlockN = bwd_block_n(kHeadDim);
   static constexpr int kNumMmaWarpgroups = 2;
-  static constexpr int kStages = 2;      // Q (+LSE) and dO (+dPsum) pipelines
-  static constexpr int kStagesDs = 2;    // sdS double buffer: no barrier before the next write
+  // The head-dim split (see the top of this file): d > 128.
+  static constexpr bool kSplitHeadDim = kHeadDim > 128;
+  static_assert(kBlockN == (kSplitHeadDim ? 64 : 64 * kNumMmaWarpgroups),
+                "row split: each MMA warpgroup owns 64 KV rows; head-dim split: both share 64");
+  // Pipeline depths. Shared memory bounds them at d = 256: K, V, one Q and
+  // one dO stage, sP, sdS and one sdQ tile (64 KB) already take 224 KB.
+  static constexpr int kStagesQ = kHeadDim > 192 ? 1 : 2;   // Q (+LSE) pipeline
+  static constexpr int kStagesDo = kHeadDim > 192 ? 1 : 2;  // dO (+dPsum) pipeline
+  static constexpr int kStagesDs = 2;    // sdS (and sP) double buffer: no barrier before the next write
   // sdQ double buffer: the MMA warpgroups run one step ahead of a dQ writer
-  // that waits for its turn (deterministic mode).
-  static constexpr int kStagesDq = 2;
-  static_assert(kStagesDq <= 3, "one dQ-writer warp per sdQ buffer: warps 1..kStagesDq of warpgroup 0");
-  static_assert(kBlockN == 64 * kNumMmaWarpgroups, "each MMA warpgroup owns 64 KV rows");
-  static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) == kStagesDq * kNumMmaWarpgroups &&
-                    uint32_t(BwdBarrier::kEpilogue) - uint32_t(BwdBarrier::kDqFull) == kStagesDq * kNumMmaWarpgroups,
+  // that waits for its turn (deterministic mode). One at d > 128: a tile is
+  // kBlockM x d fp32 (48 or 64 KB).
+  static constexpr int kStagesDq = kSplitHeadDim ? 1 : 2;
+  static_assert(kStagesDq <= 2, "one dQ-writer warp per sdQ buffer: warps 1..kStagesDq of warpgroup 0");
+  static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) >= kStagesDq * kNumMmaWarpgroups &&
+                    uint32_t(BwdBarrier::kEpilogue) - uint32_t(BwdBarrier::kDqFull) >= kStagesDq * kNumMmaWarpgroups,
                 "one dq_empty and one dq_full barrier per (sdQ buffer, MMA warpgroup)");
   static_assert(kBlockM >= 64 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "no backward tile for this head dim");
+  static_assert(!kSplitHeadDim || kBlockM == 64, "head-dim split: 32 Q rows of S^T per warpgroup");
 
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kNumMmaThreads = kNumMmaWarpgroups * kThreadsPerWarpgroup;
@@ -119,16 +141,30 @@ struct BwdTraits {
   static constexpr bool kFixedSteps = DASH_FA3_BWD_FIXED_STEPS != 0;
 
   // ---- MMAs
-  // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM, kHeadDim), warpgroups along M (KV rows).
+  // Row split: warpgroups along M (KV rows). Head-dim split: along N.
   using AtomLayoutKv = Layout<Shape<_2, _1, _1>>;
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
-      AtomLayoutKv{}));
-  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim, kBlockM), A from registers.
-  using TiledMmaDkv = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      AtomLayoutKv{}));
+  using AtomLayoutN = Layout<Shape<_1, _2, _1>>;
+  // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM, kHeadDim).
+  using TiledMmaSdP = std::conditional_t<
+      kSplitHeadDim,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(),
+          AtomLayoutN{})),
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+          AtomLayoutKv{}))>;
+  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim, kBlockM). Row split: A
+  // (P^T, dS^T) from registers. Head-dim split: from sP / sdS (K-major views).
+  using TiledMmaDkv = std::conditional_t<
+      kSplitHeadDim,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
+                               GMMA::Major::K, GMMA::Major::MN>(),
+          AtomLayoutN{})),
+      decltype(make_tiled_mma(
+          GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                               GMMA::Major::K, GMMA::Major::MN>(),
+          AtomLayoutKv{}))>;
   // dQ = dS K: (kBlockM, kHeadDim, kBlockN), warpgroups along M if kBlockM = 128, else along N.
   static constexpr int kDqWgM = kBlockM / 64;
   static constexpr int kDqWgN = kNumMmaWarpgroups / kDqWgM;
@@ -147,15 +183,26 @@ struct BwdTraits {
                 "dQ WGMMA atom differs from dq_frag_atom_cols");
 
   // ---- shared-memory layouts
+  // The swizzle of Q, dO, K, V: the widest whose atom divides the head-dim
+  // slice of one warpgroup in the MN-major GEMMs (dK/dV: B = Q^T, dO^T; dQ:
+  // B = K^T), so that warpgroup 1's slice starts on an atom: at d = 192 the
+  // slices are 96 wide, 128-byte atoms 64.
+  static constexpr int kSwizzleExtent = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
   // Q, dO: (kBlockM, kHeadDim, stage), head dim contiguous (as TMA writes it).
-  using SmemLayoutQ = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
-                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  template <int kStageCount>
+  using SmemLayoutQOf = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, kSwizzleExtent>(),
+                                               Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStageCount>>{}));
   // The same bytes viewed (kHeadDim, kBlockM, stage): the MN-major B operand of dK/dV.
-  using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
-                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  template <int kStageCount>
+  using SmemLayoutQtOf = decltype(composition(
+      SmemLayoutQOf<kStageCount>{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStageCount>>{},
+                                                Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutQ = SmemLayoutQOf<kStagesQ>;
+  using SmemLayoutQt = SmemLayoutQtOf<kStagesQ>;
+  using SmemLayoutDo = SmemLayoutQOf<kStagesDo>;
+  using SmemLayoutDot = SmemLayoutQtOf<kStagesDo>;
   // K, V: (kBlockN, kHeadDim), loaded once per task.
-  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, kSwizzleExtent>(),
                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // K viewed (kHeadDim, kBlockN): the MN-major B operand of dQ.
   using SmemLayoutKt = decltype(composition(
@@ -163,7 +210,9 @@ struct BwdTraits {
   // dS: (kBlockM, kBlockN, stage), M contiguous (the A operand of dQ, MN-major).
   using SmemLayoutDs = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::MN, Element, kBlockM>(),
                                               Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesDs>>{}));
-  // dS viewed (kBlockN, kBlockM, stage): how the transposed accumulator writes it.
+  // dS viewed (kBlockN, kBlockM, stage): how the transposed accumulator writes
+  // it, and (head-dim split) the K-major A operand dS^T of dK. sP (head-dim
+  // split only) has the same layouts.
   using SmemLayoutDst = decltype(composition(
       SmemLayoutDs{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesDs>>{},
                                   Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
@@ -207,8 +256,16 @@ struct BwdTraits {
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
       SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = typename Pipeline::PipelineState;
+  using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
+  using PipelineDo = cutlass::PipelineTmaAsync<kStagesDo>;
+  using PipelineStateQ = typename PipelineQ::PipelineState;
+  using PipelineStateDo = typename PipelineDo::PipelineState;
+
+  // sP: P^T of a step for both warpgroups' dV GEMMs (head-dim split only).
+  struct PBuffer {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDs>> p;
+  };
+  struct NoPBuffer {};
 
   // 128-byte swizzled TMA destinations must be 1024-byte aligned (sdQ, a
   // bulk-copy source, needs 16; it keeps 1024).
@@ -216,15 +273,16 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDo>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDs>> ds;
     alignas(1024) cute::array_aligned<float, kDqTileFloats * kStagesDq> dq;  // stage s at s * kDqTileFloats
-    alignas(16) float lse[kStages][kBlockM];    // log2-domain LSE rows of the Q stage
-    alignas(16) float dpsum[kStages][kBlockM];  // dPsum rows of the dO stage
-    alignas(16) typename Pipeline::SharedStorage pipeline_q;
-    alignas(16) typename Pipeline::SharedStorage pipeline_do;
+    alignas(16) float lse[kStagesQ][kBlockM];     // log2-domain LSE rows of the Q stage
+    alignas(16) float dpsum[kStagesDo][kBlockM];  // dPsum rows of the dO stage
+    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
+    alignas(16) typename PipelineDo::SharedStorage pipeline_do;
     // K and V of the current task have landed (one phase per task).
     alignas(8) cutlass::arch::ClusterTransactionBarrier kv_full;
+    std::conditional_t<kSplitHeadDim, PBuffer, NoPBuffer> pbuf;
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
   static_assert(kSharedStorageBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
