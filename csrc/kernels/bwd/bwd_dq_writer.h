@@ -24,6 +24,9 @@
 // argument (bwd_semaphore.h) is unchanged and no new wait is introduced.
 // Non-deterministic mode runs the same code without the semaphore wait and
 // release: the adds of different CTAs then land in any order.
+// A shared half (kDqSharedHalf, d = 256): the one sdQ buffer holds half a
+// tile, and the halves pass through it in warpgroup order; the writer hands
+// the region to the other warpgroup as soon as the copy engine has read it.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -48,12 +51,12 @@ struct BwdDqWriter {
   // Run by all 32 lanes of writer warp `buffer`; lane 0 issues and waits.
   CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int buffer) {
     bool const leader = (threadIdx.x % 32) == 0;
-    float const* sdq = smem.dq.data() + buffer * Traits::kDqTileFloats;
+    float const* sdq = smem.dq.data() + buffer * Traits::kDqBufferFloats;
     TileGeometry const geo = Traits::tile_geometry(p);
 
-    // sdQ[buffer] starts out empty.
+    // sdQ[buffer] starts out empty (a shared half: for warpgroup 0, which fills it first).
     CUTE_UNROLL
-    for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
+    for (int wg = 0; wg < (Traits::kDqSharedHalf ? 1 : Traits::kNumMmaWarpgroups); ++wg) {
       named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
     }
     // Index of the next step among all steps of this CTA; the MMA warpgroups
@@ -85,26 +88,46 @@ struct BwdDqWriter {
           fence_proxy_async_global();
         }
         float* dq_tile = dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats;
-        CUTE_UNROLL
-        for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
-          // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
-          named_barrier_sync(Mainloop::dq_full(buffer, wg), Traits::kDqHandoffThreads);
-          if (leader) {
-            // A Q tile's accumulator receives an add from every KV tile of its
-            // head, spread over the kernel: keep it in L2 between them.
-            bulk_reduce_add_f32(dq_tile + wg * Traits::kDqHalfFloats, sdq + wg * Traits::kDqHalfFloats,
-                                Traits::kDqHalfBytes, uint64_t(TMA::CacheHintSm90::EVICT_LAST));
-            tma_store_arrive();
+        if constexpr (Traits::kDqSharedHalf) {
+          // One half-tile region, filled by the warpgroups in turn: each half
+          // must have been read before the other warpgroup may write.
+          CUTE_UNROLL
+          for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
+            // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
+            named_barrier_sync(Mainloop::dq_full(buffer, wg), Traits::kDqHandoffThreads);
+            if (leader) {
+              bulk_reduce_add_f32(dq_tile + wg * Traits::kDqHalfFloats, sdq, Traits::kDqHalfBytes,
+                                  uint64_t(TMA::CacheHintSm90::EVICT_LAST));
+              tma_store_arrive();
+              bulk_wait_read<0>();
+            }
+            __syncwarp();
+            // The region has been read: the next warpgroup in turn may fill it.
+            named_barrier_arrive(Mainloop::dq_empty(buffer, (wg + 1) % Traits::kNumMmaWarpgroups),
+                                 Traits::kDqHandoffThreads);
           }
+        } else {
+          CUTE_UNROLL
+          for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
+            // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
+            named_barrier_sync(Mainloop::dq_full(buffer, wg), Traits::kDqHandoffThreads);
+            if (leader) {
+              // A Q tile's accumulator receives an add from every KV tile of its
+              // head, spread over the kernel: keep it in L2 between them.
+              bulk_reduce_add_f32(dq_tile + wg * Traits::kDqHalfFloats, sdq + wg * Traits::kDqHalfFloats,
+                                  Traits::kDqHalfBytes, uint64_t(TMA::CacheHintSm90::EVICT_LAST));
+              tma_store_arrive();
+            }
+          }
+          // One bulk group per half, committed in warpgroup order: half wg has
+          // been read once at most (kNumMmaWarpgroups - 1 - wg) groups are pending.
+          cute::for_each(cute::make_int_sequence<Traits::kNumMmaWarpgroups>{}, [&](auto wg) {
+            if (leader) { bulk_wait_read<Traits::kNumMmaWarpgroups - 1 - decltype(wg)::value>(); }
+            __syncwarp();
+            // Warpgroup wg's half of sdQ[buffer] has been read: wg may overwrite it.
+            named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
+          });
         }
-        // One bulk group per half, committed in warpgroup order: half wg has
-        // been read once at most (kNumMmaWarpgroups - 1 - wg) groups are pending.
-        cute::for_each(cute::make_int_sequence<Traits::kNumMmaWarpgroups>{}, [&](auto wg) {
-          if (leader) { bulk_wait_read<Traits::kNumMmaWarpgroups - 1 - decltype(wg)::value>(); }
-          __syncwarp();
-          // Warpgroup wg's half of sdQ[buffer] has been read: wg may overwrite it.
-          named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
-        });
         if (leader && deterministic) {
           bulk_wait_all_complete();  // both adds have landed in global memory
           fence_proxy_async_global();

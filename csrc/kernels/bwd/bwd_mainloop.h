@@ -152,7 +152,7 @@ struct BwdMainloop {
     // register group g goes to (g * 128 + wg_tid) * 4 of its warpgroup's region.
     int const dq_wg = mma_tid / kDqFragWgThreads;
     int const dq_wg_tid = mma_tid % kDqFragWgThreads;
-    int const dq_thread_offset = dq_frag_wg_base(kBlockM, kHeadDim, dq_wg) + dq_frag_reg_offset(dq_wg_tid, 0);
+    int const dq_thread_offset = Traits::sdq_half_offset(dq_wg) + dq_frag_reg_offset(dq_wg_tid, 0);
     uint32_t const sdq_thread =
         cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
 
@@ -332,15 +332,18 @@ struct BwdMainloop {
       pipeline_do.consumer_release(read_do);
       ++read_do;
 
-      // Wait until the dQ writer has finished reading this warpgroup's half of
-      // this sdQ buffer (two steps ago).
+      // Wait until the dQ writer has finished reading what it last took from
+      // this warpgroup's half of this sdQ buffer: this warpgroup's partial dQ
+      // of kStagesDq steps ago; with a shared half (d = 256) warpgroup 0
+      // waits for warpgroup 1's half of the previous step, warpgroup 1 for
+      // warpgroup 0's of this step.
       named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
       {
         // One 128-bit store per group of 4 registers, in fragment order: a
         // warp's stores of one group cover 512 contiguous bytes, so each is
         // 4 wavefronts, the minimum (64-bit pair stores into the swizzled
         // row-major tile were 2-way bank conflicts).
-        uint32_t const dst = sdq_thread + uint32_t(dq_stage) * Traits::kDqTileBytes;
+        uint32_t const dst = sdq_thread + uint32_t(dq_stage) * Traits::kDqBufferBytes;
         CUTE_UNROLL
         for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
           store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),

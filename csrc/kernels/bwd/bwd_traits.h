@@ -107,9 +107,11 @@ struct BwdTraits {
   static constexpr bool kSplitHeadDim = kHeadDim > 128;
   static_assert(kBlockN == (kSplitHeadDim ? 64 : 64 * kNumMmaWarpgroups),
                 "row split: each MMA warpgroup owns 64 KV rows; head-dim split: both share 64");
-  // Pipeline depths. Shared memory bounds them at d = 256: K, V, one Q and
-  // one dO stage, sP, sdS and one sdQ tile (64 KB) already take 224 KB.
-  static constexpr int kStagesQ = kHeadDim > 192 ? 1 : 2;   // Q (+LSE) pipeline
+  // Pipeline depths. Shared memory bounds them at d = 256: K, V, two Q and
+  // one dO stage, sP, sdS and half an sdQ tile (kDqSharedHalf) take 224 KB.
+  // Q keeps two stages there: a Q stage is released only at the end of a
+  // step, so with one the next step's S^T waited for the whole load.
+  static constexpr int kStagesQ = 2;                        // Q (+LSE) pipeline
   static constexpr int kStagesDo = kHeadDim > 192 ? 1 : 2;  // dO (+dPsum) pipeline
   static constexpr int kStagesDs = 2;    // sdS (and sP) double buffer: no barrier before the next write
   // sdQ double buffer: the MMA warpgroups run one step ahead of a dQ writer
@@ -229,6 +231,15 @@ struct BwdTraits {
   static constexpr uint32_t kDqHalfBytes = kDqHalfFloats * sizeof(float);
   static_assert(kDqHalfBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   static_assert(dq_frag_wg_base(kBlockM, kHeadDim, 1) == kDqHalfFloats, "warpgroup halves of sdQ");
+  // d = 256: an sdQ buffer holds one warpgroup's half (32 KB), which the two
+  // MMA warpgroups fill in turn (bwd_dq_writer.h); a whole tile would leave
+  // room for one Q stage only.
+  static constexpr bool kDqSharedHalf = kHeadDim > 192;
+  static_assert(!kDqSharedHalf || kStagesDq == 1, "a shared half-tile sdQ has one buffer (one writer)");
+  static constexpr int kDqBufferFloats = kDqSharedHalf ? kDqHalfFloats : kDqTileFloats;
+  static constexpr uint32_t kDqBufferBytes = kDqBufferFloats * sizeof(float);
+  // Float offset of MMA warpgroup wg's half in an sdQ buffer.
+  CUTE_HOST_DEVICE static constexpr int sdq_half_offset(int wg) { return kDqSharedHalf ? 0 : wg * kDqHalfFloats; }
   // Threads of one dq_empty / dq_full barrier: one MMA warpgroup and one dQ writer warp.
   static constexpr int kDqHandoffThreads = kThreadsPerWarpgroup + kWarpThreads;
 
@@ -275,7 +286,7 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDo>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDs>> ds;
-    alignas(1024) cute::array_aligned<float, kDqTileFloats * kStagesDq> dq;  // stage s at s * kDqTileFloats
+    alignas(1024) cute::array_aligned<float, kDqBufferFloats * kStagesDq> dq;  // stage s at s * kDqBufferFloats
     alignas(16) float lse[kStagesQ][kBlockM];     // log2-domain LSE rows of the Q stage
     alignas(16) float dpsum[kStagesDo][kBlockM];  // dPsum rows of the dO stage
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
