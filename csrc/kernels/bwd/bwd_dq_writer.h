@@ -1,32 +1,40 @@
-// dQ-writer role of the backward kernel: one warp per sdQ buffer (warps
-// 1 .. kStagesDq of warpgroup 0). Writer b moves the fp32 partial dQ of every
-// step whose CTA-wide step index is = b (mod kStagesDq) from sdQ buffer b into
-// the fp32 dQ accumulator (batch, heads, seqlen_q_rounded, d) with one 1-D
-// bulk reduce-add (cp.reduce.async.bulk ... .add.f32) of the whole tile: sdQ
-// and the accumulator's tile hold it in the same fragment order
-// (common/dq_accum_layout.h), kBlockM * d contiguous floats in both places,
-// so no tensor map is needed.
+// dQ-writer role of the backward kernel: kDqWriters = 2 warps (warps 1 and 2
+// of warpgroup 0). Writer b moves the fp32 partial dQ of every step whose
+// CTA-wide step index is = b (mod 2) from shared memory (sdQ) into the fp32
+// dQ accumulator (batch, heads, seqlen_q_rounded, d) with 1-D bulk
+// reduce-adds (cp.reduce.async.bulk ... .add.f32): sdQ and the accumulator's
+// tile hold it in the same fragment order (common/dq_accum_layout.h), kBlockM
+// * d contiguous floats in both places, so no tensor map is needed. Writer b
+// waits on the hand-off barriers of set b (dq_full(b, w)); the MMA
+// warpgroups use set (step mod 2).
 //
 // Per step of writer b, in the schedule's order:
 //   deterministic: wait until sem[batch, h, q] == rank (the schedule's rank of this
 //                  (KV tile, Q tile) contribution); this needs nothing of the
 //                  step's dQ, so it overlaps the MMA warpgroups' work
-//   per MMA warpgroup w: wait dq_full(b, w) (w wrote its half of sdQ buffer b),
-//                  issue that half's reduce-add, commit
-//   per w: wait until w's half has been READ -> arrive dq_empty(b, w) (w may
-//                  write its half again while the add is still landing)
-//   deterministic: wait until both adds have COMPLETED, then sem[batch, h, q] += 1
-// Why one warp per buffer: in deterministic mode one step's hand-off is a
-// serial chain (acquire spin, add, completion wait, release) about as long as
-// a whole MMA step; with a single writer that chain, not the tensor cores,
-// set the pace. Two writers overlap the chains of consecutive steps. A
-// writer's release still waits only for its own add, so the ordering
-// argument (bwd_semaphore.h) is unchanged and no new wait is introduced.
+//   per MMA warpgroup w: wait dq_full(b, w) (w wrote its half of the step's
+//                  partial dQ), issue that half's reduce-add, commit
+//   per w: wait until w's half has been READ -> arrive on the dq_empty barrier
+//                  of whoever writes that region next (w may write again while
+//                  the add is still landing)
+//   deterministic: wait until the adds have COMPLETED, then sem[batch, h, q] += 1
+// Why two writers: in deterministic mode one step's hand-off is a serial chain
+// (acquire spin, add, completion wait, release) about as long as a whole MMA
+// step; with a single writer that chain, not the tensor cores, set the pace.
+// Two writers overlap the chains of consecutive steps. A writer's release
+// still waits only for its own add, so the ordering argument
+// (bwd_semaphore.h) is unchanged and no new wait is introduced.
 // Non-deterministic mode runs the same code without the semaphore wait and
 // release: the adds of different CTAs then land in any order.
-// A shared half (kDqSharedHalf, d = 256): the one sdQ buffer holds half a
-// tile, and the halves pass through it in warpgroup order; the writer hands
-// the region to the other warpgroup as soon as the copy engine has read it.
+//
+// Where the halves live (Traits::kStagesDq, kDqSharedHalf):
+//   two buffers (d <= 128): set b's steps use buffer b; a half read at step s
+//       is written next at step s + 2: dq_empty(b, w).
+//   one buffer (d = 192): every step uses it; half w is written next at step
+//       s + 1: dq_empty(1 - b, w).
+//   one shared half (d = 256): the halves of a step pass through one
+//       half-tile region in warpgroup order: after warpgroup 0's half,
+//       dq_empty(b, 1); after warpgroup 1's, dq_empty(1 - b, 0).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -48,19 +56,34 @@ struct BwdDqWriter {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
 
-  // Run by all 32 lanes of writer warp `buffer`; lane 0 issues and waits.
-  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int buffer) {
+  // The dq_empty barrier to arrive on once half wg of a step of set b has been read.
+  CUTE_DEVICE static BwdBarrier next_writer_of(int b, int wg) {
+    if constexpr (Traits::kDqSharedHalf) {
+      return wg == 0 ? Mainloop::dq_empty(b, 1) : Mainloop::dq_empty(1 - b, 0);
+    } else if constexpr (Traits::kStagesDq == 1) {
+      return Mainloop::dq_empty(1 - b, wg);
+    } else {
+      return Mainloop::dq_empty(b, wg);
+    }
+  }
+
+  // Run by all 32 lanes of writer warp b; lane 0 issues and waits.
+  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int b) {
+    static_assert(Traits::kDqWriters == 2 && (Traits::kStagesDq == 1 || Traits::kStagesDq == 2));
     bool const leader = (threadIdx.x % 32) == 0;
-    float const* sdq = smem.dq.data() + buffer * Traits::kDqBufferFloats;
+    float const* sdq = smem.dq.data() + Traits::sdq_buffer(b) * Traits::kDqBufferFloats;
     TileGeometry const geo = Traits::tile_geometry(p);
 
-    // sdQ[buffer] starts out empty (a shared half: for warpgroup 0, which fills it first).
-    CUTE_UNROLL
-    for (int wg = 0; wg < (Traits::kDqSharedHalf ? 1 : Traits::kNumMmaWarpgroups); ++wg) {
-      named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
+    // Every region starts out empty: its first writer (step 0 or, with two
+    // buffers, step 1; warpgroup 0 first with a shared half) may fill it.
+    if (Traits::kStagesDq == 2 || b == 0) {
+      CUTE_UNROLL
+      for (int wg = 0; wg < (Traits::kDqSharedHalf ? 1 : Traits::kNumMmaWarpgroups); ++wg) {
+        named_barrier_arrive(Mainloop::dq_empty(b, wg), Traits::kDqHandoffThreads);
+      }
     }
     // Index of the next step among all steps of this CTA; the MMA warpgroups
-    // write step i into sdQ[i % kStagesDq].
+    // hand off step i in set i % kDqWriters.
     int cta_step = 0;
 
     CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
@@ -74,11 +97,11 @@ struct BwdDqWriter {
       float* dq_bh = p.dq_accum + (int64_t(b) * p.heads + h) * p.seqlen_q_rounded * kHeadDim;
       int* sem_bh = p.dq_semaphore + (int64_t(b) * p.heads + h) * p.n_q;
 
-      // First step of this task that falls on our buffer.
-      int const first = (buffer - cta_step % Traits::kStagesDq + Traits::kStagesDq) % Traits::kStagesDq;
+      // First step of this task that falls on this writer.
+      int const first = (b - cta_step % Traits::kDqWriters + Traits::kDqWriters) % Traits::kDqWriters;
       cta_step += n_steps;
       schedule::StepOrder const order = schedule::StepOrder::of(row);  // kFixedSteps only
-      for (int s = first; s < n_steps; s += Traits::kStagesDq) {
+      for (int s = first; s < n_steps; s += Traits::kDqWriters) {
         schedule::StepInfo const st = Traits::kFixedSteps ? schedule::StepInfo{order.q_tile(s), 0}
                                                           : schedule::decode_step(geo, p.rank, row, s);
         bool const deterministic = !Traits::kFixedSteps && p.deterministic;
@@ -94,7 +117,7 @@ struct BwdDqWriter {
           CUTE_UNROLL
           for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
             // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
-            named_barrier_sync(Mainloop::dq_full(buffer, wg), Traits::kDqHandoffThreads);
+            named_barrier_sync(Mainloop::dq_full(b, wg), Traits::kDqHandoffThreads);
             if (leader) {
               bulk_reduce_add_f32(dq_tile + wg * Traits::kDqHalfFloats, sdq, Traits::kDqHalfBytes,
                                   uint64_t(TMA::CacheHintSm90::EVICT_LAST));
@@ -103,14 +126,13 @@ struct BwdDqWriter {
             }
             __syncwarp();
             // The region has been read: the next warpgroup in turn may fill it.
-            named_barrier_arrive(Mainloop::dq_empty(buffer, (wg + 1) % Traits::kNumMmaWarpgroups),
-                                 Traits::kDqHandoffThreads);
+            named_barrier_arrive(next_writer_of(b, wg), Traits::kDqHandoffThreads);
           }
         } else {
           CUTE_UNROLL
           for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
             // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
-            named_barrier_sync(Mainloop::dq_full(buffer, wg), Traits::kDqHandoffThreads);
+            named_barrier_sync(Mainloop::dq_full(b, wg), Traits::kDqHandoffThreads);
             if (leader) {
               // A Q tile's accumulator receives an add from every KV tile of its
               // head, spread over the kernel: keep it in L2 between them.
@@ -124,8 +146,8 @@ struct BwdDqWriter {
           cute::for_each(cute::make_int_sequence<Traits::kNumMmaWarpgroups>{}, [&](auto wg) {
             if (leader) { bulk_wait_read<Traits::kNumMmaWarpgroups - 1 - decltype(wg)::value>(); }
             __syncwarp();
-            // Warpgroup wg's half of sdQ[buffer] has been read: wg may overwrite it.
-            named_barrier_arrive(Mainloop::dq_empty(buffer, wg), Traits::kDqHandoffThreads);
+            // Warpgroup wg's half has been read: its next writer may overwrite it.
+            named_barrier_arrive(next_writer_of(b, decltype(wg)::value), Traits::kDqHandoffThreads);
           });
         }
         if (leader && deterministic) {

@@ -47,7 +47,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
   int const warpgroup = cutlass::canonical_warp_group_idx();
   WarpRole const role = warpgroup > 0 ? WarpRole::kMma
                         : warp_idx == 0 ? WarpRole::kProducer
-                        : warp_idx <= Traits::kStagesDq ? WarpRole::kDqWriter
+                        : warp_idx <= Traits::kDqWriters ? WarpRole::kDqWriter
                                                         : WarpRole::kIdle;
 
   if (warp_idx == 0 && cute::elect_one_sync()) {
@@ -66,7 +66,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     if (role == WarpRole::kProducer) {
       BwdProducer<Traits>::run(p, smem, pipeline_q, pipeline_do);
     } else if (role == WarpRole::kDqWriter) {
-      BwdDqWriter<Traits>::run(p, smem, /*buffer=*/warp_idx - 1);
+      BwdDqWriter<Traits>::run(p, smem, /*b=*/warp_idx - 1);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();

@@ -90,7 +90,7 @@ struct BwdMainloop {
     named_barrier_arrive(BwdBarrier::kKvEmpty, kMmaThreads + Traits::kWarpThreads);
   }
 
-  // The hand-off barriers of MMA warpgroup wg's half of sdQ buffer stage.
+  // The hand-off barriers of MMA warpgroup wg's half in hand-off set stage.
   CUTE_DEVICE static BwdBarrier dq_empty(int stage, int wg) {
     return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqEmpty) +
                                    Traits::kNumMmaWarpgroups * stage + wg);
@@ -113,8 +113,9 @@ struct BwdMainloop {
   }
 
   // Runs the n_steps >= 1 steps of one task. K and V must have landed.
-  // ds_stage, dq_stage: which sdS / sdQ buffer the next step writes (flip every
-  // step; dq_stage stays 0 with one sdQ buffer).
+  // ds_stage: which sdS buffer the next step writes; dq_stage: the dQ
+  // hand-off set of the next step (its sdQ buffer: Traits::sdq_buffer). Both
+  // flip every step.
   // sP (head-dim split); the row split has none and gets sdS, which it never reads as P.
   CUTE_DEVICE static Element* sp_data(SharedStorage& smem) {
     if constexpr (kSplitHeadDim) {
@@ -343,7 +344,7 @@ struct BwdMainloop {
         // warp's stores of one group cover 512 contiguous bytes, so each is
         // 4 wavefronts, the minimum (64-bit pair stores into the swizzled
         // row-major tile were 2-way bank conflicts).
-        uint32_t const dst = sdq_thread + uint32_t(dq_stage) * Traits::kDqBufferBytes;
+        uint32_t const dst = sdq_thread + uint32_t(Traits::sdq_buffer(dq_stage)) * Traits::kDqBufferBytes;
         CUTE_UNROLL
         for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
           store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
@@ -362,7 +363,7 @@ struct BwdMainloop {
       pipeline_q.consumer_release(read_q);
       ++read_q;
       ds_stage ^= 1;
-      if constexpr (Traits::kStagesDq > 1) { dq_stage ^= 1; }
+      dq_stage ^= 1;
     }
   }
 };

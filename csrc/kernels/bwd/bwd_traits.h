@@ -68,13 +68,14 @@ enum class BwdBarrier : uint32_t {
   // Both MMA warpgroups have written their rows of dS^T to sdS; both wait on
   // it before the dQ = dS K GEMM.
   kDsReady = 1,
-  // kDqEmpty + 2 b + w (dq_empty(b, w)): dQ writer b has finished reading
-  // MMA warpgroup w's half of sdQ buffer b; warpgroup w waits on it before
-  // writing its next partial dQ there. Per warpgroup, so that neither waits
-  // for the other at the hand-off (they already meet at kDsReady).
+  // kDqEmpty + 2 b + w (dq_empty(b, w)): the region that MMA warpgroup w
+  // writes its half of a partial dQ of hand-off set b (steps = b mod 2) into
+  // has been read by the copy engine; warpgroup w waits on it before writing
+  // there (bwd_dq_writer.h says which writer arrives). Per warpgroup, so that
+  // neither waits for the other at the hand-off (they already meet at kDsReady).
   kDqEmpty = 2,  // .. 5
   // kDqFull + 2 b + w (dq_full(b, w)): MMA warpgroup w has written its half
-  // of a partial dQ into sdQ buffer b; dQ writer b waits on it before issuing
+  // of a partial dQ of hand-off set b; dQ writer b waits on it before issuing
   // that half's reduce-add.
   kDqFull = 6,  // .. 9
   // MHA epilogue: both MMA warpgroups' GEMMs of the task have retired (the dQ
@@ -114,14 +115,20 @@ struct BwdTraits {
   static constexpr int kStagesQ = 2;                        // Q (+LSE) pipeline
   static constexpr int kStagesDo = kHeadDim > 192 ? 1 : 2;  // dO (+dPsum) pipeline
   static constexpr int kStagesDs = 2;    // sdS (and sP) double buffer: no barrier before the next write
-  // sdQ double buffer: the MMA warpgroups run one step ahead of a dQ writer
-  // that waits for its turn (deterministic mode). One at d > 128: a tile is
-  // kBlockM x d fp32 (48 or 64 KB).
+  // dQ-writer warps (warps 1..kDqWriters of warpgroup 0): writer b takes the
+  // CTA's steps = b (mod 2) and the hand-off barriers of set b, so the
+  // serial hand-off chains of consecutive steps overlap (bwd_dq_writer.h).
+  static constexpr int kDqWriters = 2;
+  // sdQ buffers: two, so that the MMA warpgroups run one step ahead of a dQ
+  // writer that waits for its turn (deterministic mode). One at d > 128: a
+  // tile is kBlockM x d fp32 (48 or 64 KB); the writers then take turns on it.
   static constexpr int kStagesDq = kSplitHeadDim ? 1 : 2;
-  static_assert(kStagesDq <= 2, "one dQ-writer warp per sdQ buffer: warps 1..kStagesDq of warpgroup 0");
-  static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) >= kStagesDq * kNumMmaWarpgroups &&
-                    uint32_t(BwdBarrier::kEpilogue) - uint32_t(BwdBarrier::kDqFull) >= kStagesDq * kNumMmaWarpgroups,
-                "one dq_empty and one dq_full barrier per (sdQ buffer, MMA warpgroup)");
+  static_assert(kStagesDq == 1 || kStagesDq == kDqWriters, "one sdQ buffer, or one per writer");
+  // The sdQ buffer of hand-off set b.
+  CUTE_HOST_DEVICE static constexpr int sdq_buffer(int b) { return kStagesDq == 1 ? 0 : b; }
+  static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) == kDqWriters * kNumMmaWarpgroups &&
+                    uint32_t(BwdBarrier::kEpilogue) - uint32_t(BwdBarrier::kDqFull) == kDqWriters * kNumMmaWarpgroups,
+                "one dq_empty and one dq_full barrier per (hand-off set, MMA warpgroup)");
   static_assert(kBlockM >= 64 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "no backward tile for this head dim");
   static_assert(!kSplitHeadDim || kBlockM == 64, "head-dim split: 32 Q rows of S^T per warpgroup");
 
@@ -235,7 +242,7 @@ struct BwdTraits {
   // MMA warpgroups fill in turn (bwd_dq_writer.h); a whole tile would leave
   // room for one Q stage only.
   static constexpr bool kDqSharedHalf = kHeadDim > 192;
-  static_assert(!kDqSharedHalf || kStagesDq == 1, "a shared half-tile sdQ has one buffer (one writer)");
+  static_assert(!kDqSharedHalf || kStagesDq == 1, "a shared half-tile sdQ is the one buffer");
   static constexpr int kDqBufferFloats = kDqSharedHalf ? kDqHalfFloats : kDqTileFloats;
   static constexpr uint32_t kDqBufferBytes = kDqBufferFloats * sizeof(float);
   // Float offset of MMA warpgroup wg's half in an sdQ buffer.
