@@ -56,30 +56,30 @@ struct BwdDqWriter {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
 
-  // The dq_empty barrier to arrive on once half wg of a step of set b has been read.
-  CUTE_DEVICE static BwdBarrier next_writer_of(int b, int wg) {
+  // The dq_empty barrier to arrive on once half wg of a step of set `set` has been read.
+  CUTE_DEVICE static BwdBarrier next_writer_of(int set, int wg) {
     if constexpr (Traits::kDqSharedHalf) {
-      return wg == 0 ? Mainloop::dq_empty(b, 1) : Mainloop::dq_empty(1 - b, 0);
+      return wg == 0 ? Mainloop::dq_empty(set, 1) : Mainloop::dq_empty(1 - set, 0);
     } else if constexpr (Traits::kStagesDq == 1) {
-      return Mainloop::dq_empty(1 - b, wg);
+      return Mainloop::dq_empty(1 - set, wg);
     } else {
-      return Mainloop::dq_empty(b, wg);
+      return Mainloop::dq_empty(set, wg);
     }
   }
 
-  // Run by all 32 lanes of writer warp b; lane 0 issues and waits.
-  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int b) {
+  // Run by all 32 lanes of writer warp `writer` (its hand-off set); lane 0 issues and waits.
+  CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int writer) {
     static_assert(Traits::kDqWriters == 2 && (Traits::kStagesDq == 1 || Traits::kStagesDq == 2));
     bool const leader = (threadIdx.x % 32) == 0;
-    float const* sdq = smem.dq.data() + Traits::sdq_buffer(b) * Traits::kDqBufferFloats;
+    float const* sdq = smem.dq.data() + Traits::sdq_buffer(writer) * Traits::kDqBufferFloats;
     TileGeometry const geo = Traits::tile_geometry(p);
 
     // Every region starts out empty: its first writer (step 0 or, with two
     // buffers, step 1; warpgroup 0 first with a shared half) may fill it.
-    if (Traits::kStagesDq == 2 || b == 0) {
+    if (Traits::kStagesDq == 2 || writer == 0) {
       CUTE_UNROLL
       for (int wg = 0; wg < (Traits::kDqSharedHalf ? 1 : Traits::kNumMmaWarpgroups); ++wg) {
-        named_barrier_arrive(Mainloop::dq_empty(b, wg), Traits::kDqHandoffThreads);
+        named_barrier_arrive(Mainloop::dq_empty(writer, wg), Traits::kDqHandoffThreads);
       }
     }
     // Index of the next step among all steps of this CTA; the MMA warpgroups
@@ -98,7 +98,7 @@ struct BwdDqWriter {
       int* sem_bh = p.dq_semaphore + (int64_t(b) * p.heads + h) * p.n_q;
 
       // First step of this task that falls on this writer.
-      int const first = (b - cta_step % Traits::kDqWriters + Traits::kDqWriters) % Traits::kDqWriters;
+      int const first = (writer - cta_step % Traits::kDqWriters + Traits::kDqWriters) % Traits::kDqWriters;
       cta_step += n_steps;
       schedule::StepOrder const order = schedule::StepOrder::of(row);  // kFixedSteps only
       for (int s = first; s < n_steps; s += Traits::kDqWriters) {
@@ -117,7 +117,7 @@ struct BwdDqWriter {
           CUTE_UNROLL
           for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
             // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
-            named_barrier_sync(Mainloop::dq_full(b, wg), Traits::kDqHandoffThreads);
+            named_barrier_sync(Mainloop::dq_full(writer, wg), Traits::kDqHandoffThreads);
             if (leader) {
               bulk_reduce_add_f32(dq_tile + wg * Traits::kDqHalfFloats, sdq, Traits::kDqHalfBytes,
                                   uint64_t(TMA::CacheHintSm90::EVICT_LAST));
@@ -126,13 +126,13 @@ struct BwdDqWriter {
             }
             __syncwarp();
             // The region has been read: the next warpgroup in turn may fill it.
-            named_barrier_arrive(next_writer_of(b, wg), Traits::kDqHandoffThreads);
+            named_barrier_arrive(next_writer_of(writer, wg), Traits::kDqHandoffThreads);
           }
         } else {
           CUTE_UNROLL
           for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
             // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
-            named_barrier_sync(Mainloop::dq_full(b, wg), Traits::kDqHandoffThreads);
+            named_barrier_sync(Mainloop::dq_full(writer, wg), Traits::kDqHandoffThreads);
             if (leader) {
               // A Q tile's accumulator receives an add from every KV tile of its
               // head, spread over the kernel: keep it in L2 between them.
@@ -147,7 +147,7 @@ struct BwdDqWriter {
             if (leader) { bulk_wait_read<Traits::kNumMmaWarpgroups - 1 - decltype(wg)::value>(); }
             __syncwarp();
             // Warpgroup wg's half has been read: its next writer may overwrite it.
-            named_barrier_arrive(next_writer_of(b, decltype(wg)::value), Traits::kDqHandoffThreads);
+            named_barrier_arrive(next_writer_of(writer, decltype(wg)::value), Traits::kDqHandoffThreads);
           });
         }
         if (leader && deterministic) {
