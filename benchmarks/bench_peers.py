@@ -135,6 +135,8 @@ def parse_args(argv=None, grid=None):
     ap.add_argument("--nd-only", action="store_true",
                     help="time only the non-deterministic backwards (ours nd, FA3 nd, cuDNN) and forwards, e.g. "
                          "for a DASH_FA3_BWD_FIXED_STEPS=1 measurement build, which has no deterministic mode")
+    ap.add_argument("--skip", default="",
+                    help="comma list of implementations not to time, e.g. 'FA3 det' where FA3 has no such mode")
     ap.add_argument("--seed", type=int, default=0, help="base seed; each point adds its own offset")
     ap.add_argument("--json", help="write every raw sample and the table's figures here")
     ap.add_argument("--png", help="draw the ratios per grid point here (matplotlib)")
@@ -148,6 +150,10 @@ def parse_args(argv=None, grid=None):
         ap.error(str(exc))
     args.schedules = _flat([args.schedules], str, "--schedules")
     args.peers = _flat([args.peers], str, "--peers")
+    args.skip = [n.strip() for n in args.skip.split(",") if n.strip()]
+    known = set(impl_names("both", SCHEDULES))
+    if unknown := [n for n in args.skip if n not in known]:
+        ap.error(f"--skip: unknown {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
     for d in args.hdims:
         if d <= 0 or d > grid["hidden"]:
             ap.error(f"--hdims: {d} must be in 1..{grid['hidden']} (the grid's hidden size)")
@@ -480,6 +486,7 @@ def main(argv=None) -> int:
              or (impl_peer(n) == "cudnn" and "cudnn" in args.peers)]
     if args.nd_only:
         names = nondeterministic(names)
+    names = [n for n in names if n not in args.skip]
     cols = columns(args.direction, args.schedules)
     fa3_desc = (f"FA3 {fa3_commit[:12]}" + ("" if fa3_commit == fa3_peer.build_fa3.PINNED_COMMIT else " (not the pinned commit)")
                 + f" (hdims {','.join(map(str, fa3.info.get('hdims', [])))})") if fa3 is not None else "FA3 n/a"

@@ -51,8 +51,17 @@ def test_narrowing_with_space_or_comma_lists():
     assert bp.parse_args(["--peers", ""]).peers == []
 
 
+def test_wide_head_dims_and_skips():
+    # 192 does not divide the hidden size: the largest whole number of heads, as FA3's benchmark.
+    args = bp.parse_args(["--hdims", "192,256", "--seqlens", "4096", "--masks", "full", "--skip", "FA3 det"])
+    points = bp.grid_points(GRID, args.hdims, args.seqlens, args.masks)
+    assert [(p["hdim"], p["heads"], p["batch"]) for p in points] == [(192, 10, 4), (256, 8, 4)]
+    assert args.skip == ["FA3 det"]
+
+
 @pytest.mark.parametrize("argv", [
-    ["--masks", "sliding"], ["--seqlens", "1000"], ["--hdims", "100"], ["--hdims", "x"],
+    ["--masks", "sliding"], ["--seqlens", "1000"], ["--hdims", "0"], ["--hdims", "4096"], ["--hdims", "x"],
+    ["--skip", "FA3 deterministic"],
     ["--schedules", "bogus"], ["--peers", "sdpa"], ["--rounds", "0"], ["--iters", "0"], ["--direction", "up"],
 ])
 def test_bad_arguments_exit(argv, capsys):
