@@ -70,35 +70,17 @@ struct BwdMainloop {
                 "dQ accumulator is not ((2, 2, A/8), 1, N/A)");
   static_assert(size(FragDq{}) == kDqWgCols / 2 && size(FragDq{}) % kDqFragGroup == 0,
                 "dQ accumulator: N/2 registers per thread, whole groups of 4");
-  // Q columns of a warpgroup's S^T: all kBlockM (row split) or half (head-dim split).
-  static constexpr int kSdPWgCols = kSplitHeadDim ? kBlockM / 2 : kBlockM;
-  // kBlockM = 64 (hdim 96 and up): the LSE values of a step are loaded into
-  // registers before the S^T GEMM (kSdPWgCols / 4 registers; at kBlockM = 128
-  // the 32 they would take make ptxas spill). The register order this
-  // assumes: per warpgroup one 64 x kSdPWgCols atom, accumulator ((2, 2,
-  // kSdPWgCols / 8), 1, 1), whose register i holds the warpgroup's Q column
-  // 8 (i / 4) + 2 (lane % 4) + i % 2.
-  static constexpr bool kLseEarly = kBlockM == 64;
-  // Head-dim split: the dPsum values too, right after the dO stage has
-  // landed (8 registers; the row split has no room for them at hdim 128).
-  static constexpr bool kDpsumEarly = kSplitHeadDim;
+  // kBlockM = 64 (hdim 96/128): the LSE values of a step are loaded into
+  // registers before the S^T GEMM (16 registers; at kBlockM = 128 the 32 they
+  // would take make ptxas spill). The register order this assumes: per
+  // warpgroup one 64 x kBlockM atom, accumulator ((2, 2, kBlockM / 8), 1, 1).
+  // (Head-dim split: 8 registers, 32 Q rows of a 64 x 32 atom; not worth a second path.)
+  static constexpr bool kLseEarly = kBlockM == 64 && !kSplitHeadDim;
   static_assert(!kLseEarly || (decltype(size<0, 0>(typename FragSdP::layout_type{}))::value == 2 &&
                                 decltype(size<0, 1>(typename FragSdP::layout_type{}))::value == 2 &&
-                                decltype(size<0, 2>(typename FragSdP::layout_type{}))::value == kSdPWgCols / 8 &&
-                                decltype(size(typename FragSdP::layout_type{}))::value == kSdPWgCols / 2),
-                "one 64 x kSdPWgCols S^T atom per warpgroup");
-
-  // This thread's values of a per-Q-row statistic (LSE or dPsum rows of the
-  // step) in the register order of its S^T accumulator: out[2 j + x] is Q
-  // column col0 + 8 j + 2 (lane % 4) + x.
-  CUTE_DEVICE static void load_row_stats(float const* stat, int col0, int mma_tid, float (&out)[kSdPWgCols / 4]) {
-    CUTE_UNROLL
-    for (int j = 0; j < kSdPWgCols / 8; ++j) {
-      float2 const v = *reinterpret_cast<float2 const*>(stat + col0 + 8 * j + 2 * (mma_tid % 4));
-      out[2 * j] = v.x;
-      out[2 * j + 1] = v.y;
-    }
-  }
+                                decltype(size<0, 2>(typename FragSdP::layout_type{}))::value == kBlockM / 8 &&
+                                decltype(size(typename FragSdP::layout_type{}))::value == kBlockM / 2),
+                "one 64 x kBlockM S^T atom per warpgroup");
   // P^T / dS^T accumulators re-viewed as the register A operand of dV / dK.
   using LayoutA = decltype(accumulator_as_a_operand(typename FragSdP::layout_type{}));
 
@@ -188,8 +170,6 @@ struct BwdMainloop {
     // hdim 128 causal 8k, where FA3's kernel issues 2M and 7M.
     int const wg = __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0);
     int const wg_first_tid = wg * Traits::kThreadsPerWarpgroup;
-    // This warpgroup's first Q column of S^T (head-dim split: the Q rows are split).
-    int const sdp_col0 = kSplitHeadDim ? wg * kSdPWgCols : 0;
     auto wg_sdp = mma_sdp.get_slice(wg_first_tid);
     auto wg_dkv = mma_dkv.get_slice(wg_first_tid);
     auto wg_dq = mma_dq.get_slice(wg_first_tid);
@@ -255,20 +235,25 @@ struct BwdMainloop {
       float const* lse = smem.lse[read_q.index()];
       // kBlockM = 64: this thread's LSE values, loaded before the S^T GEMM so
       // the exp2 below does not wait for shared memory after the GEMM wait.
-      float lse_early[kLseEarly ? kSdPWgCols / 4 : 1];
-      if constexpr (kLseEarly) { load_row_stats(lse, sdp_col0, mma_tid, lse_early); }
+      float lse_early[kLseEarly ? kBlockM / 4 : 1];
+      if constexpr (kLseEarly) {
+        CUTE_UNROLL
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          float2 const v = *reinterpret_cast<float2 const*>(lse + 8 * j + 2 * (mma_tid % 4));
+          lse_early[2 * j] = v.x;
+          lse_early[2 * j + 1] = v.y;
+        }
+      }
       warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       consumer_wait(pipeline_do, read_do);
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
-      float const* dpsum = smem.dpsum[read_do.index()];
-      float dpsum_early[kDpsumEarly ? kSdPWgCols / 4 : 1];
-      if constexpr (kDpsumEarly) { load_row_stats(dpsum, sdp_col0, mma_tid, dpsum_early); }
       warpgroup_wait<1>();  // S^T is ready; dP^T may still run
       warpgroup_fence_operand(tSrS);
 
       // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
       // above the causal diagonal (or outside the window) are 0; only tiles that
       // hold such entries pay for the test.
+      // Register i of S^T holds Q column 8 * (i / 4) + 2 * (lane % 4) + i % 2.
       auto lse_of = [&](int i) {
         if constexpr (kLseEarly) {
           return lse_early[2 * (i / 4) + i % 2];
@@ -293,10 +278,10 @@ struct BwdMainloop {
       }
       warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
+      float const* dpsum = smem.dpsum[read_do.index()];
       CUTE_UNROLL
       for (int i = 0; i < size(tdPrdP); ++i) {
-        float const dpsum_i = kDpsumEarly ? dpsum_early[2 * (i / 4) + i % 2] : dpsum[get<1>(tScS(i))];
-        tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum_i);
+        tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
       }
       FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       if constexpr (!kSplitHeadDim) {
