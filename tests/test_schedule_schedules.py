@@ -100,6 +100,7 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal256)) == "spt"
     full256 = dict(batch=1, heads=8, headdim=256, causal=False)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **full256)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full256)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full256)) == "fa3"
     full128 = dict(batch=1, heads=16, headdim=128, causal=False)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **full128)) == "shift"

@@ -79,10 +79,12 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     points and 4% behind at head dim 64 causal 1k. A table of grid points
     still: shapes off the grid get its nearest rule (the schedule issue asks
     for a calibrated model instead).
-    Head dims 192 and 256 (64-row KV tiles, the head-dim-split kernels;
-    H100, 2026-11-23, commit ae49cbb, 4k and 16k tokens): ``spt`` is the best
-    causal schedule (1-5% ahead of ``symmetric_shift``, which the rule above
-    would pick), and the full-mask rule picks the best or within 1% of it.
+    Head dims 192 and 256 (64 x 64 tiles, the head-dim-split kernels; H100,
+    2026-11-23, the grid's lengths at commit 69f5ac0 and 4k/16k per order at
+    ae49cbb): ``spt`` is the best causal schedule from 4k on (1-9% ahead of
+    ``symmetric_shift``, which the rule above would pick; at 2k the two are
+    within 1.5%), and full masks want ``shift`` for 5..128 KV tiles (8k:
+    7% ahead of ``fa3``), ``fa3`` order at 256 (16k, within 1% of the best).
     Local (window) masks, not measured yet: ``spt``. Its dQ order (descending
     KV tile) is the order in which the KV tiles of a band reach a Q tile when
     they start together, since a later KV tile's Q range starts no earlier.
@@ -103,7 +105,7 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
             return best_schedule(g, num_sms or 132, headdim)
         if g.causal:
             return "symmetric_shift" if g.n_kv >= 32 and g.block_n > 64 else "spt"
-        shift_max_kv = 64 if g.block_m == g.block_n else 128
+        shift_max_kv = 64 if g.block_m == g.block_n == 128 else 128
         return "shift" if 4 < g.n_kv <= shift_max_kv else "fa3"
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
