@@ -94,3 +94,25 @@ def test_softcap_and_varlen_still_refuse_on_cuda(fake_ext):
     with pytest.raises(NotImplementedError, match="softcap"):
         ops._fwd_general_cuda(q, k, v, None, None, 0, 0, 0.125, 64, 0, 30.0, 0)
     assert not fake_ext.calls
+
+
+@pytest.mark.parametrize("hdim", [192, 256])
+def test_wide_head_dims_take_the_head_dim_split_tiles(fake_ext, hdim):
+    q, k, v = qkv(d=hdim)
+    out = torch.zeros_like(q)
+    ops._bwd_cuda(out, q, k, v, out, torch.zeros(2, 4, 300), 0.125, True, True, "auto", 0)
+    name, args = fake_ext.calls[-1]
+    h = args[7].numpy()
+    assert name == "bwd" and (h[M.H_BLOCK_M], h[M.H_BLOCK_N], h[M.H_MASK]) == (64, 64, M.MASK_CAUSAL)
+    assert SCHEDULES[h[M.H_SCHEDULE]] == "spt"
+
+
+def test_a_backward_variant_missing_from_the_build_is_an_error(fake_ext, monkeypatch):
+    # No reference fallback on the GPU: the error says what was built and how to build the rest.
+    monkeypatch.setattr(ops._ext, "built_bwd_variants", lambda: ("hdim128-bf16-causal",))
+    q, k, v = qkv(d=256)
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match=r"no backward kernel for hdim256-bf16-causal .*built: "
+                                           r"hdim128-bf16-causal.*DASH_FA3_VARIANTS=hdim256"):
+        ops._bwd_cuda(out, q, k, v, out, torch.zeros(2, 4, 300), 0.125, True, True, "auto", 0)
+    assert fake_ext.calls == []
