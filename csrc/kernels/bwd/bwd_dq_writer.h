@@ -70,8 +70,6 @@ struct BwdDqWriter {
   // Run by all 32 lanes of writer warp `writer` (its hand-off set); lane 0 issues and waits.
   CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, int writer) {
     static_assert(Traits::kDqWriters == 2 && (Traits::kStagesDq == 1 || Traits::kStagesDq == 2));
-    // The MMA warpgroups add partial dQ themselves (Traits::kDirectDqNd).
-    if (Traits::kDirectDqNd && !p.deterministic) { return; }
     bool const leader = (threadIdx.x % 32) == 0;
     float const* sdq = smem.dq.data() + Traits::sdq_buffer(writer) * Traits::kDqBufferFloats;
     TileGeometry const geo = Traits::tile_geometry(p);

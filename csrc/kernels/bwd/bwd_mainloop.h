@@ -106,12 +106,6 @@ struct BwdMainloop {
                  : "memory");
   }
 
-  // red.global.add.v4.f32: a 128-bit atomic add without a return value (sm_90).
-  CUTE_DEVICE static void red_add_global_v4(float* addr, float x, float y, float z, float w) {
-    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" : : "l"(addr), "f"(x), "f"(y), "f"(z),
-                 "f"(w) : "memory");
-  }
-
   template <class Pipeline>
   CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, typename Pipeline::PipelineState const& state) {
     auto token = pipeline.consumer_try_wait(state);
@@ -162,12 +156,6 @@ struct BwdMainloop {
     int const dq_thread_offset = Traits::sdq_half_offset(dq_wg) + dq_frag_reg_offset(dq_wg_tid, 0);
     uint32_t const sdq_thread =
         cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
-    // Traits::kDirectDqNd, non-deterministic: this thread's first dQ slot in
-    // Q tile 0 of the task's (batch, head) in the accumulator (same order).
-    bool const direct_dq = Traits::kDirectDqNd && !p.deterministic;
-    float* const dq_direct_thread =
-        p.dq_accum + (int64_t(row[schedule::kCBatch]) * p.heads + row[schedule::kCHead]) * p.seqlen_q_rounded * kHeadDim +
-        dq_frag_wg_base(kBlockM, kHeadDim, dq_wg) + dq_frag_reg_offset(dq_wg_tid, 0);
 
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmaDkv mma_dkv;
@@ -345,47 +333,33 @@ struct BwdMainloop {
       pipeline_do.consumer_release(read_do);
       ++read_do;
 
-      if (direct_dq) {
-        // One 128-bit atomic add per group of 4 registers, in fragment order
-        // (a warp's adds of one group cover 512 contiguous bytes).
-        float* const dst = dq_direct_thread + int64_t(order.q_tile(s)) * Traits::kDqTileFloats;
+      // Wait until the dQ writer has finished reading what it last took from
+      // this warpgroup's half of this sdQ buffer: this warpgroup's partial dQ
+      // of kStagesDq steps ago; with a shared half (d = 256) warpgroup 0
+      // waits for warpgroup 1's half of the previous step, warpgroup 1 for
+      // warpgroup 0's of this step.
+      named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
+      {
+        // One 128-bit store per group of 4 registers, in fragment order: a
+        // warp's stores of one group cover 512 contiguous bytes, so each is
+        // 4 wavefronts, the minimum (64-bit pair stores into the swizzled
+        // row-major tile were 2-way bank conflicts).
+        uint32_t const dst = sdq_thread + uint32_t(Traits::sdq_buffer(dq_stage)) * Traits::kDqBufferBytes;
         CUTE_UNROLL
         for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
-          red_add_global_v4(dst + dq_frag_reg_offset(0, kDqFragGroup * g), tQrDq(4 * g), tQrDq(4 * g + 1),
-                            tQrDq(4 * g + 2), tQrDq(4 * g + 3));
+          store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
+                          tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
         }
-        warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-      } else {
-        // Wait until the dQ writer has finished reading what it last took from
-        // this warpgroup's half of this sdQ buffer: this warpgroup's partial dQ
-        // of kStagesDq steps ago; with a shared half (d = 256) warpgroup 0
-        // waits for warpgroup 1's half of the previous step, warpgroup 1 for
-        // warpgroup 0's of this step.
-        named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
-        {
-          // One 128-bit store per group of 4 registers, in fragment order: a
-          // warp's stores of one group cover 512 contiguous bytes, so each is
-          // 4 wavefronts, the minimum (64-bit pair stores into the swizzled
-          // row-major tile were 2-way bank conflicts).
-          uint32_t const dst = sdq_thread + uint32_t(Traits::sdq_buffer(dq_stage)) * Traits::kDqBufferBytes;
-          CUTE_UNROLL
-          for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
-            store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
-                            tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
-          }
-        }
-        warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        // sdQ is read by the bulk copy engine (async proxy). Fenced after the dK
-        // wait, by when the stores have drained, so the fence costs nothing.
-        cutlass::arch::fence_view_async_shared();
-        // Tell the dQ writer that this warpgroup's half of the sdQ buffer holds
-        // this step's partial dQ.
-        named_barrier_arrive(dq_full(dq_stage, wg), Traits::kDqHandoffThreads);
       }
+      warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_fence_operand(tdKrdK);
+      // sdQ is read by the bulk copy engine (async proxy). Fenced after the dK
+      // wait, by when the stores have drained, so the fence costs nothing.
+      cutlass::arch::fence_view_async_shared();
+      // Tell the dQ writer that this warpgroup's half of the sdQ buffer holds
+      // this step's partial dQ.
+      named_barrier_arrive(dq_full(dq_stage, wg), Traits::kDqHandoffThreads);
       pipeline_q.consumer_release(read_q);
       ++read_q;
       ds_stage ^= 1;

@@ -245,15 +245,6 @@ struct BwdTraits {
   static_assert(!kDqSharedHalf || kStagesDq == 1, "a shared half-tile sdQ is the one buffer");
   static constexpr int kDqBufferFloats = kDqSharedHalf ? kDqHalfFloats : kDqTileFloats;
   static constexpr uint32_t kDqBufferBytes = kDqBufferFloats * sizeof(float);
-  // Non-deterministic mode at d > 128: the MMA warpgroups add their partial
-  // dQ straight into the accumulator (128-bit atomic adds from registers, in
-  // fragment order) instead of staging it in sdQ for the dQ writers, which
-  // then have nothing to do. Why: shared memory is the binding resource of
-  // these kernels, and the sdQ stores and the copy engine's reads of them
-  // were a third of their shared-memory stores (docs/bwd_kernel.md). The
-  // deterministic mode keeps sdQ: its adds must wait for their turn, which
-  // the writers do off the MMA warps' path.
-  static constexpr bool kDirectDqNd = kSplitHeadDim;
   // Float offset of MMA warpgroup wg's half in an sdQ buffer.
   CUTE_HOST_DEVICE static constexpr int sdq_half_offset(int wg) { return kDqSharedHalf ? 0 : wg * kDqHalfFloats; }
   // Threads of one dq_empty / dq_full barrier: one MMA warpgroup and one dQ writer warp.
