@@ -16,13 +16,9 @@
 //   dQ -> sdQ[step % 2], this warpgroup's half handed to the dQ writer
 //                        (dq_empty / dq_full) while the dK GEMM still runs; 128-bit stores of
 //                        register groups in fragment order (common/dq_accum_layout.h)
-// Head-dim split (warpgroup w, head-dim half w of dK, dV, dQ):
-//   w = 0: S^T = K Q^T, P^T -> sP, arrive kPReady; dV += P^T dO; wait kDsReady
-//   w = 1: dP^T = V dO^T; wait kPReady; dV += P^T dO; P^T read back from sP,
-//          dS^T = P^T (dP^T - dPsum) -> sdS, arrive kDsReady
-//   both:  dQ = dS K, dK += dS^T Q (every GEMM from shared memory); the dQ
-//          hand-off as above.
-// dS^T uses P^T as stored (16-bit), as the row split's dV GEMM does.
+// Head-dim split: S^T and dP^T of Q rows [32w, 32w + 32) as above; then P^T
+// and dS^T -> sP, sdS; after kDsReady dV += P^T dO, dQ = dS K and dK += dS^T Q
+// for head-dim half w, all three from shared memory; the dQ hand-off as above.
 // dK here is unscaled; the epilogue multiplies it by softmax_scale.
 #pragma once
 
@@ -78,8 +74,8 @@ struct BwdMainloop {
   // registers before the S^T GEMM (16 registers; at kBlockM = 128 the 32 they
   // would take make ptxas spill). The register order this assumes: per
   // warpgroup one 64 x kBlockM atom, accumulator ((2, 2, kBlockM / 8), 1, 1).
-  // (Head-dim split: warpgroup 0, which computes S^T.)
-  static constexpr bool kLseEarly = kBlockM == 64;
+  // (Head-dim split: 8 registers, 32 Q rows of a 64 x 32 atom; not worth a second path.)
+  static constexpr bool kLseEarly = kBlockM == 64 && !kSplitHeadDim;
   static_assert(!kLseEarly || (decltype(size<0, 0>(typename FragSdP::layout_type{}))::value == 2 &&
                                 decltype(size<0, 1>(typename FragSdP::layout_type{}))::value == 2 &&
                                 decltype(size<0, 2>(typename FragSdP::layout_type{}))::value == kBlockM / 8 &&
@@ -87,19 +83,6 @@ struct BwdMainloop {
                 "one 64 x kBlockM S^T atom per warpgroup");
   // P^T / dS^T accumulators re-viewed as the register A operand of dV / dK.
   using LayoutA = decltype(accumulator_as_a_operand(typename FragSdP::layout_type{}));
-
-  // This thread's values of a per-Q-row statistic (the LSE or dPsum rows of
-  // the step) in the register order of its S^T / dP^T accumulator (one
-  // 64 x kBlockM atom per warpgroup: register i holds Q column
-  // 8 (i / 4) + 2 (lane % 4) + i % 2): out[2 j + x] is column 8 j + 2 (lane % 4) + x.
-  CUTE_DEVICE static void load_row_stats(float const* stat, int mma_tid, float (&out)[kBlockM / 4]) {
-    CUTE_UNROLL
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      float2 const v = *reinterpret_cast<float2 const*>(stat + 8 * j + 2 * (mma_tid % 4));
-      out[2 * j] = v.x;
-      out[2 * j + 1] = v.y;
-    }
-  }
 
   // Called once by every MMA thread before the first task.
   CUTE_DEVICE static void init() {
@@ -177,10 +160,7 @@ struct BwdMainloop {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmaDkv mma_dkv;
     typename Traits::TiledMmaDq mma_dq;
-    // Head-dim split: the S^T / dP^T MMA is one warpgroup's; each warpgroup
-    // runs it on its own operands with its warpgroup-local thread index.
-    int const sdp_tid = kSplitHeadDim ? mma_tid % Traits::kThreadsPerWarpgroup : mma_tid;
-    auto thr_sdp = mma_sdp.get_thread_slice(sdp_tid);
+    auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
     // The shared-memory operand descriptors of a WGMMA depend only on the
     // warpgroup. Sliced by a warpgroup's first thread index that the compiler
     // knows to be warp-uniform (broadcast from lane 0), their arithmetic stays
@@ -190,7 +170,7 @@ struct BwdMainloop {
     // hdim 128 causal 8k, where FA3's kernel issues 2M and 7M.
     int const wg = __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0);
     int const wg_first_tid = wg * Traits::kThreadsPerWarpgroup;
-    auto wg_sdp = mma_sdp.get_slice(kSplitHeadDim ? 0 : wg_first_tid);
+    auto wg_sdp = mma_sdp.get_slice(wg_first_tid);
     auto wg_dkv = mma_dkv.get_slice(wg_first_tid);
     auto wg_dq = mma_dq.get_slice(wg_first_tid);
     Tensor tSrK = wg_sdp.partition_fragment_A(sK);
@@ -209,12 +189,9 @@ struct BwdMainloop {
     }();
     Tensor tQrKt = wg_dq.partition_fragment_B(sKt);
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-    auto thr_r2s_ds = r2s_ds.get_thread_slice(sdp_tid);
-    // Head-dim split: warpgroup 1 reads P^T back with the inverse copy.
-    auto s2r_p = make_tiled_copy_C(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_sdp);
-    auto thr_s2r_p = s2r_p.get_thread_slice(sdp_tid);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(mma_tid);
     Tensor tRsDst = thr_r2s_ds.partition_D(sDst);         // (.., stage), this thread's dS^T slots
-    Tensor tRsPt = thr_r2s_ds.partition_D(sPst);          // (.., stage), head-dim split: P^T slots
+    Tensor tRsPt = thr_r2s_ds.partition_D(sPst);          // (.., stage), head-dim split: its P^T slots
     // (KV row, Q row) of each accumulator register, tile-local.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
 
@@ -252,54 +229,62 @@ struct BwdMainloop {
         m0 = q * kBlockM;
       }
 
+      FragSdP tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      FragSdP tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      consumer_wait(pipeline_q, read_q);
+      float const* lse = smem.lse[read_q.index()];
+      // kBlockM = 64: this thread's LSE values, loaded before the S^T GEMM so
+      // the exp2 below does not wait for shared memory after the GEMM wait.
+      float lse_early[kLseEarly ? kBlockM / 4 : 1];
+      if constexpr (kLseEarly) {
+        CUTE_UNROLL
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          float2 const v = *reinterpret_cast<float2 const*>(lse + 8 * j + 2 * (mma_tid % 4));
+          lse_early[2 * j] = v.x;
+          lse_early[2 * j + 1] = v.y;
+        }
+      }
+      warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
+      consumer_wait(pipeline_do, read_do);
+      warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
+      warpgroup_wait<1>();  // S^T is ready; dP^T may still run
+      warpgroup_fence_operand(tSrS);
+
+      // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
+      // above the causal diagonal (or outside the window) are 0; only tiles that
+      // hold such entries pay for the test.
+      // Register i of S^T holds Q column 8 * (i / 4) + 2 * (lane % 4) + i % 2.
+      auto lse_of = [&](int i) {
+        if constexpr (kLseEarly) {
+          return lse_early[2 * (i / 4) + i % 2];
+        } else {
+          return lse[get<1>(tScS(i))];
+        }
+      };
+      if (need_mask) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          int const n = n0 + get<0>(tScS(i));
+          int const m = get<1>(tScS(i));
+          bool const masked = n >= p.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
+                              (kLocal && n < m0 + m + lo_shift);
+          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
+        }
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
+        }
+      }
+      warpgroup_wait<0>();  // dP^T is ready
+      warpgroup_fence_operand(tdPrdP);
+      float const* dpsum = smem.dpsum[read_do.index()];
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdPrdP); ++i) {
+        tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
+      }
       FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       if constexpr (!kSplitHeadDim) {
-        FragSdP tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        FragSdP tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        consumer_wait(pipeline_q, read_q);
-        float const* lse = smem.lse[read_q.index()];
-        // kBlockM = 64: this thread's LSE values, loaded before the S^T GEMM so
-        // the exp2 below does not wait for shared memory after the GEMM wait.
-        float lse_early[kLseEarly ? kBlockM / 4 : 1];
-        if constexpr (kLseEarly) { load_row_stats(lse, mma_tid, lse_early); }
-        warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
-        consumer_wait(pipeline_do, read_do);
-        warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
-        warpgroup_wait<1>();  // S^T is ready; dP^T may still run
-        warpgroup_fence_operand(tSrS);
-        // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
-        // above the causal diagonal (or outside the window) are 0; only tiles that
-        // hold such entries pay for the test.
-        // Register i of S^T holds Q column 8 * (i / 4) + 2 * (lane % 4) + i % 2.
-        auto lse_of = [&](int i) {
-          if constexpr (kLseEarly) {
-            return lse_early[2 * (i / 4) + i % 2];
-          } else {
-            return lse[get<1>(tScS(i))];
-          }
-        };
-        if (need_mask) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(tSrS); ++i) {
-            int const n = n0 + get<0>(tScS(i));
-            int const m = get<1>(tScS(i));
-            bool const masked = n >= p.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
-                                (kLocal && n < m0 + m + lo_shift);
-            tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
-          }
-        } else {
-          CUTE_UNROLL
-          for (int i = 0; i < size(tSrS); ++i) {
-            tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
-          }
-        }
-        warpgroup_wait<0>();  // dP^T is ready
-        warpgroup_fence_operand(tdPrdP);
-        float const* dpsum = smem.dpsum[read_do.index()];
-        CUTE_UNROLL
-        for (int i = 0; i < size(tdPrdP); ++i) {
-          tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
-        }
         // P^T is converted only now, after dS^T: converting it before the dP^T
         // wait kept the 16-bit P^T live next to fp32 S^T and dP^T (hdim 64:
         // 64 + 64 + 32 registers on top of dK, dV), which made ptxas spill.
@@ -325,58 +310,19 @@ struct BwdMainloop {
         warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
         warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
       } else {
-        // S^T (warpgroup 0) or dP^T (warpgroup 1), then P^T / dS^T in place.
-        FragSdP tAcc = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        Tensor tPr = make_tensor<Element>(typename FragSdP::layout_type{});  // 16-bit P^T, then dS^T
-        if (wg == 0) {
-          consumer_wait(pipeline_q, read_q);
-          float lse_early[kBlockM / 4];
-          load_row_stats(smem.lse[read_q.index()], mma_tid, lse_early);
-          warpgroup_gemm<true, 0>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tAcc);
-          // P^T = exp2(S^T * scale_log2 - lse_log2), masked as in the row split.
-          CUTE_UNROLL
-          for (int i = 0; i < size(tAcc); ++i) {
-            int const n = n0 + get<0>(tScS(i));
-            int const m = get<1>(tScS(i));
-            bool const masked = need_mask && (n >= p.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
-                                              (kLocal && n < m0 + m + lo_shift));
-            tAcc(i) = masked ? 0.f : exp2f(fmaf(tAcc(i), scale_log2, -lse_early[2 * (i / 4) + i % 2]));
-          }
-          convert_fragment(tAcc, tPr);
-          // P^T -> sP (stmatrix, as dS^T in the row split).
-          copy(r2s_ds, thr_r2s_ds.retile_S(tPr), tRsPt(_, _, _, ds_stage));
-          // The generic-proxy stores above are read by WGMMA (async proxy) and
-          // by warpgroup 1's ldmatrix next.
-          cutlass::arch::fence_view_async_shared();
-          // P^T of this step is in sP: warpgroup 1 may read it.
-          named_barrier_arrive(BwdBarrier::kPReady, kMmaThreads);
-          consumer_wait(pipeline_do, read_do);
-          warpgroup_gemm<false, -1>(mma_dkv, tDrPt(_, _, _, ds_stage), tDrdOt(_, _, _, read_do.index()), tdVrdV);
-          // Wait until warpgroup 1 has written dS^T of this step.
-          named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
-        } else {
-          consumer_wait(pipeline_do, read_do);
-          float dpsum_early[kBlockM / 4];
-          load_row_stats(smem.dpsum[read_do.index()], mma_tid, dpsum_early);
-          warpgroup_gemm<true, 0>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tAcc);
-          // Wait until warpgroup 0 has written P^T of this step.
-          named_barrier_sync(BwdBarrier::kPReady, kMmaThreads);
-          warpgroup_gemm<false, -1>(mma_dkv, tDrPt(_, _, _, ds_stage), tDrdOt(_, _, _, read_do.index()), tdVrdV);
-          // P^T back into registers in the accumulator's order (ldmatrix, the
-          // inverse of warpgroup 0's stmatrix), then dS^T = P^T (dP^T - dPsum).
-          copy(s2r_p, thr_s2r_p.partition_S(sPst)(_, _, _, ds_stage), thr_s2r_p.retile_D(tPr));
-          CUTE_UNROLL
-          for (int i = 0; i < size(tAcc); ++i) {
-            tAcc(i) = float(tPr(i)) * (tAcc(i) - dpsum_early[2 * (i / 4) + i % 2]);
-          }
-          convert_fragment(tAcc, tPr);
-          copy(r2s_ds, thr_r2s_ds.retile_S(tPr), tRsDst(_, _, _, ds_stage));
-          // The generic-proxy stores above are read by WGMMA (async proxy) next.
-          cutlass::arch::fence_view_async_shared();
-          // dS^T of this step is in sdS: warpgroup 0 may run its dQ and dK GEMMs.
-          named_barrier_arrive(BwdBarrier::kDsReady, kMmaThreads);
-          consumer_wait(pipeline_q, read_q);
-        }
+        // P^T and dS^T of this warpgroup's Q rows -> sP, sdS (stmatrix, as above).
+        Tensor tPrP = make_tensor<Element>(typename FragSdP::layout_type{});
+        convert_fragment(tSrS, tPrP);
+        Tensor tPrDs = make_tensor<Element>(typename FragSdP::layout_type{});
+        convert_fragment(tdPrdP, tPrDs);
+        copy(r2s_ds, thr_r2s_ds.retile_S(tPrP), tRsPt(_, _, _, ds_stage));
+        copy(r2s_ds, thr_r2s_ds.retile_S(tPrDs), tRsDst(_, _, _, ds_stage));
+        // The generic-proxy stores above are read by WGMMA (async proxy) next.
+        cutlass::arch::fence_view_async_shared();
+
+        // Wait until both warpgroups have written their Q rows of P^T and dS^T.
+        named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
+        warpgroup_gemm<false, -1>(mma_dkv, tDrPt(_, _, _, ds_stage), tDrdOt(_, _, _, read_do.index()), tdVrdV);
         warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
         warpgroup_gemm<false, -1>(mma_dkv, tDrDst(_, _, _, ds_stage), tDrQt(_, _, _, read_q.index()), tdKrdK);
       }

@@ -25,12 +25,10 @@
 // per thread, more than a thread has. So both warpgroups share the 64 KV rows
 // and split the head dim instead: warpgroup w accumulates columns
 // [w d/2, (w + 1) d/2) of dK and dV (d/2 registers in all) and of each partial
-// dQ. S^T and dP^T (64 x kBlockM) are split by operand: warpgroup 0 computes
-// S^T and P^T, warpgroup 1 dP^T and, from P^T read back, dS^T (64 x 64
-// WGMMAs: a split along the Q rows made them 64 x 32, which read 3 KiB of
-// shared memory per 64K FLOPs). P^T and dS^T go to shared memory, because
-// each warpgroup's dK/dV GEMMs need all of them. Every GEMM is then
-// shared-memory sourced.
+// dQ. S^T and dP^T (64 x kBlockM) are split along the Q rows, 32 per
+// warpgroup; P^T and dS^T both go to shared memory, because each warpgroup's
+// dK/dV GEMMs need all Q rows of them. Every GEMM is then shared-memory
+// sourced.
 //
 // Both: the partial dQ goes to shared memory and on to the fp32 accumulator
 // in the accumulator registers' own order (common/dq_accum_layout.h): 128-bit
@@ -84,10 +82,6 @@ enum class BwdBarrier : uint32_t {
   // GEMM of either warpgroup reads all of sK), then: both have written their
   // dK/dV rows into sK/sV (the TMA store reads them).
   kEpilogue = 10,
-  // Head-dim split: warpgroup 0 has written P^T of the step into sP;
-  // warpgroup 1 waits on it before reading P^T back for dS^T (and before its
-  // dV GEMM).
-  kPReady = 11,
   kCount,
 };
 
@@ -159,13 +153,12 @@ struct BwdTraits {
   // Row split: warpgroups along M (KV rows). Head-dim split: along N.
   using AtomLayoutKv = Layout<Shape<_2, _1, _1>>;
   using AtomLayoutN = Layout<Shape<_1, _2, _1>>;
-  // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM, kHeadDim). Head-dim
-  // split: one warpgroup's MMA (warpgroup 0 computes S^T, warpgroup 1 dP^T).
+  // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM, kHeadDim).
   using TiledMmaSdP = std::conditional_t<
       kSplitHeadDim,
       decltype(make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
-          Layout<Shape<_1, _1, _1>>{})),
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(),
+          AtomLayoutN{})),
       decltype(make_tiled_mma(
           GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
           AtomLayoutKv{}))>;
