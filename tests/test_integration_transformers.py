@@ -254,20 +254,106 @@ def test_dropout_is_refused_in_training():
         ours(x)
 
 
-def test_sliding_window_is_refused():
+def _compare_with_eager(make_model, seed, seqlen=40):
+    """fp32 eager, bf16 eager and bf16 dash_fa3 copies of one random model: our logits and
+    attention/embedding gradients within ERR_FACTOR of bf16 eager's error against fp32."""
+    torch.manual_seed(seed)
+    ref = make_model()
+    eager = copy.deepcopy(ref).to(torch.bfloat16)
+    ours = copy.deepcopy(ref).to(torch.bfloat16)
+    ours.set_attn_implementation("dash_fa3")
+    x = ids(seed, seqlen=seqlen)
+    results = {}
+    for name, model in (("ref", ref), ("eager", eager), ("ours", ours)):
+        out = model(x, labels=x)
+        out.loss.backward()
+        results[name] = (out.logits.detach().double(),
+                         {n: p.grad.detach().double() for n, p in model.named_parameters()})
+
+    def err(a, b):
+        return (a - b).abs().max().item()
+
+    ref_logits, ref_grads = results["ref"]
+    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
+    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
+    for name, g in ref_grads.items():
+        if "self_attn" not in name and "embed" not in name:
+            continue
+        scale = g.abs().max().item()
+        e_ours, e_eager = err(results["ours"][1][name], g) / scale, err(results["eager"][1][name], g) / scale
+        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
+    return ours
+
+
+def test_sliding_window_matches_eager(recorder):
     from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=8,
-                        attn_implementation="dash_fa3")
-    model = MistralForCausalLM(cfg).to(torch.bfloat16)
-    with pytest.raises(dt.UnsupportedAttention, match="sliding window"):
-        model(ids(65, seqlen=20))
-    with pytest.raises(dt.UnsupportedAttention, match="sliding_window"):
-        q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
-        dt.attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=4)
-    with pytest.raises(dt.UnsupportedAttention, match="mask pattern"):
-        dt.mask_for_dash_fa3(1, 8, 8, mask_function=sliding_window_causal_mask_function(4))
+    def make():
+        return MistralForCausalLM(MistralConfig(
+            vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, sliding_window=8, attn_implementation="eager"))
+
+    _compare_with_eager(make, 70, seqlen=40)  # the window (8) is far shorter than the sequence
+    assert len(recorder.calls) == 2
+    for q, k, _, kw in recorder.calls:
+        assert kw["causal"] is True and kw["window_size"] == (7, 0)  # keys q - 8 < kv <= q
+
+
+def test_gemma3_local_and_global_layers_match_eager(recorder):
+    # Gemma 3: head dim 256, sliding-window layers next to full-attention ones.
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    def make():
+        return Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=256, sliding_window=8, max_position_embeddings=256,
+            layer_types=["sliding_attention", "full_attention"], attn_implementation="eager"))
+
+    _compare_with_eager(make, 71, seqlen=24)
+    windows = [kw["window_size"] for _, _, _, kw in recorder.calls]
+    assert windows == [(7, 0), (-1, -1)] and all(kw["causal"] for _, _, _, kw in recorder.calls)
+
+
+def test_sliding_window_cached_decoding_matches_a_full_forward():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(72)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=6, attn_implementation="dash_fa3")).to(torch.bfloat16)
+    x = ids(72, batch=1, seqlen=20)
+    with torch.no_grad():
+        full = model(x).logits
+        out = model(x[:, :12], use_cache=True)
+        steps = [out.logits]
+        cache = out.past_key_values
+        for t in range(12, 20):
+            out = model(x[:, t:t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits)
+    stepped = torch.cat(steps, dim=1)
+    assert (stepped.float() - full.float()).abs().max().item() < 0.05
+
+
+def test_sliding_window_mask_is_recognised_and_other_overlays_are_refused():
+    from transformers.masking_utils import and_masks, sliding_window_bidirectional_mask_function
+
+    assert dt.mask_for_dash_fa3(1, 8, 8, mask_function=sliding_window_causal_mask_function(4)) is None
+    assert dt.mask_for_dash_fa3(1, 8, 8, mask_function=sliding_window_causal_mask_function(4), local_size=4) is None
+    with pytest.raises(dt.UnsupportedAttention, match="local_size=5"):
+        dt.mask_for_dash_fa3(1, 8, 8, mask_function=sliding_window_causal_mask_function(4), local_size=5)
+    extra = and_masks(sliding_window_causal_mask_function(4), lambda b, h, q, kv: q >= 0)
+    for fn in (extra, sliding_window_bidirectional_mask_function(4), and_masks(causal_mask_function)):
+        with pytest.raises(dt.UnsupportedAttention, match="mask pattern"):
+            dt.mask_for_dash_fa3(1, 8, 8, mask_function=fn)
+    with pytest.raises(dt.UnsupportedAttention, match="static"):  # keys past the last query, as for causal
+        dt.mask_for_dash_fa3(1, 5, 16, mask_function=sliding_window_causal_mask_function(4))
+    q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(dt.UnsupportedAttention, match="bidirectional sliding window"):
+        dt.attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=4, is_causal=False)
+    for bad in (0, True, 2.5):
+        with pytest.raises(TypeError, match="sliding_window"):
+            dt.attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=bad)
 
 
 def test_static_cache_layout_is_refused():

@@ -20,6 +20,11 @@ What it does with transformers' call:
   bidirectional attention). The causal mask is bottom-right aligned, which is
   what a KV cache needs: queries are the last ``q_len`` positions of the keys.
 - ``scaling`` becomes ``softmax_scale``.
+- sliding windows (Mistral, Gemma 3's local layers; the model passes
+  ``sliding_window=w``): ``window_size=(w - 1, 0)`` with the causal mask, the
+  keys ``q - w < kv <= q`` that transformers' sliding-window mask keeps. The
+  mask builder recognises transformers' own sliding-window causal mask
+  function; any other overlay on it is refused.
 - ``deterministic`` / ``schedule``: a keyword of the model call
   (``model(ids, deterministic=True)``) wins; else the module default set with
   ``set_defaults``; else ``deterministic`` follows
@@ -30,7 +35,7 @@ padding in the attention mask, packed sequences (varlen is not implemented
 yet: position_ids that restart inside a row are checked (on the GPU
 asynchronously: the error comes from a later attention call of the same or the
 next forward, not the first one), except while
-torch.compile traces), sliding-window, chunked or other custom mask patterns, a 4D mask handed
+torch.compile traces), bidirectional sliding windows, chunked or other custom mask patterns, a 4D mask handed
 in by the caller, a static (pre-allocated) KV cache whose keys run past the
 last query, dropout > 0, softcap, attention sinks, position bias, and fp32
 models (dash_fa3 computes in bf16/fp16: load the model with
@@ -46,6 +51,7 @@ import torch
 import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
+from transformers.masking_utils import and_masks, sliding_window_overlay
 
 from ..interface import flash_attn_func
 from . import UnsupportedAttention, check_options, resolve_deterministic
@@ -90,11 +96,39 @@ def _refuse(what: str) -> UnsupportedAttention:
     )
 
 
+def _closure(fn) -> dict:
+    """The free variables of a Python closure, by name ({} for anything else)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or cells is None:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+
+
+def _sliding_window_of(mask_function) -> int | None:
+    """w if ``mask_function`` is transformers' sliding-window causal mask, built as
+    ``and_masks(sliding_window_overlay(w), causal_mask_function)``; else None.
+
+    Recognised by structure (the functions' qualified names and closures), so any
+    other overlay, or a future transformers that builds it differently, is refused
+    rather than run as a plain window."""
+    if getattr(mask_function, "__qualname__", None) != and_masks(causal_mask_function).__qualname__:
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    if not (isinstance(parts, tuple) and len(parts) == 2 and parts[1] is causal_mask_function):
+        return None
+    overlay = parts[0]
+    if getattr(overlay, "__qualname__", None) != sliding_window_overlay(1).__qualname__:
+        return None
+    w = _closure(overlay).get("sliding_window")
+    return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
+
+
 def mask_for_dash_fa3(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset=0,
                       kv_offset=0, mask_function=causal_mask_function, attention_mask=None, cache_position=None,
-                      **kwargs):
+                      local_size=None, **kwargs):
     """transformers' mask hook for "dash_fa3": checks the mask is one dash_fa3 expresses
-    with its ``causal`` flag and returns None (no mask tensor), or raises.
+    with its ``causal`` flag and window (causal, full, or causal with a sliding window)
+    and returns None (no mask tensor), or raises.
 
     Without this hook transformers would build no mask at all for a custom
     attention name, and padding would be silently ignored. Query positions come
@@ -104,7 +138,10 @@ def mask_for_dash_fa3(batch_size: int, q_length: int | None = None, kv_length: i
         if cache_position is None:
             raise TypeError("mask_for_dash_fa3 needs q_length (and q_offset) or cache_position")
         q_length, q_offset = cache_position.shape[0], cache_position[0]
-    if mask_function is causal_mask_function:
+    window = _sliding_window_of(mask_function)
+    if window is not None and local_size is not None and local_size != window:
+        raise _refuse(f"a sliding-window mask of {window} keys built with local_size={local_size}")
+    if mask_function is causal_mask_function or window is not None:
         if int(q_offset) + q_length != int(kv_offset) + kv_length:  # the last query is not at the last key
             raise _refuse(
                 f"a causal mask whose keys run past the last query (q positions {int(q_offset)}.."
@@ -113,8 +150,8 @@ def mask_for_dash_fa3(batch_size: int, q_length: int | None = None, kv_length: i
             )
     elif mask_function is not bidirectional_mask_function:
         raise _refuse(
-            "this mask pattern (a sliding window, chunked attention, packed sequences found in position_ids, "
-            "or another model-specific overlay on the causal/full mask)"
+            "this mask pattern (a bidirectional sliding window, chunked attention, packed sequences found in "
+            "position_ids, or another model-specific overlay on the causal/full/sliding-window mask)"
         )
     if attention_mask is not None and not bool(attention_mask.all()):
         raise _refuse(
@@ -193,7 +230,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         )
     if dropout:
         raise _refuse(f"attention dropout (p={dropout}); set config.attention_dropout = 0 or use model.eval()")
-    for name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias"):
+    for name in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise _refuse(f"{name}={kwargs[name]!r}")
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k"):
@@ -206,6 +243,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             f"load it with dtype=torch.bfloat16 (or call model.to(torch.bfloat16))"
         )
     causal = _causal(module, kwargs)
+    window = (-1, -1)  # no window beyond the causal flag
+    sliding_window = kwargs.get("sliding_window")
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise TypeError(f"sliding_window must be a positive int, got {sliding_window!r}")
+        if not causal:
+            raise _refuse(f"a bidirectional sliding window (sliding_window={sliding_window}, is_causal=False)")
+        window = (sliding_window - 1, 0)  # keys q - sliding_window < kv <= q
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
         deterministic = resolve_deterministic(_defaults["deterministic"])
@@ -213,8 +258,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, deterministic=deterministic,
-                          schedule=schedule)
+    out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
+                          deterministic=deterministic, schedule=schedule)
     return out, None
 
 
