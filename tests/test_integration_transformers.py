@@ -43,6 +43,37 @@ def ids(seed, batch=2, seqlen=40, vocab=97):
     return torch.randint(0, vocab, (batch, seqlen), generator=g)
 
 
+def _compare_with_eager(make_model, seed, seqlen=40):
+    """fp32 eager, bf16 eager and bf16 dash_fa3 copies of one random model: our logits and
+    attention/embedding gradients within ERR_FACTOR of bf16 eager's error against fp32."""
+    torch.manual_seed(seed)
+    ref = make_model()
+    eager = copy.deepcopy(ref).to(torch.bfloat16)
+    ours = copy.deepcopy(ref).to(torch.bfloat16)
+    ours.set_attn_implementation("dash_fa3")
+    x = ids(seed, seqlen=seqlen)
+    results = {}
+    for name, model in (("ref", ref), ("eager", eager), ("ours", ours)):
+        out = model(x, labels=x)
+        out.loss.backward()
+        results[name] = (out.logits.detach().double(),
+                         {n: p.grad.detach().double() for n, p in model.named_parameters()})
+
+    def err(a, b):
+        return (a - b).abs().max().item()
+
+    ref_logits, ref_grads = results["ref"]
+    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
+    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
+    for name, g in ref_grads.items():
+        if "self_attn" not in name and "embed" not in name:
+            continue
+        scale = g.abs().max().item()
+        e_ours, e_eager = err(results["ours"][1][name], g) / scale, err(results["eager"][1][name], g) / scale
+        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
+    return ours
+
+
 class Recorder:
     """Wraps the adapter's flash_attn_func, recording each call's tensors and keywords."""
 
@@ -81,31 +112,10 @@ def test_registered_under_dash_fa3():
 
 @pytest.mark.parametrize("heads_kv", [2, 1, 4])  # GQA, MQA, MHA
 def test_logits_and_gradients_match_eager(heads_kv, recorder):
-    seed = 10 + heads_kv
-    ref, eager, ours = tiny_models(seed, num_key_value_heads=heads_kv)
-    x = ids(seed)
-    results = {}
-    for name, model in (("ref", ref), ("eager", eager), ("ours", ours)):
-        out = model(x, labels=x)
-        out.loss.backward()
-        results[name] = (out.logits.detach().double(),
-                         {n: p.grad.detach().double() for n, p in model.named_parameters()})
+    _compare_with_eager(lambda: LlamaForCausalLM(tiny_config(num_key_value_heads=heads_kv)), 10 + heads_kv)
     assert len(recorder.calls) == 2  # one per layer, all through dash_fa3
     q, k, _, kw = recorder.calls[0]
     assert q.shape == (2, 40, 4, 64) and k.shape == (2, 40, heads_kv, 64) and kw["causal"] is True
-
-    def err(a, b):
-        return (a - b).abs().max().item()
-
-    ref_logits, ref_grads = results["ref"]
-    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
-    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
-    for name, g in ref_grads.items():
-        if "self_attn" not in name and "embed" not in name:
-            continue
-        scale = g.abs().max().item()
-        e_ours, e_eager = err(results["ours"][1][name], g) / scale, err(results["eager"][1][name], g) / scale
-        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
 
 
 @pytest.mark.parametrize("use_cache", [False, True])
@@ -252,37 +262,6 @@ def test_dropout_is_refused_in_training():
     ours.train()
     with pytest.raises(dt.UnsupportedAttention, match="dropout"):
         ours(x)
-
-
-def _compare_with_eager(make_model, seed, seqlen=40):
-    """fp32 eager, bf16 eager and bf16 dash_fa3 copies of one random model: our logits and
-    attention/embedding gradients within ERR_FACTOR of bf16 eager's error against fp32."""
-    torch.manual_seed(seed)
-    ref = make_model()
-    eager = copy.deepcopy(ref).to(torch.bfloat16)
-    ours = copy.deepcopy(ref).to(torch.bfloat16)
-    ours.set_attn_implementation("dash_fa3")
-    x = ids(seed, seqlen=seqlen)
-    results = {}
-    for name, model in (("ref", ref), ("eager", eager), ("ours", ours)):
-        out = model(x, labels=x)
-        out.loss.backward()
-        results[name] = (out.logits.detach().double(),
-                         {n: p.grad.detach().double() for n, p in model.named_parameters()})
-
-    def err(a, b):
-        return (a - b).abs().max().item()
-
-    ref_logits, ref_grads = results["ref"]
-    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
-    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
-    for name, g in ref_grads.items():
-        if "self_attn" not in name and "embed" not in name:
-            continue
-        scale = g.abs().max().item()
-        e_ours, e_eager = err(results["ours"][1][name], g) / scale, err(results["eager"][1][name], g) / scale
-        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
-    return ours
 
 
 def test_sliding_window_matches_eager(recorder):
