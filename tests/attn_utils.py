@@ -74,3 +74,28 @@ def make_inputs(v, shape, seed):
         torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g),
         torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g),
     )
+
+
+def assert_model_close_to_reference(results, param_keys, baseline, factor, floor, min_checked=0):
+    """A model run three ways: ``results`` maps "ref" (fp32), "eager" (the framework's
+    own low-precision attention) and "ours" to (logits, {parameter name: gradient}).
+    Our logits, and the gradients of every parameter whose name contains one of
+    ``param_keys`` (relative to the gradient's largest entry), must be within
+    ``factor`` of the baseline's error against fp32, plus ``floor`` (5 x for the
+    gradients); at least ``min_checked`` such gradients are checked."""
+
+    def err(a, b):
+        return (a - b).abs().max().item()
+
+    ref_logits, ref_grads = results["ref"]
+    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
+    assert e_ours <= factor * e_eager + floor, f"logits: {e_ours:.3g} vs {baseline} {e_eager:.3g}"
+    checked = 0
+    for name, g in ref_grads.items():
+        if not any(key in name for key in param_keys):
+            continue
+        scale = g.abs().max().item()
+        e_ours, e_eager = err(results["ours"][1][name], g) / scale, err(results["eager"][1][name], g) / scale
+        assert e_ours <= factor * e_eager + 5 * floor, f"{name}: {e_ours:.3g} vs {baseline} {e_eager:.3g}"
+        checked += 1
+    assert checked >= min_checked

@@ -17,6 +17,7 @@ pytest.importorskip("megatron.core", minversion="0.19",
 from dash_fa3.integrations import megatron as dm  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from attn_utils import assert_model_close_to_reference  # noqa: E402
 from megatron_utils import three_gpts, transformer_config, world_of_one  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -62,22 +63,7 @@ def test_gpt_on_the_kernels_matches_megatron():
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
         loss.backward()
         results[name] = (logits.detach().double(), {n: p.grad.detach().double() for n, p in model.named_parameters()})
-    ref_logits, ref_grads = results["ref"]
-
-    def err(a, b):
-        return (a - b).abs().max().item()
-
-    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
-    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs Megatron bf16 {e_eager:.3g}"
-    checked = 0
-    for name, gref in ref_grads.items():
-        if "self_attention" not in name:
-            continue
-        scale = gref.abs().max().item()
-        e_ours, e_eager = err(results["ours"][1][name], gref) / scale, err(results["eager"][1][name], gref) / scale
-        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs Megatron bf16 {e_eager:.3g}"
-        checked += 1
-    assert checked >= 4
+    assert_model_close_to_reference(results, ("self_attention",), "Megatron bf16", ERR_FACTOR, ERR_FLOOR, min_checked=4)
 
 
 def test_deterministic_mode_gives_the_same_bits():

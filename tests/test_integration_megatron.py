@@ -29,6 +29,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from attn_utils import assert_model_close_to_reference  # noqa: E402
 from megatron_utils import three_gpts, transformer_config, world_of_one  # noqa: E402
 
 # Our error may be at most this multiple of Megatron's own bf16 model's error
@@ -127,21 +128,8 @@ def test_logits_and_gradients_match_megatron(groups, recorder):
     assert q.shape == (2, SEQLEN, 4, 64) and k.shape == v.shape == (2, SEQLEN, groups, 64)
     assert kw["causal"] is True and kw["softmax_scale"] == 64 ** -0.5 and kw["deterministic"] is False
 
-    def err(a, b):
-        return (a - b).abs().max().item()
-
-    ref_logits, ref_grads = results["ref"]
-    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
-    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs Megatron bf16 {e_eager:.3g}"
-    checked = 0
-    for name, g in ref_grads.items():
-        if "self_attention" not in name and "embedding" not in name:
-            continue
-        scale = g.abs().max().item()
-        e_ours, e_eager = err(results["ours"][1][name], g) / scale, err(results["eager"][1][name], g) / scale
-        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs Megatron bf16 {e_eager:.3g}"
-        checked += 1
-    assert checked >= 5
+    assert_model_close_to_reference(results, ("self_attention", "embedding"), "Megatron bf16", ERR_FACTOR, ERR_FLOOR,
+                                    min_checked=5)
 
 
 def test_layout_without_copies_and_mask_none_is_causal(recorder):

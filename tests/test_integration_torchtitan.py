@@ -19,6 +19,7 @@ except ImportError as exc:  # torchtitan 0.3.0 on torch 2.11: its FSDP import ne
     pytest.skip(f"torchtitan's Llama 3 does not import with torch {torch.__version__}: {exc}",
                 allow_module_level=True)
 
+from attn_utils import assert_model_close_to_reference  # noqa: E402
 import dash_fa3  # noqa: E402
 from dash_fa3.integrations import torchtitan as dtt  # noqa: E402
 from torchtitan.models.common import (  # noqa: E402
@@ -143,21 +144,7 @@ def test_logits_and_gradients_match_sdpa(heads_kv, fuse_qkv, recorder):
     assert q.shape == (2, SEQLEN, 4, 64) and k.shape == v.shape == (2, SEQLEN, heads_kv, 64)
     assert q.dtype == torch.bfloat16 and kw["causal"] is True and kw["softmax_scale"] == 64 ** -0.5
 
-    def err(a, b):
-        return (a - b).abs().max().item()
-
-    ref_logits, ref_grads = results["ref"]
-    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
-    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs SDPA bf16 {e_eager:.3g}"
-    checked = 0
-    for name, g in ref_grads.items():
-        if "attention" not in name and "embed" not in name:
-            continue
-        scale = g.abs().max().item()
-        e_ours, e_eager = err(results["ours"][1][name], g) / scale, err(results["eager"][1][name], g) / scale
-        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs SDPA bf16 {e_eager:.3g}"
-        checked += 1
-    assert checked >= 5
+    assert_model_close_to_reference(results, ("attention", "embed"), "SDPA bf16", ERR_FACTOR, ERR_FLOOR, min_checked=5)
 
 
 def test_inputs_are_passed_without_copies(recorder):

@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.0",
                                    reason="transformers 5.x is not installed (pip install 'transformers>=5,<6')")
 
+from attn_utils import assert_model_close_to_reference  # noqa: E402
 import dash_fa3  # noqa: E402
 from dash_fa3.integrations import transformers as dt  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -59,18 +60,7 @@ def _compare_with_eager(make_model, seed, seqlen=40):
         results[name] = (out.logits.detach().double(),
                          {n: p.grad.detach().double() for n, p in model.named_parameters()})
 
-    def err(a, b):
-        return (a - b).abs().max().item()
-
-    ref_logits, ref_grads = results["ref"]
-    e_ours, e_eager = err(results["ours"][0], ref_logits), err(results["eager"][0], ref_logits)
-    assert e_ours <= ERR_FACTOR * e_eager + ERR_FLOOR, f"logits: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
-    for name, g in ref_grads.items():
-        if "self_attn" not in name and "embed" not in name:
-            continue
-        scale = g.abs().max().item()
-        e_ours, e_eager = err(results["ours"][1][name], g) / scale, err(results["eager"][1][name], g) / scale
-        assert e_ours <= ERR_FACTOR * e_eager + 5 * ERR_FLOOR, f"{name}: {e_ours:.3g} vs eager bf16 {e_eager:.3g}"
+    assert_model_close_to_reference(results, ("self_attn", "embed"), "eager bf16", ERR_FACTOR, ERR_FLOOR)
     return ours
 
 

@@ -66,7 +66,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     if (role == WarpRole::kProducer) {
       BwdProducer<Traits>::run(p, smem, pipeline_q, pipeline_do);
     } else if (role == WarpRole::kDqWriter) {
-      BwdDqWriter<Traits>::run(p, smem, /*b=*/warp_idx - 1);
+      BwdDqWriter<Traits>::run(p, smem, /*writer=*/warp_idx - 1);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
