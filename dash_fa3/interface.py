@@ -9,10 +9,10 @@ Sliding windows (``window_size``) run on the Hopper kernels (the local mask
 kind) for ``flash_attn_func``; a window that masks nothing beyond causal or
 full attention (FA3 normalises it the same way: a side reaching past the
 sequence is unbounded, and ``(-1, 0)`` is causal) runs the causal or full
-kernels. ``softcap`` and packed variable-length batches
-(``flash_attn_varlen_func``, windows included) run on CPU tensors (the fp32
-reference); the Hopper kernels do not implement them yet (issue 17), so on
-CUDA tensors they raise ``NotImplementedError``.
+kernels. Packed variable-length batches (``flash_attn_varlen_func``, windows
+included) run the Hopper forward kernels; their backward, and ``softcap``, run
+on CPU tensors only (the fp32 reference): the kernels do not implement them
+yet (issue 17), so on CUDA tensors they raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -172,9 +172,11 @@ def flash_attn_varlen_func(
     Returns out (total_q, heads, headdim), or (out, softmax_lse) with
     return_attn_probs; softmax_lse is (heads, total_q) fp32, natural log.
 
-    Runs on CPU tensors (the fp32 reference, differentiable in q, k, v); the
-    Hopper kernels do not implement varlen yet (issue 17): CUDA tensors raise
-    NotImplementedError.
+    Runs on CPU tensors (the fp32 reference, differentiable in q, k, v). On CUDA
+    tensors the Hopper kernels run the forward; their backward over packed
+    documents and softcap are not implemented yet (issue 17), so a call that
+    would need gradients, or uses softcap, raises NotImplementedError before
+    running anything.
     """
     func = "flash_attn_varlen_func"
     if seqused_q is not None or seqused_k is not None:
@@ -185,11 +187,22 @@ def flash_attn_varlen_func(
     window = validation.check_window_size(window_size)
     softcap = validation.check_softcap(softcap)
     left, right = reference.window_bounds(window, causal)
-    validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   schedule=schedule)
+    shape = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           schedule=schedule)
     softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
     if q.is_cuda:
-        raise ops.gpu_not_implemented(ops._general_features(cu_seqlens_q, left, right, softcap))
+        # The kernel family as flash_attn_func picks it, a document's bounds being max_seqlen's at most.
+        if window != (-1, -1) or causal:
+            left, right = _effective_window(window, causal, max_seqlen_q, max_seqlen_k)
+            if window == (-1, -1):
+                right = 0
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if softcap > 0 or needs_grad:
+            # Refused before the forward runs, rather than failing in the backward.
+            what = ops._general_features(cu_seqlens_q, left, right, softcap)
+            raise ops.gpu_not_implemented(what + (" with gradients (the forward runs; call it under torch.no_grad() "
+                                                  "or on tensors that do not require grad)" if softcap == 0 else ""))
+        validation.check_varlen_kernel(q, shape, variants.mask_of_window(left, right))
     out, lse = ops.attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      left, right, softcap, sm_margin, deterministic, schedule)
     return (out, lse) if return_attn_probs else out

@@ -22,9 +22,11 @@ without a GPU.
 variable-length batches (issue 17). On CUDA tensors, windows on
 (batch, seqlen, heads, d) tensors run the Hopper kernels of the window's mask
 kind (``local``; one Python call into the C++ dispatch per direction, as the
-backward of the plain ops); softcap and packed batches are not implemented in
-the kernels yet and raise ``NotImplementedError`` (the public API raises
-before reaching them), never a slow fallback. CPU tensors run the reference.
+backward of the plain ops), and so does the forward over packed documents
+(``fwd_varlen``); softcap, and the backward over packed documents, are not
+implemented in the kernels yet and raise ``NotImplementedError`` (the public
+API raises before reaching them), never a slow fallback. CPU tensors run the
+reference.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ fwd = torch.ops.dash_fa3.fwd.default
 bwd = torch.ops.dash_fa3.bwd.default
 
 
-# ---------------------------------------------------------------- windows, softcap, varlen (CPU only)
+# ---------------------------------------------------------------- windows, softcap, varlen
 
 
 GPU_PENDING = "the Hopper kernels do not implement {what} yet (issue 17); CPU tensors run it on the fp32 reference"
@@ -180,22 +182,29 @@ def _general_features(cu_seqlens_q, window_left, window_right, softcap) -> str:
     return ", ".join(what) or "dash_fa3::fwd_general"
 
 
-def _kernels_serve(cu_seqlens_q, softcap) -> bool:
-    """Whether the Hopper kernels run a dash_fa3::fwd_general/bwd_general call: windows on
-    (batch, seqlen, heads, d) tensors, without softcap."""
-    return cu_seqlens_q is None and softcap == 0
+def kernels_serve(cu_seqlens_q, softcap, backward: bool) -> bool:
+    """Whether the Hopper kernels run a dash_fa3::fwd_general (backward=False) or bwd_general
+    call: windows, and in the forward packed documents, without softcap."""
+    return softcap == 0 and not (backward and cu_seqlens_q is not None)
 
 
 def _fwd_general_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       window_left, window_right, softcap, sm_margin):
-    if not _kernels_serve(cu_seqlens_q, softcap):
+    if not kernels_serve(cu_seqlens_q, softcap, backward=False):
         raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
-    return _ext.ops().fwd_window(q, k, v, softmax_scale, window_left, window_right, sm_margin)
+    if cu_seqlens_q is None:
+        return _ext.ops().fwd_window(q, k, v, softmax_scale, window_left, window_right, sm_margin)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        # No query rows, or no keys anywhere: every row attends nothing (out 0, lse -inf).
+        return (q.new_zeros((*q.shape[:2], v.shape[-1])),
+                torch.full((q.shape[1], q.shape[0]), -torch.inf, dtype=torch.float32, device=q.device))
+    return _ext.ops().fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                 window_left, window_right, sm_margin)
 
 
 def _bwd_general_cuda(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, window_left, window_right, softcap, deterministic, schedule, sm_margin):
-    if not _kernels_serve(cu_seqlens_q, softcap):
+    if not kernels_serve(cu_seqlens_q, softcap, backward=True):
         raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
 
     return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic,
@@ -280,7 +289,7 @@ def attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
                       softmax_scale: float, window_left: int, window_right: int, softcap: float, sm_margin: int,
                       deterministic: bool, schedule: str):
     """(out, lse) with a window / softcap / packed documents, differentiable in q, k, v; arguments
-    already validated (``flash_attn_func`` / ``flash_attn_varlen_func``). On CUDA tensors only
-    windows (no softcap, no cu_seqlens) run, on the kernels."""
+    already validated (``flash_attn_func`` / ``flash_attn_varlen_func``). On CUDA tensors the
+    kernels run windows, and packed documents forward only (``kernels_serve``)."""
     return _AttentionGeneral.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                    window_left, window_right, softcap, sm_margin, deterministic, schedule)

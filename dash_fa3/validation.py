@@ -195,6 +195,13 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                        SUPPORTED_DTYPES[q.dtype])
 
 
+def check_varlen_kernel(q, shape: VarlenShape, mask: str) -> None:
+    """On CUDA tensors: a Hopper GPU, and the forward kernel of ``mask`` for the shape in the build."""
+    if q.is_cuda and not torch.compiler.is_compiling():
+        check_cuda_device(q.device)
+        check_built(variants.Variant(shape.headdim, shape.dtype, mask).name)
+
+
 @functools.lru_cache(maxsize=None)
 def check_cuda_device(device: torch.device) -> None:
     """Raises unless ``device`` is a Hopper GPU (cached: a device's kind never changes)."""

@@ -405,16 +405,25 @@ def test_window_and_softcap_errors(kwargs, exc, match):
 def test_cuda_op_implementations_refuse():
     # What the CUDA dispatch of the general ops raises, checked here without a GPU.
     q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"packed variable-length batches \(cu_seqlens\), softcap=2.0.*issue 17"):
+        ops._fwd_general_cuda(q, q, q, cu([3]), cu([3]), 3, 3, 0.125, -1, -1, 2.0, 0)
     with pytest.raises(NotImplementedError, match=r"Hopper kernels do not implement packed variable-length.*issue 17"):
-        ops._fwd_general_cuda(q, q, q, cu([3]), cu([3]), 3, 3, 0.125, -1, -1, 0.0, 0)
+        ops._bwd_general_cuda(q, q, q, q, q, q, cu([3]), cu([3]), 3, 3, 0.125, -1, -1, 0.0, False, "auto", 0)
     with pytest.raises(NotImplementedError, match=r"sliding windows \(window_size=\(4, 0\)\), softcap=2.0.*issue 17"):
         ops._bwd_general_cuda(q, q, q, q, q, q, None, None, 0, 0, 0.125, 4, 0, 2.0, False, "auto", 0)
 
 
+def test_kernels_serve():
+    assert ops.kernels_serve(None, 0.0, backward=True) and ops.kernels_serve(None, 0.0, backward=False)
+    assert ops.kernels_serve(cu([3]), 0.0, backward=False) and not ops.kernels_serve(cu([3]), 0.0, backward=True)
+    assert not ops.kernels_serve(None, 1.0, backward=False) and not ops.kernels_serve(cu([3]), 1.0, backward=False)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("call", ["softcap", "window_softcap", "varlen", "varlen_window"])
+@pytest.mark.parametrize("call", ["softcap", "window_softcap", "varlen_grad", "varlen_softcap"])
 def test_cuda_tensors_raise_not_implemented(call):
-    # (Windows on CUDA run the kernels: tests/test_gpu_window.py.)
+    # (Windows on CUDA run the kernels: tests/test_gpu_window.py; the varlen forward:
+    # tests/test_gpu_varlen.py.)
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     cu_s = torch.tensor([0, 7, 16], device="cuda", dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="issue 17"):
@@ -422,10 +431,11 @@ def test_cuda_tensors_raise_not_implemented(call):
             dash_fa3.flash_attn_func(q, q, q, window_size=(4, 0), softcap=30.0)
         elif call == "softcap":
             dash_fa3.flash_attn_func(q, q, q, causal=True, softcap=30.0)
-        elif call == "varlen":
-            dash_fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu_s, cu_s, 9, 9, causal=True)
+        elif call == "varlen_grad":
+            qg = q[0].clone().requires_grad_()
+            dash_fa3.flash_attn_varlen_func(qg, q[0], q[0], cu_s, cu_s, 9, 9, causal=True)
         else:
-            dash_fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu_s, cu_s, 9, 9, window_size=(3, 3))
+            dash_fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu_s, cu_s, 9, 9, window_size=(3, 3), softcap=5.0)
 
 
 @pytest.mark.gpu

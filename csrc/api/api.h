@@ -21,6 +21,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_window(const at::Tensor& q, const at::Ten
                                               double softmax_scale, int64_t window_left, int64_t window_right,
                                               int64_t sm_margin);
 
+// The forward over packed documents (FA3's varlen layout, common/seqlen_info.h):
+// q (total_q, heads, d), k and v (total_k, heads_kv, d), cu_seqlens int32
+// (batch + 1) on the device, max_seqlen the longest document (not checked
+// against the device values, which would synchronize). (out (total_q, heads,
+// d), lse (heads, total_q)).
+std::tuple<at::Tensor, at::Tensor> fwd_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                              int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                              int64_t window_left, int64_t window_right, int64_t sm_margin);
+
 // The whole backward (preprocess, main kernel, postprocess): (dq, dk, dv).
 // The window picks the mask kind as in fwd_window; the schedule must have been
 // built for that kind and window.
@@ -53,6 +63,10 @@ struct QkvShape {
   int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, hdim;
 };
 QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// cu_seqlens_q / _k of a packed call: contiguous int32, 1-D, one length
+// (batch + 1 >= 2), on device. Returns batch. The values stay on the device.
+int64_t check_cu_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Device& device);
 
 // The SM count of a CUDA device (queried once per device).
 int64_t device_sm_count(const at::Device& device);

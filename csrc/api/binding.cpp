@@ -11,6 +11,11 @@ TORCH_LIBRARY(dash_fa3_C, m) {
   m.def(
       "fwd_window(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right,"
       " int sm_margin) -> (Tensor, Tensor)");
+  // The forward over packed documents (FA3's varlen layout); dash_fa3::fwd_general runs it.
+  m.def(
+      "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q,"
+      " int max_seqlen_k, float softmax_scale, int window_left, int window_right, int sm_margin)"
+      " -> (Tensor, Tensor)");
   // The whole backward in one call; schedule is dash_fa3.schedule's flat int32
   // metadata on the device, schedule_header its first entries on the host
   // (checked before launch); the window picks the mask kind as in fwd_window.
@@ -29,6 +34,7 @@ TORCH_LIBRARY(dash_fa3_C, m) {
 TORCH_LIBRARY_IMPL(dash_fa3_C, CUDA, m) {
   m.impl("fwd", &dash_fa3::fwd);
   m.impl("fwd_window", &dash_fa3::fwd_window);
+  m.impl("fwd_varlen", &dash_fa3::fwd_varlen);
   m.impl("bwd", &dash_fa3::bwd);
   m.impl("bwd_preprocess", &dash_fa3::bwd_preprocess);
   m.impl("bwd_postprocess", &dash_fa3::bwd_postprocess);

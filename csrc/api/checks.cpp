@@ -52,6 +52,20 @@ QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return s;
 }
 
+int64_t check_cu_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Device& device) {
+  for (const at::Tensor* t : {&cu_seqlens_q, &cu_seqlens_k}) {
+    TORCH_CHECK(t->device() == device && t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous() &&
+                    t->numel() >= 2,
+                msg("dash_fa3: cu_seqlens_q / cu_seqlens_k must be contiguous 1-D int32 tensors of batch + 1 >= 2 "
+                    "entries on q's device ", device, ", got ", t->scalar_type(), " ", t->sizes(), " on ",
+                    t->device()));
+  }
+  TORCH_CHECK(cu_seqlens_q.numel() == cu_seqlens_k.numel(),
+              msg("dash_fa3: cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got ",
+                  cu_seqlens_q.numel(), " and ", cu_seqlens_k.numel()));
+  return cu_seqlens_q.numel() - 1;
+}
+
 int64_t device_sm_count(const at::Device& device) {
   TORCH_CHECK(device.is_cuda(), "dash_fa3: device_sm_count needs a CUDA device");
   int index = device.has_index() ? device.index() : -1;

@@ -27,11 +27,19 @@ std::vector<std::string> built_fwd_variants() { return variant_names(kFwdVariant
 
 namespace {
 
+// Packed documents of a varlen call (nullptr: a dense batch).
+struct Packed {
+  const at::Tensor& cu_seqlens_q;
+  const at::Tensor& cu_seqlens_k;
+  int64_t max_seqlen_q, max_seqlen_k;
+};
+
 // The forward's one dispatch: the window (left, right; -1 unbounded) picks the
 // mask kind (mask_kind_of: full, causal or local), the shape and dtype the rest.
+// Packed calls pass (1, total, heads, d) views of their (total, heads, d) tensors.
 std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at::Tensor& k_in,
                                                 const at::Tensor& v_in, double softmax_scale, int64_t window_left,
-                                                int64_t window_right, int64_t sm_margin) {
+                                                int64_t window_right, int64_t sm_margin, const Packed* packed) {
   const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const QkvShape sh = check_qkv(q, k, v);
   const int64_t num_sms = device_sm_count(q.device()) - sm_margin;
@@ -47,7 +55,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
 
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty({batch, seqlen_q, heads, hdim}, q.options());
-  at::Tensor lse = at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor lse = packed ? at::empty({heads, seqlen_q}, q.options().dtype(at::kFloat))
+                          : at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
 
   FwdParams p{};
   p.q = q.data_ptr();
@@ -62,6 +71,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
   p.batch = static_cast<int>(batch);
   p.seqlen_q = static_cast<int>(seqlen_q);
   p.seqlen_k = static_cast<int>(sh.seqlen_k);
+  if (packed) {
+    const int64_t docs = check_cu_seqlens(packed->cu_seqlens_q, packed->cu_seqlens_k, q.device());
+    TORCH_CHECK(packed->max_seqlen_q >= 1 && packed->max_seqlen_k >= 1 && packed->max_seqlen_q <= seqlen_q &&
+                    packed->max_seqlen_k <= sh.seqlen_k,
+                msg("dash_fa3: max_seqlen_q / max_seqlen_k must be in [1, total_q] / [1, total_k], got ",
+                    packed->max_seqlen_q, " / ", packed->max_seqlen_k));
+    p.cu_seqlens_q = packed->cu_seqlens_q.data_ptr<int>();
+    p.cu_seqlens_k = packed->cu_seqlens_k.data_ptr<int>();
+    p.total_q = static_cast<int>(seqlen_q);
+    p.total_k = static_cast<int>(sh.seqlen_k);
+    p.batch = static_cast<int>(docs);
+    p.seqlen_q = static_cast<int>(packed->max_seqlen_q);
+    p.seqlen_k = static_cast<int>(packed->max_seqlen_k);
+  }
   p.heads = static_cast<int>(heads);
   p.heads_kv = static_cast<int>(sh.heads_kv);
   p.headdim = static_cast<int>(hdim);
@@ -79,13 +102,25 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
 
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        double softmax_scale, bool causal, int64_t sm_margin) {
-  return fwd_dispatch(q, k, v, softmax_scale, -1, causal ? 0 : -1, sm_margin);
+  return fwd_dispatch(q, k, v, softmax_scale, -1, causal ? 0 : -1, sm_margin, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_window(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               double softmax_scale, int64_t window_left, int64_t window_right,
                                               int64_t sm_margin) {
-  return fwd_dispatch(q, k, v, softmax_scale, window_left, window_right, sm_margin);
+  return fwd_dispatch(q, k, v, softmax_scale, window_left, window_right, sm_margin, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                              int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                              int64_t window_left, int64_t window_right, int64_t sm_margin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "dash_fa3: packed q, k, v must be (total_tokens, heads, headdim)");
+  const Packed packed{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  auto [out, lse] = fwd_dispatch(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
+                                 window_right, sm_margin, &packed);
+  return {out.squeeze(0), lse};
 }
 
 }  // namespace dash_fa3

@@ -61,6 +61,16 @@ struct FwdParams {
   int window_left;
   int window_right;
 
+  // Packed documents (common/seqlen_info.h), int32 batch + 1 offsets on the
+  // device; nullptr for a dense batch. Packed: batch counts documents,
+  // seqlen_q / seqlen_k are the longest document's (FA3's max_seqlen), q, k,
+  // v, o hold total_q / total_k rows as batch 0 (batch strides unread) and
+  // lse is (heads, total_q).
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q;
+  int total_k;
+
   int num_sms;  // persistent grid size, read off the device by the caller
   // Zero-initialised int, used by the persistent tile scheduler to hand out
   // tiles dynamically; nullptr when the scheduler is static.

@@ -65,21 +65,28 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     Mainloop::init(mma_tid);
     typename Traits::PipelineState read_state;
     typename Traits::PipelineStateQ q_state;
+    using Scheduler = FwdTileScheduler<Traits>;
     CUTE_NO_UNROLL
     for (int k = 0;; ++k) {
       FwdTile t;
-      if (!FwdTileScheduler<Traits>::slot(p, k, t)) { break; }
-      if (t.m_block < 0) { continue; }
-      BlockRange const kv_blocks = Traits::tile_geometry(p).kv_range(t.m_block);
+      SeqlenInfo sl;
+      BlockRange kv_blocks;
+      // (One loop for dense and packed calls: the MMA warpgroups have registers to spare.)
+      typename Scheduler::Slot const slot = p.cu_seqlens_q != nullptr
+                                                ? Scheduler::template tile_at<true>(p, k, t, sl, kv_blocks)
+                                                : Scheduler::template tile_at<false>(p, k, t, sl, kv_blocks);
+      if (slot == Scheduler::Slot::kDone) { break; }
+      if (slot == Scheduler::Slot::kSkip) { continue; }
       if (kv_blocks.end <= kv_blocks.begin) {
-        Epilogue::store_empty(p, t, mma_tid);
+        Epilogue::store_empty(p, t, sl, mma_tid);
         continue;
       }
       typename Mainloop::FragO tOrO;
       float lse[2];
-      Mainloop::run(p, smem, pipeline_q, pipeline_k, pipeline_v, q_state, read_state, t.m_block, kv_blocks,
-                    mma_tid, tOrO, lse);
-      Epilogue::store(p, tOrO, lse, t, mma_tid);
+      Mainloop::run(p, smem, pipeline_q, pipeline_k, pipeline_v, q_state, read_state, t.m_block,
+                    sl.seqlen_q, sl.seqlen_k, kv_blocks, mma_tid, tOrO, lse);
+      // The rows again, rather than registers held through the mainloop.
+      Epilogue::store(p, tOrO, lse, t, Traits::seqlens(p, t.batch), mma_tid);
     }
   }
 #endif

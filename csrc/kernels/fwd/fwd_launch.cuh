@@ -5,7 +5,10 @@
 //   - q, k, v, o 16-byte aligned; every stride (batch, row, head) a multiple of
 //     8 elements (TMA needs 16-byte aligned global strides); last dim contiguous;
 //   - headdim == kHeadDim, seqlen_q, seqlen_k >= 1, heads % heads_kv == 0,
-//     softmax_scale > 0; lse is (batch, heads, seqlen_q) contiguous fp32;
+//     softmax_scale > 0; lse is (batch, heads, seqlen_q) contiguous fp32, or
+//     (heads, total_q) with packed documents (cu_seqlens_q/k, whose values the
+//     caller guarantees: monotonic, ending at total_q/k, no document longer
+//     than seqlen_q/k);
 //   - local kernels: window_left, window_right >= -1 (the full and causal
 //     kernels do not read them).
 // tile_counter is not used (the scheduler is static) and may be nullptr.
@@ -55,9 +58,13 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   using Element = typename Traits::Element;
   using P = typename Traits::Params;
   P p{};
-  auto shape_q = make_shape(a.seqlen_q, a.headdim, a.heads, a.batch);
-  auto shape_k = make_shape(a.seqlen_k, a.headdim, a.heads_kv, a.batch);
-  auto shape_vt = make_shape(a.headdim, a.seqlen_k, a.heads_kv, a.batch);
+  // Packed documents: the tensors are one batch of total rows.
+  bool const packed = a.cu_seqlens_q != nullptr;
+  int const rows_q = packed ? a.total_q : a.seqlen_q, rows_k = packed ? a.total_k : a.seqlen_k;
+  int const tensor_batch = packed ? 1 : a.batch;
+  auto shape_q = make_shape(rows_q, a.headdim, a.heads, tensor_batch);
+  auto shape_k = make_shape(rows_k, a.headdim, a.heads_kv, tensor_batch);
+  auto shape_vt = make_shape(a.headdim, rows_k, a.heads_kv, tensor_batch);
   auto gQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
                         make_stride(a.q_stride.row, _1{}, a.q_stride.head, a.q_stride.batch));
   auto gK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), shape_k,
@@ -78,6 +85,10 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   p.o_row_stride = a.o_stride.row;
   p.o_head_stride = a.o_stride.head;
   p.lse = a.lse;
+  p.lse_batch_stride = packed ? 0 : int64_t(a.heads) * a.seqlen_q;
+  p.lse_head_stride = packed ? a.total_q : a.seqlen_q;
+  p.cu_seqlens_q = a.cu_seqlens_q;
+  p.cu_seqlens_k = a.cu_seqlens_k;
   p.seqlen_q = a.seqlen_q;
   p.seqlen_k = a.seqlen_k;
   p.heads = a.heads;
@@ -88,7 +99,8 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   // An unbounded side as a bound that hides nothing: a left bound >= seqlen_k - 1
   // and a right bound >= seqlen_q - 1 give the same block ranges and element
   // masks as -1 (common/block_range.h; tests/test_schedule_geometry.py checks
-  // the ranges), and the device code then needs no -1 case.
+  // the ranges), and the device code then needs no -1 case. Packed, the
+  // longest document's lengths bound every document's.
   p.window_left = a.window_left < 0 ? a.seqlen_k : a.window_left;
   p.window_right = a.window_right < 0 ? a.seqlen_q : a.window_right;
   p.num_m_blocks = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -124,6 +136,10 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   require(params.o_stride.row % 2 == 0 && params.o_stride.head % 2 == 0 && params.o_stride.batch % 2 == 0,
           "o strides must be even (O is written in 4-byte pairs)");
   require(params.lse != nullptr, "lse must be given");
+  require((params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr),
+          "cu_seqlens_q and cu_seqlens_k must both be given or both be nullptr");
+  require(params.cu_seqlens_q == nullptr || (params.total_q >= 1 && params.total_k >= 1),
+          "packed documents need total_q, total_k >= 1");
   require(!Traits::kLocal || (params.window_left >= -1 && params.window_right >= -1),
           "window_left and window_right must be >= -1 (-1: unbounded)");
 

@@ -81,10 +81,11 @@ struct FwdMainloop {
 
   // Computes the normalised O of one tile into tOrO and the LSE of this
   // thread's two rows into lse, over the key blocks kv_blocks (not empty;
-  // common/block_range.h), last block first.
+  // common/block_range.h) of the tile's problem (seqlen_q x seqlen_k), last block first.
   CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
                               PipelineKV& pipeline_k, PipelineKV& pipeline_v, PipelineStateQ& q_state,
-                              PipelineState& read_state, int m_block, BlockRange kv_blocks, int mma_tid,
+                              PipelineState& read_state, int m_block, int seqlen_q, int seqlen_k,
+                              BlockRange kv_blocks, int mma_tid,
                               FragO& tOrO, float (&lse)[2]) {
     int const wg = warpgroup(mma_tid);
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
@@ -116,10 +117,10 @@ struct FwdMainloop {
     int const row0 = m_block * kBlockM;
     auto mask = [&](auto& tSrS, int n) {
       if constexpr (kLocal) {
-        apply_attention_mask<false, true>(tSrS, tScS, row0, n * kBlockN, p.seqlen_q, p.seqlen_k, p.window_left,
+        apply_attention_mask<false, true>(tSrS, tScS, row0, n * kBlockN, seqlen_q, seqlen_k, p.window_left,
                                           p.window_right);
       } else {
-        apply_attention_mask<kCausal>(tSrS, tScS, row0, n * kBlockN, p.seqlen_q, p.seqlen_k);
+        apply_attention_mask<kCausal>(tSrS, tScS, row0, n * kBlockN, seqlen_q, seqlen_k);
       }
     };
 
@@ -167,14 +168,14 @@ struct FwdMainloop {
 
     --n;
     if constexpr (kCausal) {
-      int const unmasked_end = Traits::tile_geometry(p).kv_unmasked(m_block).end;
+      int const unmasked_end = Traits::tile_geometry(p, seqlen_q, seqlen_k).kv_unmasked(m_block).end;
       CUTE_NO_UNROLL
       for (; n >= unmasked_end; --n) { step(n, cute::true_type{}); }
     }
     if constexpr (kLocal) {
       // Blocks right of the unmasked ones (the right side of the window, keys
       // past seqlen_k), the unmasked ones, then those left of them (the left side).
-      BlockRange const unmasked = Traits::tile_geometry(p).kv_unmasked(m_block);
+      BlockRange const unmasked = Traits::tile_geometry(p, seqlen_q, seqlen_k).kv_unmasked(m_block);
       int const unmasked_begin = cute::max(unmasked.begin, kv_blocks.begin);
       int const unmasked_end = cute::max(unmasked.end, unmasked_begin);
       CUTE_NO_UNROLL

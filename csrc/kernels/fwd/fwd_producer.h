@@ -39,9 +39,22 @@ struct FwdProducer {
   }
 
   // Run by all 32 lanes of the producer warp; lane 0 issues the copies and
-  // the expect-tx arrivals (it is the pipelines' leader thread).
+  // the expect-tx arrivals (it is the pipelines' leader thread). Dense and
+  // packed calls take separate instantiations of the loop: the packed one
+  // carries the documents' row offsets, which the dense one, at the
+  // producer's 24 registers, would otherwise pay for in spills.
   CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
                               PipelineKV& pipeline_k, PipelineKV& pipeline_v) {
+    if (p.cu_seqlens_q != nullptr) {
+      run_tiles<true>(p, smem, pipeline_q, pipeline_k, pipeline_v);
+    } else {
+      run_tiles<false>(p, smem, pipeline_q, pipeline_k, pipeline_v);
+    }
+  }
+
+  template <bool kPacked>
+  CUTE_DEVICE static void run_tiles(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
+                                    PipelineKV& pipeline_k, PipelineKV& pipeline_v) {
     bool const leader = (threadIdx.x % 32) == 0;
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
@@ -57,20 +70,32 @@ struct FwdProducer {
     PipelineState write_state = cutlass::make_producer_start_state<PipelineKV>();
     typename Traits::PipelineStateQ q_write_state = cutlass::make_producer_start_state<PipelineQ>();
 
+    using Scheduler = FwdTileScheduler<Traits>;
     for (int k = 0;; ++k) {
       FwdTile t;
-      if (!FwdTileScheduler<Traits>::slot(p, k, t)) { break; }
-      if (t.m_block < 0) { continue; }
-      BlockRange const kv_blocks = Traits::tile_geometry(p).kv_range(t.m_block);
+      SeqlenInfo sl;
+      BlockRange kv_blocks;
+      typename Scheduler::Slot const slot = Scheduler::template tile_at<kPacked>(p, k, t, sl, kv_blocks);
+      if (slot == Scheduler::Slot::kDone) { break; }
+      if (slot == Scheduler::Slot::kSkip) { continue; }
       // The MMA warpgroups skip such a tile too (they write O = 0, LSE = -inf).
       if (kv_blocks.end <= kv_blocks.begin) { continue; }
       int const head_kv = t.head / p.q_heads_per_kv_head;
 
-      Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, t.batch),
+      // A packed document's rows start at its offset; its last tiles read the
+      // next document's rows, which the mask (keys) and the epilogue (rows) ignore.
+      auto rows_from = [](int offset, auto mode, auto const& tensor) {
+        if constexpr (kPacked) {
+          return domain_offset(decltype(mode)::value == 0 ? make_coord(offset, 0) : make_coord(0, offset), tensor);
+        } else {
+          return tensor;
+        }
+      };
+      Tensor gQ = local_tile(rows_from(sl.offset_q, _0{}, p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, sl.tensor_batch)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
-      Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, t.batch),
+      Tensor gK = local_tile(rows_from(sl.offset_k, _0{}, p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, sl.tensor_batch)),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));   // (N, D, n)
-      Tensor gVt = local_tile(p.tma_v.get_tma_tensor(p.shape_vt)(_, _, head_kv, t.batch),
+      Tensor gVt = local_tile(rows_from(sl.offset_k, _1{}, p.tma_v.get_tma_tensor(p.shape_vt)(_, _, head_kv, sl.tensor_batch)),
                               Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (D, N, n)
       Tensor tQgQ = tma_q.partition_S(gQ);
       Tensor tKgK = tma_k.partition_S(gK);

@@ -18,6 +18,10 @@
 // warpgroups walk the same slots independently, so no tile index has to be
 // passed between them.
 //
+// Packed documents: the units are those of a batch of documents of the
+// longest document's length (max_seqlen_q); a tile past its own document's
+// end is an empty slot that every role skips (tile_at).
+//
 // Unit order. The (batch, head) pairs are cut into sections of
 // heads_per_section consecutive pairs, chosen on the host so that the K and V
 // of one section fit in about half of L2. Within a section the order is unit
@@ -26,6 +30,9 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+
+#include "common/block_range.h"
+#include "common/seqlen_info.h"
 
 namespace dash_fa3::fwd {
 
@@ -71,6 +78,24 @@ struct FwdTileScheduler {
       t.m_block = j;
     }
     return true;
+  }
+
+  enum class Slot { kDone, kSkip, kTile };
+
+  // Slot k as every role sees it: kDone once the CTA has no unit left, kSkip
+  // for a slot without a tile (an odd causal pair's middle, a tile past its
+  // document's end), else kTile with the tile, its problem's lengths and its
+  // key blocks (possibly empty: rows that attend no key).
+  // kPacked: whether the call has packed documents (p.cu_seqlens_q), when the
+  // caller has branched on it already.
+  template <bool kPacked>
+  CUTE_DEVICE static Slot tile_at(Params const& p, int k, FwdTile& t, SeqlenInfo& sl, BlockRange& kv_blocks) {
+    if (!slot(p, k, t)) { return Slot::kDone; }
+    if (t.m_block < 0) { return Slot::kSkip; }
+    sl = kPacked ? Traits::seqlens(p, t.batch) : SeqlenInfo{p.seqlen_q, p.seqlen_k, 0, 0, t.batch};
+    if (t.m_block * Traits::kBlockM >= sl.seqlen_q) { return Slot::kSkip; }
+    kv_blocks = Traits::tile_geometry(p, sl).kv_range(t.m_block);
+    return Slot::kTile;
   }
 
   // Host: (batch, head) pairs per section, for K+V of kv_bytes_per_head each.

@@ -18,6 +18,7 @@
 #include "common/block_range.h"
 #include "common/gemm_sm90.h"
 #include "common/params.h"
+#include "common/seqlen_info.h"
 
 namespace dash_fa3::fwd {
 
@@ -168,6 +169,12 @@ struct FwdTraits {
     void* o;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
     float* lse;
+    int64_t lse_batch_stride, lse_head_stride;
+    // Packed documents (common/seqlen_info.h): batch + 1 offsets each, or
+    // nullptr for a dense batch. Packed, seqlen_q / seqlen_k are the longest
+    // document's (max_seqlen_q / _k: they size the tile scheduler's units).
+    int const* cu_seqlens_q;
+    int const* cu_seqlens_k;
     int seqlen_q, seqlen_k, heads, batch;
     int q_heads_per_kv_head;
     float softmax_scale, softmax_scale_log2;
@@ -182,14 +189,22 @@ struct FwdTraits {
     int window_left, window_right;
   };
 
-  // Block ranges of one (batch, head): the call's shape with this kernel's
-  // tiles; the full and causal windows are constants, so their window tests fold away.
-  CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
+  // The lengths and rows of problem (document) b.
+  CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) {
+    return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+  }
+
+  // Block ranges of one (batch, head) with lengths sl and this kernel's tiles;
+  // the full and causal windows are constants, so their window tests fold away.
+  CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p, int seqlen_q, int seqlen_k) {
     if constexpr (kLocal) {
-      return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, p.window_left, p.window_right};
+      return {seqlen_q, seqlen_k, kBlockM, kBlockN, p.window_left, p.window_right};
     } else {
-      return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
+      return {seqlen_q, seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
     }
+  }
+  CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p, SeqlenInfo const& sl) {
+    return tile_geometry(p, sl.seqlen_q, sl.seqlen_k);
   }
 };
 

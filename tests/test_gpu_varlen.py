@@ -1,0 +1,119 @@
+"""Packed documents (flash_attn_varlen_func) on the Hopper forward kernels: against the fp32
+reference per document (error within 2x a plain PyTorch 16-bit implementation's, fresh random
+inputs, poisoned outputs), empty and one-token documents, seqlen_q != seqlen_k per document,
+windows, GQA; and bitwise equal to the dense kernels where the two describe the same problem
+(GPU)."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from attn_utils import TORCH_DTYPES, assert_close_to_ref, attention_lowp, require_built
+from conftest import poison_cuda_allocator
+import dash_fa3
+from dash_fa3 import reference, variants
+
+pytestmark = pytest.mark.gpu
+
+# (window_size, causal) as passed to flash_attn_varlen_func, with the kernel family it runs.
+MASKS = [((-1, -1), False, "full"), ((-1, -1), True, "causal"), ((100, 37), False, "local"),
+         ((64, -1), True, "local")]
+
+
+def doc_mix(seed, docs, longest, same_qk):
+    """Document lengths (q, k): a fixed-seed mix with empty and one-token documents."""
+    rng = random.Random(seed)
+    lq = [rng.choice([0, 1, 2, 63, 128, 129, rng.randint(1, longest)]) for _ in range(docs)]
+    lk = list(lq) if same_qk else [rng.choice([0, 1, 77, rng.randint(1, longest)]) for _ in range(docs)]
+    return lq, lk
+
+
+def cumsum(lengths):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device="cuda")
+
+
+def packed_inputs(v, lq, lk, heads, heads_kv, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = TORCH_DTYPES[v.dtype]
+    q = torch.randn(sum(lq), heads, v.hdim, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(sum(lk), heads_kv, v.hdim, device="cuda", dtype=dt, generator=g)
+    vv = torch.randn(sum(lk), heads_kv, v.hdim, device="cuda", dtype=dt, generator=g)
+    return q, k, vv
+
+
+def lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal):
+    """The 16-bit baseline, one document at a time, in FA3's varlen layout."""
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        o, l = attention_lowp(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, window)
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = l[0]
+    return out, lse
+
+
+def run_varlen(q, k, v, cu_q, cu_k, lq, lk, scale, window, causal):
+    poison_cuda_allocator(1 << 28)
+    out, lse = dash_fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq + [0]), max(lk + [0]),
+                                               softmax_scale=scale, causal=causal, window_size=window,
+                                               return_attn_probs=True)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+@pytest.mark.parametrize("v", [v for v in variants.ALL_VARIANTS if v.mask == "causal"], ids=lambda v: v.name)
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m[2] + ("_causal" if m[1] else "") + f"_{m[0][0]}_{m[0][1]}")
+@pytest.mark.parametrize("case", [(0, 7, 700, True, 4, 4), (1, 12, 1500, True, 4, 2), (2, 9, 600, False, 2, 1),
+                                  (3, 1, 2048, True, 3, 3)])
+def test_varlen_forward_matches_reference(v, mask, case):
+    window, causal, kind = mask
+    require_built(variants.Variant(v.hdim, v.dtype, kind), "fwd")
+    seed, docs, longest, same_qk, heads, heads_kv = case
+    lq, lk = doc_mix(seed, docs, longest, same_qk)
+    q, k, vv = packed_inputs(v, lq, lk, heads, heads_kv, seed)
+    cu_q, cu_k = cumsum(lq), cumsum(lk)
+    scale = 1.0 / math.sqrt(v.hdim) * (0.5 + seed % 3 * 0.5)
+    out, lse = run_varlen(q, k, vv, cu_q, cu_k, lq, lk, scale, window, causal)
+    assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    ref_out, ref_lse = reference.attention_varlen_ref(q, k, vv, cu_q, cu_k, scale, causal, window_size=window)
+    lp_out, lp_lse = lowp_per_doc(q, k, vv, cu_q, cu_k, scale, window, causal)
+    # Rows that attend no key: out exactly 0, lse -inf (the reference's too).
+    assert_close_to_ref("out", out, lp_out, ref_out)
+    assert_close_to_ref("lse", lse, lp_lse, ref_lse)
+
+
+@pytest.mark.parametrize("v", [v for v in variants.ALL_VARIANTS if v.mask != "local"], ids=lambda v: v.name)
+def test_varlen_of_equal_documents_is_the_dense_kernel_bitwise(v):
+    # Equal documents packed are the dense batch: the same tiles in the same order, the same bits.
+    require_built(v, "fwd")
+    b, s, h, hkv = 3, 333, 4, 2
+    g = torch.Generator(device="cuda").manual_seed(11)
+    dt = TORCH_DTYPES[v.dtype]
+    q = torch.randn(b, s, h, v.hdim, device="cuda", dtype=dt, generator=g)
+    k, vv = (torch.randn(b, s, hkv, v.hdim, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    dense_out, dense_lse = dash_fa3.flash_attn_func(q, k, vv, causal=v.causal, return_attn_probs=True)
+    cu_s = cumsum([s] * b)
+    out, lse = dash_fa3.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), vv.flatten(0, 1), cu_s, cu_s, s, s,
+                                               causal=v.causal, return_attn_probs=True)
+    assert torch.equal(out, dense_out.flatten(0, 1))
+    assert torch.equal(lse, dense_lse.transpose(0, 1).flatten(1, 2))
+
+
+def test_varlen_forward_without_tokens():
+    v = variants.Variant(64, "bf16", "causal")
+    require_built(v, "fwd")
+    q = torch.randn(5, 2, 64, device="cuda", dtype=torch.bfloat16)
+    empty = torch.zeros(0, 2, 64, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device="cuda")
+    cu_k = torch.zeros(3, dtype=torch.int32, device="cuda")
+    out, lse = dash_fa3.flash_attn_varlen_func(q, empty, empty, cu_q, cu_k, 3, 0, causal=True, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(q)) and bool((lse == -math.inf).all())
