@@ -6,7 +6,6 @@
 // rows; document b is q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) against
 // k rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]), masks aligned to its own
 // bottom-right corner. Empty documents are legal.
-
 #pragma once
 
 #include <cstdint>
