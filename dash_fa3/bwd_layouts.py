@@ -110,3 +110,26 @@ def from_fragment_order(accum: np.ndarray, block_m: int) -> np.ndarray:
         raise ValueError(f"{s} rows are not a whole number of {block_m}-row tiles")
     perm = tile_permutation(block_m, d).ravel()
     return accum.reshape(*lead, s // block_m, block_m * d)[..., perm].reshape(accum.shape)
+
+
+# ---------------------------------------------------------------- packed documents
+# Mirror of csrc/common/seqlen_info.h: the backward's statistics rows (LSE,
+# dPsum, dQ accumulator, semaphores) of packed documents, (heads, padded total),
+# document b from padded row packed_padded_offset(cu[b], b, block_m) on.
+
+
+def packed_padded_offset(row0: int, b: int, block_m: int) -> int:
+    """First padded statistics row of the b-th document, which starts at packed row ``row0``."""
+    return (row0 + b * block_m) // block_m * block_m
+
+
+def packed_rows(cu_seqlens, block_m: int) -> np.ndarray:
+    """The packed row of every padded statistics row (-1: padding), for documents at offsets
+    ``cu_seqlens`` (batch + 1 entries); its length is the padded total."""
+    cu = [int(c) for c in cu_seqlens]
+    batch = len(cu) - 1
+    rows = np.full(packed_padded_offset(cu[-1], batch, block_m), -1, dtype=np.int64)
+    for b in range(batch):
+        start = packed_padded_offset(cu[b], b, block_m)
+        rows[start:start + cu[b + 1] - cu[b]] = np.arange(cu[b], cu[b + 1])
+    return rows

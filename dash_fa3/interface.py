@@ -10,9 +10,9 @@ kind) for ``flash_attn_func``; a window that masks nothing beyond causal or
 full attention (FA3 normalises it the same way: a side reaching past the
 sequence is unbounded, and ``(-1, 0)`` is causal) runs the causal or full
 kernels. Packed variable-length batches (``flash_attn_varlen_func``, windows
-included) run the Hopper forward kernels; their backward, and ``softcap``, run
-on CPU tensors only (the fp32 reference): the kernels do not implement them
-yet (issue 17), so on CUDA tensors they raise ``NotImplementedError``.
+included) run the Hopper kernels, forward and backward. ``softcap`` runs on
+CPU tensors only (the fp32 reference): the kernels do not implement it yet
+(issue 17), so on CUDA tensors it raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -172,11 +172,15 @@ def flash_attn_varlen_func(
     Returns out (total_q, heads, headdim), or (out, softmax_lse) with
     return_attn_probs; softmax_lse is (heads, total_q) fp32, natural log.
 
-    Runs on CPU tensors (the fp32 reference, differentiable in q, k, v). On CUDA
-    tensors the Hopper kernels run the forward; their backward over packed
-    documents and softcap are not implemented yet (issue 17), so a call that
-    would need gradients, or uses softcap, raises NotImplementedError before
-    running anything.
+    Runs on CPU tensors (the fp32 reference, differentiable in q, k, v) and on
+    the Hopper kernels, forward and backward. The backward needs the documents'
+    lengths on the host: the cu_seqlens tensors are copied once per tensor
+    object and version (one synchronisation, shared by every layer that passes
+    the same tensors). Its schedules: "auto" ("spt"
+    deterministic, "lpt" otherwise), "fa3", "spt", "descending", "lpt";
+    "shift" and "symmetric_shift" plan over one geometry and are refused.
+    softcap is not in the kernels yet (issue 17): CUDA tensors raise
+    NotImplementedError.
     """
     func = "flash_attn_varlen_func"
     if seqused_q is not None or seqused_k is not None:
@@ -196,12 +200,12 @@ def flash_attn_varlen_func(
             left, right = _effective_window(window, causal, max_seqlen_q, max_seqlen_k)
             if window == (-1, -1):
                 right = 0
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        if softcap > 0 or needs_grad:
-            # Refused before the forward runs, rather than failing in the backward.
-            what = ops._general_features(cu_seqlens_q, left, right, softcap)
-            raise ops.gpu_not_implemented(what + (" with gradients (the forward runs; call it under torch.no_grad() "
-                                                  "or on tensors that do not require grad)" if softcap == 0 else ""))
+        if softcap > 0:
+            raise ops.gpu_not_implemented(ops._general_features(cu_seqlens_q, left, right, softcap))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            # Refused before the forward runs, rather than in the backward.
+            from .schedule.varlen import resolve_varlen_schedule
+            resolve_varlen_schedule(schedule, deterministic)
         validation.check_varlen_kernel(q, shape, variants.mask_of_window(left, right))
     out, lse = ops.attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      left, right, softcap, sm_margin, deterministic, schedule)

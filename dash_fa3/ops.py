@@ -23,15 +23,17 @@ variable-length batches (issue 17). On CUDA tensors, windows on
 (batch, seqlen, heads, d) tensors run the Hopper kernels of the window's mask
 kind (``local``; one Python call into the C++ dispatch per direction, as the
 backward of the plain ops), and so does the forward over packed documents
-(``fwd_varlen``); softcap, and the backward over packed documents, are not
-implemented in the kernels yet and raise ``NotImplementedError`` (the public
-API raises before reaching them), never a slow fallback. CPU tensors run the
+(``fwd_varlen`` / ``bwd_varlen``; the backward reads the documents' lengths
+on the host, once per cu_seqlens tensor: ``host_offsets``). Softcap is not
+implemented in the kernels yet and raises ``NotImplementedError`` (the public
+API raises before reaching it), never a slow fallback. CPU tensors run the
 reference.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -182,15 +184,66 @@ def _general_features(cu_seqlens_q, window_left, window_right, softcap) -> str:
     return ", ".join(what) or "dash_fa3::fwd_general"
 
 
-def kernels_serve(cu_seqlens_q, softcap, backward: bool) -> bool:
-    """Whether the Hopper kernels run a dash_fa3::fwd_general (backward=False) or bwd_general
-    call: windows, and in the forward packed documents, without softcap."""
-    return softcap == 0 and not (backward and cu_seqlens_q is not None)
+def kernels_serve(softcap) -> bool:
+    """Whether the Hopper kernels run a dash_fa3::fwd_general / bwd_general call: windows and
+    packed documents, without softcap."""
+    return softcap == 0
+
+
+# Host copies of CUDA cu_seqlens, per tensor object and version: the backward's schedule
+# needs the documents' lengths on the host, and one copy (one synchronisation) per distinct
+# tensor serves every layer of a step that passes the same tensor.
+_HOST_LENGTHS: dict[int, tuple] = {}
+
+
+def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
+    """The values of ``cu`` (int32 offsets) on the host, read once per (object, version) and
+    kept while the tensor lives (from a CUDA tensor the read synchronises)."""
+    key = id(cu)
+    hit = _HOST_LENGTHS.get(key)
+    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
+        return hit[2]
+    values = tuple(cu.tolist())  # synchronises with the device
+    _HOST_LENGTHS[key] = (weakref.ref(cu, lambda _, key=key: _HOST_LENGTHS.pop(key, None)), cu._version, values)
+    return values
+
+
+def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+                 deterministic, schedule, sm_margin):
+    """(schedule on the device, its header on the host) of a backward over packed documents."""
+    from .schedule import bwd_block_sizes
+    from .schedule.varlen import resolve_varlen_schedule, varlen_metadata_cached
+
+    hdim = q.shape[-1]
+    mask = variants.mask_of_window(window_left, window_right)
+    variant = variants.Variant(hdim, "bf16" if q.dtype == torch.bfloat16 else "fp16", mask)
+    built = _ext.built_bwd_variants()
+    if variant.name not in built:
+        raise RuntimeError(
+            f"dash_fa3: no backward kernel for {variant.name} in this build (built: {', '.join(built) or 'none'}); "
+            f"rebuild with {variants.ENV_VAR} naming it, e.g. {variants.ENV_VAR}=hdim{hdim} pip install "
+            "--no-build-isolation -e .")
+    cq, ck = host_offsets(cu_seqlens_q), host_offsets(cu_seqlens_k)
+    lengths = tuple((cq[b + 1] - cq[b], ck[b + 1] - ck[b]) for b in range(len(cq) - 1))
+    if cq[0] != 0 or ck[0] != 0 or cq[-1] != q.shape[0] or ck[-1] != k.shape[0] or any(
+            lq < 0 or lk < 0 for lq, lk in lengths):
+        raise ValueError("cu_seqlens_q / cu_seqlens_k must start at 0, be non-decreasing and end at the token "
+                         f"counts ({q.shape[0]} / {k.shape[0]}), got {list(cq)} / {list(ck)}")
+    device = q.device
+    total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if total - sm_margin < 1:
+        raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
+    block_m, block_n = bwd_block_sizes(hdim)
+    name = resolve_varlen_schedule(schedule, deterministic)
+    meta = varlen_metadata_cached(name, lengths, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], block_m,
+                                  block_n, mask, window_left, window_right, total - sm_margin)
+    flat = torch.from_numpy(meta.as_int32_array())
+    return flat.to(device, non_blocking=True), flat
 
 
 def _fwd_general_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       window_left, window_right, softcap, sm_margin):
-    if not kernels_serve(cu_seqlens_q, softcap, backward=False):
+    if not kernels_serve(softcap):
         raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
     if cu_seqlens_q is None:
         return _ext.ops().fwd_window(q, k, v, softmax_scale, window_left, window_right, sm_margin)
@@ -204,8 +257,16 @@ def _fwd_general_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def _bwd_general_cuda(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, window_left, window_right, softcap, deterministic, schedule, sm_margin):
-    if not kernels_serve(cu_seqlens_q, softcap, backward=True):
+    if not kernels_serve(softcap):
         raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
+    if cu_seqlens_q is not None:
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        schedule_flat, schedule_header = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                      window_left, window_right, deterministic, schedule, sm_margin)
+        return _ext.ops().bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, schedule_flat, schedule_header, softmax_scale, window_left,
+                                     window_right, deterministic)
 
     return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic,
                             schedule, sm_margin)
@@ -290,6 +351,6 @@ def attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
                       deterministic: bool, schedule: str):
     """(out, lse) with a window / softcap / packed documents, differentiable in q, k, v; arguments
     already validated (``flash_attn_func`` / ``flash_attn_varlen_func``). On CUDA tensors the
-    kernels run windows, and packed documents forward only (``kernels_serve``)."""
+    kernels run windows and packed documents, not softcap (``kernels_serve``)."""
     return _AttentionGeneral.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                    window_left, window_right, softcap, sm_margin, deterministic, schedule)

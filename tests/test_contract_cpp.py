@@ -262,3 +262,35 @@ def test_dq_fragment_order_defined_for_every_bwd_head_dim():
     """The postprocess accepts every head dim of the contract (the kernels 64/96/128, and 192/256)."""
     for d, (bm, _) in BWD_BLOCK_SIZES.items():
         assert bwd_layouts.layout_ok(bm, d), f"hdim {d}: no dQ fragment order for block_m {bm}"
+
+
+def test_packed_statistics_rows_match_the_kernels(driver):
+    """csrc/common/seqlen_info.h's padded layout of packed documents (packed_padded_offset,
+    packed_row_of) against bwd_layouts.packed_rows, on random document mixes with empty
+    documents; and the layout's promises: every packed row once, each document from a tile
+    boundary, no tile shared by two documents."""
+    rng = np.random.default_rng(5)
+    cases = [(64, [0, 0]), (128, [0, 1]), (64, [0, 0, 0, 5]), (128, [0, 128, 256, 257])]
+    for _ in range(40):
+        block_m = int(rng.choice([64, 128]))
+        lengths = rng.choice([0, 1, 63, 64, 65, 127, 128, 129, 300], size=int(rng.integers(1, 9)))
+        cases.append((block_m, [0] + np.cumsum(lengths).tolist()))
+    stdin = "".join(f"{bm} {len(cu) - 1} {' '.join(map(str, cu))}\n" for bm, cu in cases)
+    got = run_driver(driver, "packed", stdin=stdin)
+    pos = 0
+    for block_m, cu in cases:
+        want = bwd_layouts.packed_rows(cu, block_m)
+        assert got[pos] == want.size
+        np.testing.assert_array_equal(got[pos + 1:pos + 1 + want.size], want)
+        pos += 1 + want.size
+        valid = want[want >= 0]
+        np.testing.assert_array_equal(np.sort(valid), np.arange(cu[-1]))
+        for b in range(len(cu) - 1):
+            start = bwd_layouts.packed_padded_offset(cu[b], b, block_m)
+            n_tiles = -(-(cu[b + 1] - cu[b]) // block_m)
+            assert start % block_m == 0
+            # The document's tiles hold its rows and padding only.
+            tiles = want[start:start + n_tiles * block_m]
+            assert tiles.size == n_tiles * block_m
+            assert bool(((tiles == -1) | ((tiles >= cu[b]) & (tiles < cu[b + 1]))).all())
+    assert pos == got.size

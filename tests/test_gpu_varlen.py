@@ -117,3 +117,87 @@ def test_varlen_forward_without_tokens():
     cu_k = torch.zeros(3, dtype=torch.int32, device="cuda")
     out, lse = dash_fa3.flash_attn_varlen_func(q, empty, empty, cu_q, cu_k, 3, 0, causal=True, return_attn_probs=True)
     assert torch.equal(out, torch.zeros_like(q)) and bool((lse == -math.inf).all())
+
+
+# ---------------------------------------------------------------- backward
+
+def lowp_grads_per_doc(q, k, v, dout, cu_q, cu_k, scale, window, causal):
+    """Gradients of the 16-bit baseline, one document at a time."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, _ = lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal)
+    return torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
+
+
+def varlen_grads(q, k, v, dout, cu_q, cu_k, lq, lk, scale, window, causal, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    poison_cuda_allocator(1 << 28)
+    out = dash_fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq + [0]), max(lk + [0]), softmax_scale=scale,
+                                          causal=causal, window_size=window, **kw)
+    return tuple(torch.autograd.grad(out, (q, k, v), dout))
+
+
+@pytest.mark.parametrize("v", [v for v in variants.ALL_VARIANTS if v.mask == "causal"], ids=lambda v: v.name)
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m[2] + ("_causal" if m[1] else "") + f"_{m[0][0]}_{m[0][1]}")
+@pytest.mark.parametrize("case", [(0, 7, 700, True, 4, 4), (1, 12, 1500, True, 4, 2), (2, 9, 600, False, 2, 1)])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
+def test_varlen_gradients_match_reference(v, mask, case, deterministic):
+    window, causal, kind = mask
+    require_built(variants.Variant(v.hdim, v.dtype, kind), "bwd")
+    seed, docs, longest, same_qk, heads, heads_kv = case
+    lq, lk = doc_mix(seed, docs, longest, same_qk)
+    q, k, vv = packed_inputs(v, lq, lk, heads, heads_kv, seed)
+    dout = torch.randn_like(q)
+    cu_q, cu_k = cumsum(lq), cumsum(lk)
+    scale = 1.0 / math.sqrt(v.hdim)
+    got = varlen_grads(q, k, vv, dout, cu_q, cu_k, lq, lk, scale, window, causal, deterministic=deterministic)
+    out_ref = reference.attention_varlen_ref(q, k, vv, cu_q, cu_k, scale, causal, window_size=window)[0]
+    ref = reference.attention_varlen_bwd_ref(dout, q, k, vv, out_ref, cu_q, cu_k, scale, causal, window_size=window)
+    lowp = lowp_grads_per_doc(q, k, vv, dout, cu_q, cu_k, scale, window, causal)
+    for name, ours, lp, r in zip(("dq", "dk", "dv"), got, lowp, ref):
+        lp = torch.zeros_like(ours) if lp is None else lp
+        assert_close_to_ref(name, ours, lp, r)
+
+
+@pytest.mark.parametrize("schedule", ["auto", "fa3", "spt", "descending", "lpt"])
+def test_varlen_deterministic_is_bitwise_for_every_schedule(schedule):
+    v = variants.Variant(128, "bf16", "causal")
+    require_built(v, "bwd")
+    lq, lk = doc_mix(4, 11, 1800, True)
+    q, k, vv = packed_inputs(v, lq, lk, 8, 2, 4)
+    dout = torch.randn_like(q)
+    cu_q, cu_k = cumsum(lq), cumsum(lk)
+    first = varlen_grads(q, k, vv, dout, cu_q, cu_k, lq, lk, 0.1, (-1, -1), True, deterministic=True,
+                         schedule=schedule)
+    for _ in range(5):
+        again = varlen_grads(q, k, vv, dout, cu_q, cu_k, lq, lk, 0.1, (-1, -1), True, deterministic=True,
+                             schedule=schedule)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("v", [v for v in variants.ALL_VARIANTS if v.mask != "local"], ids=lambda v: v.name)
+def test_varlen_backward_of_equal_documents_is_the_dense_kernel_bitwise(v):
+    # fa3 order, deterministic: the same tasks and the same dQ add order as the dense call.
+    require_built(v, "bwd")
+    b, s, h, hkv = 3, 333, 4, 2
+    g = torch.Generator(device="cuda").manual_seed(12)
+    dt = TORCH_DTYPES[v.dtype]
+    q, dout = (torch.randn(b, s, h, v.hdim, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    k, vv = (torch.randn(b, s, hkv, v.hdim, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, vv))
+    out = dash_fa3.flash_attn_func(qd, kd, vd, causal=v.causal, deterministic=True, schedule="fa3")
+    dense = torch.autograd.grad(out, (qd, kd, vd), dout)
+    cu_s = cumsum([s] * b)
+    packed = varlen_grads(q.flatten(0, 1), k.flatten(0, 1), vv.flatten(0, 1), dout.flatten(0, 1), cu_s, cu_s,
+                          [s] * b, [s] * b, 1.0 / math.sqrt(v.hdim), (-1, -1), v.causal, deterministic=True,
+                          schedule="fa3")
+    for a, d in zip(packed, dense):
+        assert torch.equal(a, d.flatten(0, 1))
+
+
+def test_varlen_backward_refuses_wave_schedules():
+    v = variants.Variant(64, "bf16", "causal")
+    require_built(v, "bwd")
+    q = torch.randn(100, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu_s = torch.tensor([0, 40, 100], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="does not run on packed documents"):
+        dash_fa3.flash_attn_varlen_func(q, q, q, cu_s, cu_s, 60, 60, causal=True, deterministic=True, schedule="shift")

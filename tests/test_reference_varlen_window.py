@@ -407,22 +407,33 @@ def test_cuda_op_implementations_refuse():
     q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"packed variable-length batches \(cu_seqlens\), softcap=2.0.*issue 17"):
         ops._fwd_general_cuda(q, q, q, cu([3]), cu([3]), 3, 3, 0.125, -1, -1, 2.0, 0)
-    with pytest.raises(NotImplementedError, match=r"Hopper kernels do not implement packed variable-length.*issue 17"):
-        ops._bwd_general_cuda(q, q, q, q, q, q, cu([3]), cu([3]), 3, 3, 0.125, -1, -1, 0.0, False, "auto", 0)
+    with pytest.raises(NotImplementedError, match=r"packed variable-length batches \(cu_seqlens\), softcap=2.0.*issue 17"):
+        ops._bwd_general_cuda(q, q, q, q, q, q, cu([3]), cu([3]), 3, 3, 0.125, -1, -1, 2.0, False, "auto", 0)
     with pytest.raises(NotImplementedError, match=r"sliding windows \(window_size=\(4, 0\)\), softcap=2.0.*issue 17"):
         ops._bwd_general_cuda(q, q, q, q, q, q, None, None, 0, 0, 0.125, 4, 0, 2.0, False, "auto", 0)
 
 
 def test_kernels_serve():
-    assert ops.kernels_serve(None, 0.0, backward=True) and ops.kernels_serve(None, 0.0, backward=False)
-    assert ops.kernels_serve(cu([3]), 0.0, backward=False) and not ops.kernels_serve(cu([3]), 0.0, backward=True)
-    assert not ops.kernels_serve(None, 1.0, backward=False) and not ops.kernels_serve(cu([3]), 1.0, backward=False)
+    assert ops.kernels_serve(0.0) and not ops.kernels_serve(1.0)
+
+
+def test_host_offsets_are_read_once_per_tensor_version():
+    c = cu([3, 0, 5])
+    first = ops.host_offsets(c)
+    assert first == (0, 3, 3, 8) and ops.host_offsets(c) is first  # the cached copy
+    c[1:] += 1  # in place: a new version, read again
+    assert ops.host_offsets(c) == (0, 4, 4, 9)
+    d = cu([3, 0, 5])  # another tensor with the values of the first
+    assert ops.host_offsets(d) == first and ops.host_offsets(d) is not first
+    key = id(d)
+    del d
+    assert key not in ops._HOST_LENGTHS  # dropped with its tensor
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("call", ["softcap", "window_softcap", "varlen_grad", "varlen_softcap"])
+@pytest.mark.parametrize("call", ["softcap", "window_softcap", "varlen_softcap"])
 def test_cuda_tensors_raise_not_implemented(call):
-    # (Windows on CUDA run the kernels: tests/test_gpu_window.py; the varlen forward:
+    # (Windows on CUDA run the kernels: tests/test_gpu_window.py; packed documents:
     # tests/test_gpu_varlen.py.)
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     cu_s = torch.tensor([0, 7, 16], device="cuda", dtype=torch.int32)
@@ -431,9 +442,6 @@ def test_cuda_tensors_raise_not_implemented(call):
             dash_fa3.flash_attn_func(q, q, q, window_size=(4, 0), softcap=30.0)
         elif call == "softcap":
             dash_fa3.flash_attn_func(q, q, q, causal=True, softcap=30.0)
-        elif call == "varlen_grad":
-            qg = q[0].clone().requires_grad_()
-            dash_fa3.flash_attn_varlen_func(qg, q[0], q[0], cu_s, cu_s, 9, 9, causal=True)
         else:
             dash_fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu_s, cu_s, 9, 9, window_size=(3, 3), softcap=5.0)
 

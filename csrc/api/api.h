@@ -40,6 +40,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const
                                                    double softmax_scale, int64_t window_left, int64_t window_right,
                                                    bool deterministic);
 
+// The backward over packed documents: dout, q, out (total_q, heads, d), k, v
+// (total_k, heads_kv, d), lse (heads, total_q); the schedule built for the
+// documents (dash_fa3.schedule.varlen). (dq, dk, dv) shaped like q, k, v.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const at::Tensor& schedule, const at::Tensor& schedule_header, double softmax_scale,
+    int64_t window_left, int64_t window_right, bool deterministic);
+
 // The preprocess and postprocess steps alone (tests, benchmarks). The
 // postprocess reads dq_accum as the main kernel leaves it: each
 // bwd_block_m(headdim)-row Q tile in fragment order (common/dq_accum_layout.h).
@@ -64,6 +73,13 @@ struct QkvShape {
 };
 QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
+// The packed documents of a varlen call (FA3's cu_seqlens layout; common/seqlen_info.h).
+struct PackedDocs {
+  const at::Tensor& cu_seqlens_q;
+  const at::Tensor& cu_seqlens_k;
+  int64_t max_seqlen_q, max_seqlen_k;
+};
+
 // cu_seqlens_q / _k of a packed call: contiguous int32, 1-D, one length
 // (batch + 1 >= 2), on device. Returns batch. The values stay on the device.
 int64_t check_cu_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Device& device);
@@ -78,8 +94,11 @@ at::Tensor kernel_view(const at::Tensor& t);
 // Steps of the backward shared by bwd() and the step ops (bwd_pre_post.cpp).
 struct BwdWorkspace;
 void check_preprocess_inputs(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse);
+// Packed (docs != nullptr): out, dout (1, total_q, heads, d) views, lse (1, heads, total_q),
+// seqlen_q_rounded the padded total for block_m-row tiles.
 void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
-                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream);
+                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream,
+                           const PackedDocs* docs = nullptr, int64_t block_m = 0);
 // GQA's dK/dV, summed by the postprocess from their per-head fp32 partials.
 struct DkvCast {
   const float* dk_partial;  // (batch, heads, seqlen_k, headdim)
@@ -87,9 +106,11 @@ struct DkvCast {
   at::Tensor dk, dv;  // (batch, seqlen_k, heads_kv, headdim)
 };
 // dq_accum: as the main kernel leaves it (fragment order, bwd_block_m(hdim)-row tiles).
+// Packed (docs != nullptr): batch is 1, seqlen_q total_q, seqlen_q_rounded the padded
+// total; dq comes back (1, total_q, heads, d).
 at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,
                                   int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
                                   at::ScalarType dtype, const at::Device& device, cudaStream_t stream,
-                                  const DkvCast* dkv = nullptr);
+                                  const DkvCast* dkv = nullptr, const PackedDocs* docs = nullptr);
 
 }  // namespace dash_fa3

@@ -23,6 +23,11 @@ TORCH_LIBRARY(dash_fa3_C, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor schedule,"
       " Tensor schedule_header, float softmax_scale, int window_left, int window_right, bool deterministic)"
       " -> (Tensor, Tensor, Tensor)");
+  // The backward over packed documents; dash_fa3::bwd_general runs it.
+  m.def(
+      "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q,"
+      " Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor schedule, Tensor schedule_header,"
+      " float softmax_scale, int window_left, int window_right, bool deterministic) -> (Tensor, Tensor, Tensor)");
   m.def(
       "bwd_preprocess(Tensor out, Tensor dout, Tensor lse, int block_m)"
       " -> (Tensor, Tensor, Tensor, Tensor)");
@@ -36,6 +41,7 @@ TORCH_LIBRARY_IMPL(dash_fa3_C, CUDA, m) {
   m.impl("fwd_window", &dash_fa3::fwd_window);
   m.impl("fwd_varlen", &dash_fa3::fwd_varlen);
   m.impl("bwd", &dash_fa3::bwd);
+  m.impl("bwd_varlen", &dash_fa3::bwd_varlen);
   m.impl("bwd_preprocess", &dash_fa3::bwd_preprocess);
   m.impl("bwd_postprocess", &dash_fa3::bwd_postprocess);
 }

@@ -14,6 +14,7 @@
 #include "message.h"
 #include "variant_registry.h"
 #include "common/launch.h"
+#include "common/seqlen_info.h"
 #include "schedules/schedule_metadata.h"
 #include "variant_table.h"
 
@@ -34,18 +35,19 @@ const std::vector<KernelVariant<BwdParams>> kBwdVariants = {DASH_FA3_FOR_EACH_BW
 
 std::vector<std::string> built_bwd_variants() { return variant_names(kBwdVariants); }
 
+namespace {
+
 // The whole backward in one call: preprocess, main kernel, postprocess, with
 // one workspace allocation. schedule: the flat int32 metadata of
 // dash_fa3.schedule on q's device; schedule_header: the same buffer's first
 // entries (or all of it) as a CPU int32 tensor, checked against this call
 // before launch. The window (left, right; -1 unbounded) picks the mask kind
-// (mask_kind_of: full, causal or local). Returns (dq, dk, dv) in q's dtype.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
-                                                   const at::Tensor& k_in, const at::Tensor& v_in,
-                                                   const at::Tensor& out_in, const at::Tensor& lse,
-                                                   const at::Tensor& schedule, const at::Tensor& schedule_header,
-                                                   double softmax_scale, int64_t window_left, int64_t window_right,
-                                                   bool deterministic) {
+// (mask_kind_of: full, causal or local). Packed calls pass (1, total, heads,
+// d) views and lse as (1, heads, total_q). Returns (dq, dk, dv) in q's dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& schedule, const at::Tensor& schedule_header,
+    double softmax_scale, int64_t window_left, int64_t window_right, bool deterministic, const PackedDocs* packed) {
   const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const at::Tensor dout = kernel_view(dout_in), out = kernel_view(out_in);
   const QkvShape sh = check_qkv(q, k, v);
@@ -59,11 +61,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
   const auto& chosen = find_variant(kBwdVariants, "backward", sh.hdim, sh.dtype, mask);
-  const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads,
-                heads_kv = sh.heads_kv, hdim = sh.hdim;
+  const int64_t seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads, heads_kv = sh.heads_kv,
+                hdim = sh.hdim;
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));
-  const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
-  const int64_t rounded = n_q * block_m;
+  // Dense: (batch, heads, seqlen_q rounded up to block_m) statistics rows;
+  // packed: (heads, padded total) (common/seqlen_info.h).
+  int64_t docs = sh.batch, rounded = (seqlen_q + block_m - 1) / block_m * block_m;
+  if (packed) {
+    docs = check_cu_seqlens(packed->cu_seqlens_q, packed->cu_seqlens_k, dev);
+    TORCH_CHECK(packed->max_seqlen_q >= 1 && packed->max_seqlen_k >= 1 && packed->max_seqlen_q <= seqlen_q &&
+                    packed->max_seqlen_k <= seqlen_k,
+                msg("dash_fa3: max_seqlen_q / max_seqlen_k must be in [1, total_q] / [1, total_k], got ",
+                    packed->max_seqlen_q, " / ", packed->max_seqlen_k));
+    rounded = packed_padded_offset(seqlen_q, static_cast<int>(docs), static_cast<int>(block_m));
+  }
 
   TORCH_CHECK(schedule.is_cuda() && schedule.device() == dev && schedule.scalar_type() == at::kInt &&
                   schedule.is_contiguous() && schedule.dim() == 1,
@@ -81,8 +92,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const bool gqa = heads != heads_kv;
   const BwdWorkspace ws =
-      make_bwd_workspace({batch, heads, rounded, seqlen_k, hdim, n_q, gqa}, dev);
-  launch_bwd_preprocess(out, dout, lse, ws, rounded, stream);
+      make_bwd_workspace({sh.batch, heads, rounded, seqlen_k, hdim, rounded / block_m, gqa}, dev);
+  launch_bwd_preprocess(out, dout, lse, ws, rounded, stream, packed, block_m);
 
   at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dv = at::empty_like(v, v.options().memory_format(at::MemoryFormat::Contiguous));
@@ -107,9 +118,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
   p.dv_partial = ws.dv_partial;
   p.schedule = schedule.data_ptr<int32_t>();
   p.schedule_header_host = hdr;
-  p.batch = static_cast<int>(batch);
+  p.batch = static_cast<int>(docs);
   p.seqlen_q = static_cast<int>(seqlen_q);
   p.seqlen_k = static_cast<int>(seqlen_k);
+  if (packed) {
+    p.cu_seqlens_q = packed->cu_seqlens_q.data_ptr<int>();
+    p.cu_seqlens_k = packed->cu_seqlens_k.data_ptr<int>();
+    p.total_q = static_cast<int>(seqlen_q);
+    p.total_k = static_cast<int>(seqlen_k);
+    p.seqlen_q = static_cast<int>(packed->max_seqlen_q);
+    p.seqlen_k = static_cast<int>(packed->max_seqlen_k);
+  }
   p.seqlen_q_rounded = static_cast<int>(rounded);
   p.heads = static_cast<int>(heads);
   p.heads_kv = static_cast<int>(heads_kv);
@@ -125,9 +144,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout_in, co
     TORCH_CHECK(false, e.what());
   }
   const DkvCast dkv{ws.dk_partial, ws.dv_partial, dk, dv};
-  at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, batch, heads, seqlen_q, rounded, hdim, softmax_scale,
-                                         q.scalar_type(), dev, stream, gqa ? &dkv : nullptr);
+  at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, sh.batch, heads, seqlen_q, rounded, hdim, softmax_scale,
+                                         q.scalar_type(), dev, stream, gqa ? &dkv : nullptr, packed);
   return {dq, dk, dv};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                                   const at::Tensor& schedule, const at::Tensor& schedule_header,
+                                                   double softmax_scale, int64_t window_left, int64_t window_right,
+                                                   bool deterministic) {
+  return bwd_dispatch(dout, q, k, v, out, lse, schedule, schedule_header, softmax_scale, window_left, window_right,
+                      deterministic, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const at::Tensor& schedule, const at::Tensor& schedule_header, double softmax_scale,
+    int64_t window_left, int64_t window_right, bool deterministic) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && dout.dim() == 3 && out.dim() == 3 && lse.dim() == 2,
+              "dash_fa3: packed dout, q, out must be (total_q, heads, d), k, v (total_k, heads_kv, d), lse "
+              "(heads, total_q)");
+  const PackedDocs packed{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  auto [dq, dk, dv] = bwd_dispatch(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                   out.unsqueeze(0), lse.unsqueeze(0), schedule, schedule_header, softmax_scale,
+                                   window_left, window_right, deterministic, &packed);
+  return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};
 }
 
 }  // namespace dash_fa3

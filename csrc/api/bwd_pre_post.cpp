@@ -26,7 +26,8 @@ void check_preprocess_inputs(const at::Tensor& out, const at::Tensor& dout, cons
 }
 
 void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
-                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream) {
+                           const BwdWorkspace& ws, int64_t seqlen_q_rounded, cudaStream_t stream,
+                           const PackedDocs* docs, int64_t block_m) {
   BwdPreprocessParams p{};
   p.o = out.data_ptr();
   p.dout = dout.data_ptr();
@@ -42,13 +43,18 @@ void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const 
   p.seqlen_q_rounded = static_cast<int>(seqlen_q_rounded);
   p.heads = static_cast<int>(out.size(2));
   p.headdim = static_cast<int>(out.size(3));
+  if (docs != nullptr) {
+    p.cu_seqlens_q = docs->cu_seqlens_q.data_ptr<int>();
+    p.batch = static_cast<int>(docs->cu_seqlens_q.numel() - 1);
+    p.block_m = static_cast<int>(block_m);
+  }
   run_bwd_preprocess(p, dtype_of(out, "out"), stream);
 }
 
 at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,
                                   int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
                                   at::ScalarType dtype, const at::Device& device, cudaStream_t stream,
-                                  const DkvCast* dkv) {
+                                  const DkvCast* dkv, const PackedDocs* docs) {
   // The main kernel's Q tiles, whose fragment order the accumulator holds.
   const int block_m = bwd_block_m(static_cast<int>(hdim));
   TORCH_CHECK(dq_frag_layout_ok(block_m, static_cast<int>(hdim)),
@@ -76,6 +82,11 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
     p.dv_stride = bshd_strides(dkv->dv, "dv");
     p.heads_kv = static_cast<int>(dkv->dk.size(2));
     p.seqlen_k = static_cast<int>(dkv->dk.size(1));
+  }
+  if (docs != nullptr) {
+    // Packed: the kernel reads the tensors as batch 0 and batch as the document count.
+    p.cu_seqlens_q = docs->cu_seqlens_q.data_ptr<int>();
+    p.batch = static_cast<int>(docs->cu_seqlens_q.numel() - 1);
   }
   run_bwd_postprocess(p, dtype_of(dq, "dq"), stream);
   return dq;

@@ -27,19 +27,12 @@ std::vector<std::string> built_fwd_variants() { return variant_names(kFwdVariant
 
 namespace {
 
-// Packed documents of a varlen call (nullptr: a dense batch).
-struct Packed {
-  const at::Tensor& cu_seqlens_q;
-  const at::Tensor& cu_seqlens_k;
-  int64_t max_seqlen_q, max_seqlen_k;
-};
-
 // The forward's one dispatch: the window (left, right; -1 unbounded) picks the
 // mask kind (mask_kind_of: full, causal or local), the shape and dtype the rest.
 // Packed calls pass (1, total, heads, d) views of their (total, heads, d) tensors.
 std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at::Tensor& k_in,
                                                 const at::Tensor& v_in, double softmax_scale, int64_t window_left,
-                                                int64_t window_right, int64_t sm_margin, const Packed* packed) {
+                                                int64_t window_right, int64_t sm_margin, const PackedDocs* packed) {
   const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const QkvShape sh = check_qkv(q, k, v);
   const int64_t num_sms = device_sm_count(q.device()) - sm_margin;
@@ -117,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(const at::Tensor& q, const at::Ten
                                               int64_t window_left, int64_t window_right, int64_t sm_margin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
               "dash_fa3: packed q, k, v must be (total_tokens, heads, headdim)");
-  const Packed packed{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  const PackedDocs packed{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   auto [out, lse] = fwd_dispatch(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
                                  window_right, sm_margin, &packed);
   return {out.squeeze(0), lse};

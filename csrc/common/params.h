@@ -89,7 +89,7 @@ struct BwdPreprocessParams {
   TensorStrides o_stride, dout_stride;
 
   float* dpsum;     // (batch, heads, seqlen_q_rounded)
-  float* lse_log2;  // (batch, heads, seqlen_q_rounded); padding rows hold +inf-free zeros
+  float* lse_log2;  // (batch, heads, seqlen_q_rounded); padding rows hold +inf (P = 0 there)
   void* zero_begin;     // 16-byte aligned
   int64_t zero_vec16;   // bytes to zero from zero_begin, in 16-byte units
 
@@ -98,6 +98,13 @@ struct BwdPreprocessParams {
   int seqlen_q_rounded;
   int heads;
   int headdim;
+
+  // Packed documents (common/seqlen_info.h), nullptr for a dense batch. Then
+  // batch counts documents, seqlen_q is total_q, out/dout hold it as batch 0,
+  // lse is (heads, total_q), and the outputs are (heads, seqlen_q_rounded),
+  // the padded total for tiles of block_m rows.
+  const int* cu_seqlens_q;
+  int block_m;
 };
 
 // Backward postprocess: dQ = softmax_scale * dQaccum, cast to the input dtype;
@@ -131,6 +138,12 @@ struct BwdPostprocessParams {
   int seqlen_q_rounded;
   int heads;
   int headdim;
+
+  // Packed documents, as in BwdPreprocessParams: dq_accum is (heads,
+  // seqlen_q_rounded, headdim) in the padded layout, dq holds total_q =
+  // seqlen_q rows as batch 0, and the GQA partials (heads, seqlen_k, headdim)
+  // with seqlen_k = total_k (batch 1).
+  const int* cu_seqlens_q;
 };
 
 }  // namespace dash_fa3
@@ -163,6 +176,16 @@ struct BwdParams {
   // and casts into dk/dv.
   float* dk_partial;
   float* dv_partial;
+
+  // Packed documents (common/seqlen_info.h), as in FwdParams: nullptr for a
+  // dense batch. Packed: batch counts documents, seqlen_q / seqlen_k are the
+  // longest document's, the tensors hold total_q / total_k rows as batch 0,
+  // lse is (heads, total_q), and seqlen_q_rounded is the padded total
+  // packed_padded_offset(total_q, batch, block_m).
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q;
+  int total_k;
 
   // The schedule: the flat int32 buffer of dash_fa3.schedule.metadata
   // (header | cta_offsets | tasks) on the device, and its header on the host

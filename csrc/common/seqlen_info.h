@@ -6,6 +6,16 @@
 // rows; document b is q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) against
 // k rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]), masks aligned to its own
 // bottom-right corner. Empty documents are legal.
+//
+// The backward's per-row statistics (LSE, dPsum), dQ accumulator and
+// semaphores are tiled by block_m rows per (problem, head): dense (batch,
+// heads, seqlen_q_rounded); packed (heads, total_q_padded), document b from
+// padded row packed_padded_offset(cu_seqlens_q[b], b, block_m) on, so that
+// each document starts on a tile and its last tile ends before the next
+// document's first (padded_offset(b) + n_q(b) * block_m <= padded_offset(b +
+// 1)); total_q_padded = packed_padded_offset(total_q, batch, block_m). Rows
+// of a tile past its document's end are padding (LSE +inf, dPsum 0), so the
+// next document's rows that the tile's Q and dO loads read add nothing.
 #pragma once
 
 #include <cstdint>
@@ -29,5 +39,28 @@ struct SeqlenInfo {
     return {cu_q[b + 1] - q0, cu_k[b + 1] - k0, q0, k0, 0};
   }
 };
+
+// Padded first statistics row of a packed document that starts at packed row
+// row0 and is the b-th of the batch (see the top of this file).
+DASH_FA3_HD int64_t packed_padded_offset(int64_t row0, int b, int block_m) {
+  return (row0 + int64_t(b) * block_m) / block_m * block_m;
+}
+
+// The packed row that padded statistics row r (0 <= r < the padded total) of
+// a batch of `batch` documents holds, or -1 for a padding row.
+DASH_FA3_HD int packed_row_of(int64_t r, int const* cu_q, int batch, int block_m) {
+  // The last document whose padded offset is <= r (offsets strictly increase).
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    int const mid = (lo + hi + 1) / 2;
+    if (packed_padded_offset(cu_q[mid], mid, block_m) <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  int64_t const row = cu_q[lo] + (r - packed_padded_offset(cu_q[lo], lo, block_m));
+  return row < cu_q[lo + 1] ? int(row) : -1;
+}
 
 }  // namespace dash_fa3

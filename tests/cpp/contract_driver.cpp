@@ -19,6 +19,11 @@
 //                                   (m, c), row-major,
 //                                   and the offset of every (warpgroup, tid, r)
 //                                   (dq_frag_wg_base + dq_frag_reg_offset)
+//   contract_driver packed          stdin: "block_m batch cu_0 ... cu_batch" lines
+//                                   (packed document offsets); per line: the
+//                                   padded total packed_padded_offset(cu_batch,
+//                                   batch, block_m), then packed_row_of of every
+//                                   padded row below it
 // A bundle is flat schedule buffers back to back (dash_fa3/schedule/export.py).
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +34,7 @@
 #include <vector>
 
 #include "common/dq_accum_layout.h"
+#include "common/seqlen_info.h"
 #include "kernel_contract.h"
 #include "schedules/schedule_metadata.h"
 
@@ -127,6 +133,20 @@ int dqfrag() {
   return 0;
 }
 
+int packed() {
+  std::vector<int32_t> out;
+  int block_m = 0, batch = 0;
+  while (std::cin >> block_m >> batch) {
+    std::vector<int> cu(batch + 1);
+    for (int& c : cu) { std::cin >> c; }
+    int64_t const total = dash_fa3::packed_padded_offset(cu[batch], batch, block_m);
+    out.push_back(int32_t(total));
+    for (int64_t r = 0; r < total; ++r) { out.push_back(dash_fa3::packed_row_of(r, cu.data(), batch, block_m)); }
+  }
+  emit(out);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -135,5 +155,6 @@ int main(int argc, char** argv) {
   if (cmd == "geometry") { return geometry(); }
   if (cmd == "blocks") { return blocks(); }
   if (cmd == "dqfrag") { return dqfrag(); }
-  return fail("usage: contract_driver decode BUNDLE | geometry | blocks | dqfrag");
+  if (cmd == "packed") { return packed(); }
+  return fail("usage: contract_driver decode BUNDLE | geometry | blocks | dqfrag | packed");
 }

@@ -72,7 +72,6 @@ struct BwdDqWriter {
     static_assert(Traits::kDqWriters == 2 && (Traits::kStagesDq == 1 || Traits::kStagesDq == 2));
     bool const leader = (threadIdx.x % 32) == 0;
     float const* sdq = smem.dq.data() + Traits::sdq_buffer(writer) * Traits::kDqBufferFloats;
-    TileGeometry const geo = Traits::tile_geometry(p);
 
     // Every region starts out empty: its first writer (step 0 or, with two
     // buffers, step 1; warpgroup 0 first with a shared half) may fill it.
@@ -93,9 +92,12 @@ struct BwdDqWriter {
       if (n_steps <= 0) { continue; }
       int const b = row[schedule::kCBatch];
       int const h = row[schedule::kCHead];
-      // Tile q of this (batch, head): rows [q kBlockM, (q + 1) kBlockM), contiguous.
-      float* dq_bh = p.dq_accum + (int64_t(b) * p.heads + h) * p.seqlen_q_rounded * kHeadDim;
-      int* sem_bh = p.dq_semaphore + (int64_t(b) * p.heads + h) * p.n_q;
+      // The task's problem: its ranks follow its own tiles.
+      TileGeometry const geo = Traits::tile_geometry(p, Traits::seqlens(p, b));
+      // Tile q of this (batch, head): rows [q kBlockM, (q + 1) kBlockM) from its first, contiguous.
+      int64_t const stat_row = Traits::stat_row(p, b, h);
+      float* dq_bh = p.dq_accum + stat_row * kHeadDim;
+      int* sem_bh = p.dq_semaphore + stat_row / kBlockM;
 
       // First step of this task that falls on this writer.
       int const first = (writer - cta_step % Traits::kDqWriters + Traits::kDqWriters) % Traits::kDqWriters;

@@ -11,7 +11,10 @@
 // steps of the task on an H100 (Nsight Compute, hdim 128: 15% of the MMA
 // warps' stall samples at 1k tokens), while the tensor cores idled.
 // store_direct: tasks without steps (their KV tile sees no query; dK = dV = 0)
-// store from registers: their sK/sV may already hold the next task's K/V.
+// store from registers: their sK/sV may already hold the next task's K/V. So
+// do tasks whose KV tile reaches past its packed document's end (a TMA store
+// of the whole tile would overwrite the next document's first rows);
+// needs_direct_store says which.
 //
 // GQA/MQA: the q heads of a group all contribute to the same dK/dV rows. Each
 // task stores its fp32 registers into its own query head's slab of the
@@ -70,11 +73,11 @@ struct BwdEpilogue {
     // Wait until both warpgroups have written their rows of dK and dV.
     named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
     if (mma_tid == 0) {
-      int const b = row[schedule::kCBatch];
+      SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
       int const h_kv = row[schedule::kCHeadKv];
       int const kv = row[schedule::kCKvTile];
-      Tensor gdK = Traits::kv_tile(p.tma_dk, p, b, h_kv, kv);
-      Tensor gdV = Traits::kv_tile(p.tma_dv, p, b, h_kv, kv);
+      Tensor gdK = Traits::kv_tile(p.tma_dk, p, sl, h_kv, kv);
+      Tensor gdV = Traits::kv_tile(p.tma_dv, p, sl, h_kv, kv);
       auto tma_dk = p.tma_dk.get_slice(_0{});
       auto tma_dv = p.tma_dv.get_slice(_0{});
       copy(p.tma_dk, tma_dk.partition_S(sK), tma_dk.partition_D(gdK));
@@ -87,7 +90,16 @@ struct BwdEpilogue {
     named_barrier_arrive(BwdBarrier::kKvEmpty, kMmaThreads + Traits::kWarpThreads);
   }
 
-  // Tasks without steps (dK = dV = 0, nothing loaded) and GQA: straight from registers.
+  // Whether an MHA task with steps must store from registers: its KV tile
+  // reaches past its packed document's end.
+  CUTE_DEVICE static bool needs_direct_store(Params const& p, int32_t const* row) {
+    if (p.cu_seqlens_k == nullptr) { return false; }
+    return (row[schedule::kCKvTile] + 1) * kBlockN > Traits::seqlens(p, row[schedule::kCBatch]).seqlen_k;
+  }
+
+  // Tasks without steps (dK = dV = 0, nothing loaded), GQA, and MHA tiles that
+  // cross a packed document's end: straight from registers, rows past the
+  // problem's seqlen_k not written.
   CUTE_DEVICE static void store_direct(Params const& p, FragDkv& tdKrdK, FragDkv& tdVrdV, int32_t const* row,
                                        int mma_tid) {
     typename Traits::TiledMmaDkv mma_dkv;
@@ -96,7 +108,7 @@ struct BwdEpilogue {
     CUTE_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) { tdKrdK(i) *= p.softmax_scale; }
 
-    int const b = row[schedule::kCBatch];
+    SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
     int const h_kv = row[schedule::kCHeadKv];
     int const kv = row[schedule::kCKvTile];
     int const n0 = kv * kBlockN;
@@ -109,12 +121,14 @@ struct BwdEpilogue {
       Tensor tdVout = make_tensor<Element>(typename FragDkv::layout_type{});
       convert_fragment(tdKrdK, tdKout);
       convert_fragment(tdVrdV, tdVout);
-      Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride;
-      Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride;
+      Element* dk = static_cast<Element*>(p.dk) + sl.tensor_batch * p.dk_batch_stride +
+                    sl.offset_k * p.dk_row_stride + h_kv * p.dk_head_stride;
+      Element* dv = static_cast<Element*>(p.dv) + sl.tensor_batch * p.dv_batch_stride +
+                    sl.offset_k * p.dv_row_stride + h_kv * p.dv_head_stride;
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         int const n = n0 + get<0>(tDcD(2 * r));
-        if (n < p.seqlen_k) {
+        if (n < sl.seqlen_k) {
           CUTE_UNROLL
           for (int v = 0; v < kV; ++v) {
             int const i = 4 * v + 2 * r;  // registers i, i + 1: columns d, d + 1 of row n
@@ -132,11 +146,11 @@ struct BwdEpilogue {
     // GQA: this query head's slab; every (batch, head, KV tile) has exactly one
     // task, so plain stores suffice: no zeroing, no atomics, no turn-taking.
     int const h = row[schedule::kCHead];
-    int64_t const base = (int64_t(b) * p.heads + h) * p.seqlen_k;
+    int64_t const base = (int64_t(sl.tensor_batch) * p.heads + h) * p.partial_rows + sl.offset_k;
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       int const n = n0 + get<0>(tDcD(2 * r));
-      if (n < p.seqlen_k) {
+      if (n < sl.seqlen_k) {
         float* dk_row = p.dk_partial + (base + n) * kHeadDim;
         float* dv_row = p.dv_partial + (base + n) * kHeadDim;
         CUTE_UNROLL

@@ -6,7 +6,8 @@
 //   - q, k, v, dout, dk, dv 16-byte aligned, their strides multiples of 8
 //     elements (TMA needs 16-byte aligned strides);
 //   - headdim == kHeadDim; heads % heads_kv == 0; seqlen_q_rounded is seqlen_q
-//     rounded up to bwd_block_m(kHeadDim) (kernel_contract.h);
+//     rounded up to bwd_block_m(kHeadDim) (kernel_contract.h), or with packed
+//     documents (cu_seqlens_q/k) the padded total of common/seqlen_info.h;
 //   - dq_accum (batch, heads, seqlen_q_rounded, headdim) fp32, zeroed, 128-byte
 //     aligned; the kernel adds each Q tile into it in fragment order
 //     (common/dq_accum_layout.h), which the postprocess reads back;
@@ -89,8 +90,11 @@ template <class Traits>
 typename Traits::Params make_bwd_params(BwdParams const& a) {
   using Element = typename Traits::Element;
   typename Traits::Params p{};
-  auto shape_q = make_shape(a.seqlen_q, a.headdim, a.heads, a.batch);
-  auto shape_k = make_shape(a.seqlen_k, a.headdim, a.heads_kv, a.batch);
+  // Packed documents: the tensors are one batch of total rows.
+  bool const packed = a.cu_seqlens_q != nullptr;
+  int const tensor_batch = packed ? 1 : a.batch;
+  auto shape_q = make_shape(packed ? a.total_q : a.seqlen_q, a.headdim, a.heads, tensor_batch);
+  auto shape_k = make_shape(packed ? a.total_k : a.seqlen_k, a.headdim, a.heads_kv, tensor_batch);
   // (row, dim, head, batch) view of a (batch, seqlen, heads, d) tensor; ptr an Element pointer.
   auto gmem = [](auto* ptr, auto shape, TensorStrides const& s) {
     return make_tensor(make_gmem_ptr(ptr), shape, make_stride(s.row, _1{}, s.head, s.batch));
@@ -126,6 +130,9 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   bool const gqa = a.heads != a.heads_kv;
   p.dk_partial = gqa ? a.dk_partial : nullptr;
   p.dv_partial = gqa ? a.dv_partial : nullptr;
+  p.partial_rows = packed ? a.total_k : a.seqlen_k;
+  p.cu_seqlens_q = a.cu_seqlens_q;
+  p.cu_seqlens_k = a.cu_seqlens_k;
   // The device buffer's views, and the header fields every step's decode
   // needs, from the host copy of its header (checked by check_schedule_header).
   p.cta_offsets = schedule::offsets_of(a.schedule);
@@ -137,13 +144,11 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.heads = a.heads;
   p.heads_kv = a.heads_kv;
   p.batch = a.batch;
-  p.n_q = Traits::tile_geometry(p).n_q();
-  p.n_kv = Traits::tile_geometry(p).n_kv();
   p.softmax_scale = a.softmax_scale;
   p.softmax_scale_log2 = a.softmax_scale_log2;
   // An unbounded side as a bound that hides nothing (as the forward: same block
   // ranges and element masks as -1, so the decode of the schedule, built with
-  // -1, agrees).
+  // -1, agrees). Packed, the longest document's lengths bound every document's.
   p.window_left = a.window_left < 0 ? a.seqlen_k : a.window_left;
   p.window_right = a.window_right < 0 ? a.seqlen_q : a.window_right;
   p.deterministic = a.deterministic ? 1 : 0;
@@ -165,9 +170,17 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   require(!(Traits::kFixedSteps && params.deterministic),
           "this extension is a DASH_FA3_BWD_FIXED_STEPS=1 measurement build, which has no deterministic mode: "
           "rebuild without that variable");
-  int const n_q = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  require(params.seqlen_q_rounded == n_q * Traits::kBlockM,
-          "seqlen_q_rounded must be seqlen_q rounded up to block_m = " + std::to_string(Traits::kBlockM));
+  require((params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr),
+          "cu_seqlens_q and cu_seqlens_k must both be given or both be nullptr");
+  if (params.cu_seqlens_q == nullptr) {
+    int const n_q = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    require(params.seqlen_q_rounded == n_q * Traits::kBlockM,
+            "seqlen_q_rounded must be seqlen_q rounded up to block_m = " + std::to_string(Traits::kBlockM));
+  } else {
+    require(params.total_q >= 1 && params.total_k >= 1, "packed documents need total_q, total_k >= 1");
+    require(params.seqlen_q_rounded == packed_padded_offset(params.total_q, params.batch, Traits::kBlockM),
+            "packed: seqlen_q_rounded must be the padded total (common/seqlen_info.h)");
+  }
   require(bwd::aligned(params.q, 16) && bwd::aligned(params.k, 16) && bwd::aligned(params.v, 16) &&
               bwd::aligned(params.dout, 16) && bwd::aligned(params.dq_accum, 128),
           "q, k, v, dout must be 16-byte aligned and dq_accum 128-byte aligned");

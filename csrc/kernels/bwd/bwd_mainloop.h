@@ -195,7 +195,8 @@ struct BwdMainloop {
     // (KV row, Q row) of each accumulator register, tile-local.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
 
-    TileGeometry const geo = Traits::tile_geometry(p);
+    // The task's problem (a packed document has its own lengths).
+    TileGeometry const geo = Traits::tile_geometry(p, Traits::seqlens(p, row[schedule::kCBatch]));
     int const kv = row[schedule::kCKvTile];
     int const n0 = kv * kBlockN;
     int const q_unmasked = geo.q_unmasked_begin(kv);  // Q tiles from here on need no mask
@@ -205,7 +206,7 @@ struct BwdMainloop {
     // q_unmasked is 0 or n_q, so every step of the task needs the mask or none
     // does, and these warpgroups need no Q tile.
     bool const mask_every_step = !kCausal && !kLocal && q_unmasked > 0;
-    int const causal_shift = p.seqlen_k - p.seqlen_q;  // key j visible to query i iff j <= i + shift
+    int const causal_shift = geo.seqlen_k - geo.seqlen_q;  // key j visible to query i iff j <= i + shift
     // local: key j is visible to query i iff i + lo_shift <= j <= i + hi_shift
     // (window sides that are unbounded come as bounds that hide nothing).
     int const hi_shift = causal_shift + (kLocal ? p.window_right : 0);
@@ -266,7 +267,7 @@ struct BwdMainloop {
         for (int i = 0; i < size(tSrS); ++i) {
           int const n = n0 + get<0>(tScS(i));
           int const m = get<1>(tScS(i));
-          bool const masked = n >= p.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
+          bool const masked = n >= geo.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
                               (kLocal && n < m0 + m + lo_shift);
           tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
         }

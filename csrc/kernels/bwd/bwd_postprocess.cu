@@ -15,6 +15,7 @@
 #include "common/dq_accum_layout.h"
 #include "common/dtype.h"
 #include "common/launch.h"
+#include "common/seqlen_info.h"
 
 namespace dash_fa3 {
 namespace {
@@ -64,13 +65,17 @@ __host__ __device__ constexpr int row_pairs(int seqlen_q) {
 
 // One grid-stride loop over the dQ work (row pair, chunk) and then, with GQA,
 // the dK/dV chunks (both tensors of a chunk in one step).
+// Packed documents: the pairs of the padded accumulator rows, each row mapped
+// to its document's packed row (common/seqlen_info.h), padding not written.
 template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p) {
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int tensor_batch = packed ? 1 : p.batch;
   const int chunks_per_row = p.headdim / kVec;
-  const int pairs = row_pairs(p.seqlen_q);
-  const int64_t total_q = int64_t(p.batch) * p.heads * pairs * chunks_per_row;
+  const int pairs = row_pairs(packed ? p.seqlen_q_rounded : p.seqlen_q);
+  const int64_t total_q = int64_t(tensor_batch) * p.heads * pairs * chunks_per_row;
   const int64_t total_kv =
-      p.dk_partial != nullptr ? int64_t(p.batch) * p.heads_kv * p.seqlen_k * chunks_per_row : 0;
+      p.dk_partial != nullptr ? int64_t(tensor_batch) * p.heads_kv * p.seqlen_k * chunks_per_row : 0;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total_q + total_kv; i += stride) {
     // dQ: (b, h, row pair, chunk); dK/dV: (b, h_kv, s, chunk); chunk fastest.
@@ -100,11 +105,13 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
         vals[2 * k] = v.x, vals[2 * k + 1] = v.y;
         hi_vals[2 * k] = v.z, hi_vals[2 * k + 1] = v.w;
       }
-      Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + lo * p.dq_stride.row + h * p.dq_stride.head;
-      if (lo < p.seqlen_q) store_vec<Elem>(dst + c * kVec, vals, p.softmax_scale);
-      if (lo + kRowPair < p.seqlen_q) {
-        store_vec<Elem>(dst + kRowPair * p.dq_stride.row + c * kVec, hi_vals, p.softmax_scale);
-      }
+      // The output rows of accumulator rows lo and lo + 8 (-1: padding).
+      const int out_lo = packed ? packed_row_of(lo, p.cu_seqlens_q, p.batch, p.block_m) : (lo < p.seqlen_q ? lo : -1);
+      const int out_hi = packed ? packed_row_of(lo + kRowPair, p.cu_seqlens_q, p.batch, p.block_m)
+                                : (lo + kRowPair < p.seqlen_q ? lo + kRowPair : -1);
+      Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + c * kVec;
+      if (out_lo >= 0) store_vec<Elem>(dst + out_lo * p.dq_stride.row, vals, p.softmax_scale);
+      if (out_hi >= 0) store_vec<Elem>(dst + out_hi * p.dq_stride.row, hi_vals, p.softmax_scale);
     } else {
       // Query heads h * group ... h * group + group - 1 share KV head h.
       const int group = p.heads / p.heads_kv;
@@ -129,10 +136,13 @@ void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaSt
     throw std::invalid_argument("dash_fa3: postprocess needs a dQ fragment order for (block_m, headdim) and "
                                 "seqlen_q <= seqlen_q_rounded, a multiple of block_m");
   }
+  const bool packed = params.cu_seqlens_q != nullptr;
+  const int tensor_batch = packed ? 1 : params.batch;
   const int64_t total_kv =
-      params.dk_partial != nullptr ? int64_t(params.batch) * params.heads_kv * params.seqlen_k : 0;
+      params.dk_partial != nullptr ? int64_t(tensor_batch) * params.heads_kv * params.seqlen_k : 0;
   const int64_t total =
-      (int64_t(params.batch) * params.heads * row_pairs(params.seqlen_q) + total_kv) * (params.headdim / kVec);
+      (int64_t(tensor_batch) * params.heads * row_pairs(packed ? params.seqlen_q_rounded : params.seqlen_q) +
+       total_kv) * (params.headdim / kVec);
   if (total == 0) return;
   int device = 0, sms = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");

@@ -3,7 +3,10 @@
 //   lse_log2[b,h,s] = lse[b,h,s] * log2(e)             (the main kernel uses exp2)
 //   the accumulators and semaphores of the main kernel = 0 (one span)
 // Rows s in [seqlen_q, seqlen_q_rounded) are padding for the main kernel's
-// last Q tile and get 0 in both outputs.
+// last Q tile and get dPsum 0, lse_log2 +inf (so P = 0 there). Packed
+// documents (cu_seqlens_q): the outputs are (heads, padded total), each
+// document's rows from its padded offset on, the rows between documents
+// padding (common/seqlen_info.h).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -12,6 +15,7 @@
 #include "common/cuda_check.h"
 #include "common/dtype.h"
 #include "common/launch.h"
+#include "common/seqlen_info.h"
 
 namespace dash_fa3 {
 namespace {
@@ -37,24 +41,27 @@ template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessParams p) {
   const int lane_in_row = threadIdx.x % kLanesPerRow;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanesPerRow;
-  const int64_t num_rows = int64_t(p.batch) * p.heads * p.seqlen_q_rounded;
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int64_t num_rows = int64_t(packed ? 1 : p.batch) * p.heads * p.seqlen_q_rounded;
 
   // Rows are enumerated (b, h, s) with s fastest, the layout of dPsum and lse_log2.
   if (row < num_rows) {
-    const int s = static_cast<int>(row % p.seqlen_q_rounded);
+    const int r = static_cast<int>(row % p.seqlen_q_rounded);
     const int64_t bh = row / p.seqlen_q_rounded;
     const int h = static_cast<int>(bh % p.heads);
     const int b = static_cast<int>(bh / p.heads);
+    // The input row (-1: padding); packed, in batch 0.
+    const int s = packed ? packed_row_of(r, p.cu_seqlens_q, p.batch, p.block_m) : (r < p.seqlen_q ? r : -1);
     float acc = 0.f;
-    float lse_log2 = 0.f;
-    if (s < p.seqlen_q) {
+    float lse_log2 = INFINITY;
+    if (s >= 0) {
       const Elem* o = static_cast<const Elem*>(p.o) + b * p.o_stride.batch + s * p.o_stride.row + h * p.o_stride.head;
       const Elem* d = static_cast<const Elem*>(p.dout) + b * p.dout_stride.batch + s * p.dout_stride.row +
                       h * p.dout_stride.head;
       for (int c = lane_in_row; c < p.headdim / kVec; c += kLanesPerRow) {
         acc += dot_chunk<Elem>(reinterpret_cast<const uint4*>(o)[c], reinterpret_cast<const uint4*>(d)[c]);
       }
-      const float lse = p.lse[(int64_t(b) * p.heads + h) * p.seqlen_q + s];
+      const float lse = p.lse[(int64_t(b) * p.heads + h) * p.seqlen_q + s];  // packed: b = 0
       // A row that attends no key has lse = -inf and O = 0. +inf makes the main
       // kernel's P = exp2(S - lse) exactly 0 there instead of NaN.
       lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
@@ -81,7 +88,8 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessP
 
 void run_bwd_preprocess(const BwdPreprocessParams& params, DType dtype, cudaStream_t stream) {
   if (params.headdim % kVec != 0) throw std::invalid_argument("dash_fa3: preprocess needs headdim % 8 == 0");
-  const int64_t num_rows = int64_t(params.batch) * params.heads * params.seqlen_q_rounded;
+  const int64_t num_rows =
+      int64_t(params.cu_seqlens_q != nullptr ? 1 : params.batch) * params.heads * params.seqlen_q_rounded;
   const int64_t blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (blocks == 0) return;
   dispatch_dtype(dtype, [&](auto tag) {

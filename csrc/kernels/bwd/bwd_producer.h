@@ -45,11 +45,11 @@ struct BwdProducer {
     for (int next = task + 1; next < end; ++next) {
       int32_t const* row = schedule::task_row(p.tasks, next);
       if (row[schedule::kCNSteps] <= 0) { continue; }
-      int const b = row[schedule::kCBatch];
+      SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
       int const h_kv = row[schedule::kCHeadKv];
       int const kv = row[schedule::kCKvTile];
-      Tensor gK = Traits::kv_tile(p.tma_k, p, b, h_kv, kv);
-      Tensor gV = Traits::kv_tile(p.tma_v, p, b, h_kv, kv);
+      Tensor gK = Traits::kv_tile(p.tma_k, p, sl, h_kv, kv);
+      Tensor gV = Traits::kv_tile(p.tma_v, p, sl, h_kv, kv);
       cute::prefetch(p.tma_k, p.tma_k.get_slice(_0{}).partition_S(gK));
       cute::prefetch(p.tma_v, p.tma_v.get_slice(_0{}).partition_S(gV));
       return;
@@ -87,18 +87,23 @@ struct BwdProducer {
       int const h = row[schedule::kCHead];
       int const h_kv = row[schedule::kCHeadKv];
       int const kv = row[schedule::kCKvTile];
+      SeqlenInfo const sl = Traits::seqlens(p, b);
 
-      Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, h, b),
-                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(p.tma_do.get_tma_tensor(p.shape_q)(_, _, h, b),
-                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor gK = Traits::kv_tile(p.tma_k, p, b, h_kv, kv);
-      Tensor gV = Traits::kv_tile(p.tma_v, p, b, h_kv, kv);
+      // A packed document's Q tiles start at its first row; its last tile
+      // also reads the next document's rows, whose statistics rows are
+      // padding (common/seqlen_info.h).
+      auto q_rows = [&](auto const& tma) {
+        return domain_offset(make_coord(sl.offset_q, 0), tma.get_tma_tensor(p.shape_q)(_, _, h, sl.tensor_batch));
+      };
+      Tensor gQ = local_tile(q_rows(p.tma_q), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
+      Tensor gdO = local_tile(q_rows(p.tma_do), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor gK = Traits::kv_tile(p.tma_k, p, sl, h_kv, kv);
+      Tensor gV = Traits::kv_tile(p.tma_v, p, sl, h_kv, kv);
       Tensor tQgQ = tma_q.partition_S(gQ);    // (TMA, TMA_M, TMA_D, m)
       Tensor tdOgdO = tma_do.partition_S(gdO);
       Tensor tKgK = tma_k.partition_S(gK);
       Tensor tVgV = tma_v.partition_S(gV);
-      int64_t const stat_offset = (int64_t(b) * p.heads + h) * p.seqlen_q_rounded;
+      int64_t const stat_offset = Traits::stat_row(p, b, h);
 
       // Wait until both MMA warpgroups are done with the previous task's K
       // and V (they arrive once at start-up too), then load this task's.

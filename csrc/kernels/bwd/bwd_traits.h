@@ -45,6 +45,7 @@
 
 #include "common/block_range.h"
 #include "common/dq_accum_layout.h"
+#include "common/seqlen_info.h"
 #include "common/gemm_sm90.h"
 #include "common/params.h"
 #include "kernel_contract.h"  // generated: bwd_block_m / bwd_block_n
@@ -314,32 +315,42 @@ struct BwdTraits {
     TmaKV tma_v;
     TmaDkv tma_dk;  // MHA only: GQA writes fp32 partials (dk_partial) instead
     TmaDkv tma_dv;
-    GmemShape shape_q;   // (seqlen_q, d, heads, batch), also dO
-    GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch), also V
-    float const* lse_log2;  // (batch, heads, seqlen_q_rounded)
-    float const* dpsum;     // (batch, heads, seqlen_q_rounded)
-    // (batch, heads, seqlen_q_rounded, d) fp32; rows [q kBlockM, (q + 1) kBlockM)
-    // of a (batch, head) hold Q tile q in fragment order (common/dq_accum_layout.h).
+    GmemShape shape_q;   // (seqlen_q, d, heads, batch), also dO; packed: (total_q, d, heads, 1)
+    GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch), also V; packed: (total_k, d, heads_kv, 1)
+    // Packed documents (common/seqlen_info.h): batch + 1 offsets each, nullptr
+    // for a dense batch. Packed, batch counts documents and seqlen_q /
+    // seqlen_k are the longest document's.
+    int const* cu_seqlens_q;
+    int const* cu_seqlens_k;
+    // Per-row statistics, dQ accumulator rows and semaphores (stat_row): dense
+    // (batch, heads, seqlen_q_rounded), packed (heads, seqlen_q_rounded) with
+    // seqlen_q_rounded the padded total (common/seqlen_info.h).
+    float const* lse_log2;
+    float const* dpsum;
+    // fp32, seqlen_q_rounded rows x d per (batch, head) or head; rows
+    // [q kBlockM, (q + 1) kBlockM) from the problem's first row hold Q tile q
+    // in fragment order (common/dq_accum_layout.h).
     float* dq_accum;
-    int* dq_semaphore;      // (batch, heads, n_q)
+    int* dq_semaphore;      // one per kBlockM statistics rows
     // dK, dV (batch, seqlen_k, heads_kv, d) with strides: MHA tasks with at
     // least one step store them with tma_dk/tma_dv, tasks without steps directly.
     void* dk;
     void* dv;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    // GQA: fp32 partials (batch, heads, seqlen_k, d), one slab per query head,
-    // each element written once; the postprocess sums a group's slabs in a
-    // fixed order. nullptr for MHA.
+    // GQA: fp32 partials (batch, heads, seqlen_k, d) (packed: (heads, total_k,
+    // d)), one slab per query head, each element written once; the
+    // postprocess sums a group's slabs in a fixed order. nullptr for MHA.
     float* dk_partial;
     float* dv_partial;
+    int partial_rows;  // k rows per slab: seqlen_k, packed total_k
     // The schedule (csrc/schedules/schedule_metadata.h): CTA c runs task rows
     // [cta_offsets[c], cta_offsets[c + 1]) of the task table; the header's
     // fields that decode every step are launch constants, in rank.
     int32_t const* cta_offsets;
     int32_t const* tasks;
     schedule::RankParams rank;
-    int seqlen_q, seqlen_k, seqlen_q_rounded, heads, heads_kv, batch, n_q, n_kv;
+    int seqlen_q, seqlen_k, seqlen_q_rounded, heads, heads_kv, batch;
     float softmax_scale, softmax_scale_log2;
     int deterministic;
     // kLocal: the window, an unbounded side as a bound that hides nothing
@@ -348,22 +359,39 @@ struct BwdTraits {
     int window_left, window_right;
   };
 
-  // Block ranges of one (batch, head): the call's shape with this kernel's tiles.
-  // The full and causal windows are constants, so their window tests fold away.
-  CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p) {
-    if constexpr (kLocal) {
-      return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, p.window_left, p.window_right};
-    } else {
-      return {p.seqlen_q, p.seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
-    }
+  // The lengths and rows of problem (document) b.
+  CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) {
+    return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
   }
 
-  // KV tile kv of (batch b, KV head h_kv) in the TMA view of a K-shaped tensor
-  // (K, V loads; dK, dV stores): (kBlockN, kHeadDim).
+  // Block ranges of one (batch, head) with lengths seqlen_q x seqlen_k and
+  // this kernel's tiles. The full and causal windows are constants, so their
+  // window tests fold away.
+  CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p, int seqlen_q, int seqlen_k) {
+    if constexpr (kLocal) {
+      return {seqlen_q, seqlen_k, kBlockM, kBlockN, p.window_left, p.window_right};
+    } else {
+      return {seqlen_q, seqlen_k, kBlockM, kBlockN, -1, kCausal ? 0 : -1};
+    }
+  }
+  CUTE_HOST_DEVICE static TileGeometry tile_geometry(Params const& p, SeqlenInfo const& sl) {
+    return tile_geometry(p, sl.seqlen_q, sl.seqlen_k);
+  }
+
+  // First statistics row of (problem b, head h): its LSE / dPsum rows, its
+  // dQ accumulator rows (times kHeadDim floats) and, divided by kBlockM, its
+  // first semaphore.
+  CUTE_HOST_DEVICE static int64_t stat_row(Params const& p, int b, int h) {
+    if (p.cu_seqlens_q == nullptr) { return (int64_t(b) * p.heads + h) * p.seqlen_q_rounded; }
+    return int64_t(h) * p.seqlen_q_rounded + packed_padded_offset(p.cu_seqlens_q[b], b, kBlockM);
+  }
+
+  // KV tile kv of (problem sl, KV head h_kv) in the TMA view of a K-shaped
+  // tensor (K, V loads; dK, dV stores): (kBlockN, kHeadDim).
   template <class TmaCopy>
-  CUTE_DEVICE static auto kv_tile(TmaCopy const& tma, Params const& p, int b, int h_kv, int kv) {
-    return local_tile(tma.get_tma_tensor(p.shape_k)(_, _, h_kv, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                      make_coord(kv, _0{}));
+  CUTE_DEVICE static auto kv_tile(TmaCopy const& tma, Params const& p, SeqlenInfo const& sl, int h_kv, int kv) {
+    return local_tile(domain_offset(make_coord(sl.offset_k, 0), tma.get_tma_tensor(p.shape_k)(_, _, h_kv, sl.tensor_batch)),
+                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(kv, _0{}));
   }
 };
 
