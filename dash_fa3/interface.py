@@ -22,6 +22,7 @@ import math
 import torch
 
 from . import ops, reference, validation, variants
+from .schedule.varlen import resolve_varlen_schedule
 
 
 def _unsupported(feature: str, func: str = "flash_attn_func") -> NotImplementedError:
@@ -202,11 +203,9 @@ def flash_attn_varlen_func(
                 right = 0
         if softcap > 0:
             raise ops.gpu_not_implemented(ops._general_features(cu_seqlens_q, left, right, softcap))
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            # Refused before the forward runs, rather than in the backward.
-            from .schedule.varlen import resolve_varlen_schedule
-            resolve_varlen_schedule(schedule, deterministic)
         validation.check_varlen_kernel(q, shape, variants.mask_of_window(left, right))
+    # A schedule packed documents cannot run is refused on every device, before the forward.
+    resolve_varlen_schedule(schedule, deterministic)
     out, lse = ops.attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      left, right, softcap, sm_margin, deterministic, schedule)
     return (out, lse) if return_attn_probs else out

@@ -203,9 +203,16 @@ def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
     hit = _HOST_LENGTHS.get(key)
     if hit is not None and hit[0]() is cu and hit[1] == cu._version:
         return hit[2]
-    values = tuple(cu.tolist())  # synchronises with the device
-    _HOST_LENGTHS[key] = (weakref.ref(cu, lambda _, key=key: _HOST_LENGTHS.pop(key, None)), cu._version, values)
-    return values
+    remember_host_offsets(cu, cu.tolist())  # from a CUDA tensor: synchronises with the device
+    return _HOST_LENGTHS[key][2]
+
+
+def remember_host_offsets(cu: torch.Tensor, values) -> None:
+    """Records the host values of ``cu`` (e.g. a framework's own host copy), so that
+    ``host_offsets`` does not read them from the device."""
+    key = id(cu)
+    _HOST_LENGTHS[key] = (weakref.ref(cu, lambda _, key=key: _HOST_LENGTHS.pop(key, None)), cu._version,
+                          tuple(int(x) for x in values))
 
 
 def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,

@@ -237,12 +237,47 @@ def test_other_masks_are_refused():
     module(q, k, v, torch.zeros(1, 1, 8, 8, dtype=torch.bool))  # an all-False mask masks nothing: runs
 
 
+@pytest.mark.parametrize("mask_type", [AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask])
+def test_packed_thd_sequences_per_document(mask_type):
+    # THD: (tokens, heads, dim) packed documents, each attending within itself, against per-document
+    # Megatron DotProductAttention.
+    config = transformer_config(bf16=True, num_attention_heads=6, num_query_groups=2, hidden_size=384)
+    ours = dm.DashFA3DotProductAttention(config, 1, mask_type, "self")
+    causal = mask_type is not AttnMaskType.no_mask
+    theirs = DotProductAttention(config, 1, AttnMaskType.causal if causal else AttnMaskType.no_mask, "self")
+    g = torch.Generator().manual_seed(33)
+    bounds = [0, 9, 10, 31, 45]
+    t = bounds[-1]
+    q = torch.randn(t, 6, 64, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(t, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=21, max_seqlen_kv=21)
+    out = ours(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (t, 6 * 64) and out.dtype == torch.bfloat16
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        s = hi - lo
+        mask = causal_mask(s) if causal else torch.zeros(1, 1, s, s, dtype=torch.bool)
+        want = theirs(q[lo:hi, None], k[lo:hi, None], v[lo:hi, None], mask).float()[:, 0]
+        torch.testing.assert_close(out[lo:hi].float(), want, atol=3e-2, rtol=3e-2)
+
+
 def test_packed_bias_and_extra_arguments_are_refused():
     module = _module()
     q, k, v = _qkv()
     cu = torch.tensor([0, 5, 8], dtype=torch.int32)
-    with pytest.raises(dm.UnsupportedAttention, match="packed sequences"):
-        module(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    thd = q[:, 0], k[:, 0], v[:, 0]
+    for params, match in (
+            (PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu), "qkv_format='sbhd'"),
+            (PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=torch.tensor([0, 6, 8], dtype=torch.int32)), "padded packed"),
+            (PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, local_cp_size=2),
+             "context parallelism")):
+        with pytest.raises(dm.UnsupportedAttention, match=match):
+            module(*thd, None, packed_seq_params=params)
+    with pytest.raises(dm.UnsupportedAttention, match="expected \\(tokens, heads, dim\\)"):
+        module(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                                cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5))
     with pytest.raises(dm.UnsupportedAttention, match="attention_bias"):
         module(q, k, v, None, attention_bias=torch.zeros(1, 4, 8, 8))
     with pytest.raises(dm.UnsupportedAttention, match="extra core-attention arguments x"):

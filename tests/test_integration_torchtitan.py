@@ -221,23 +221,52 @@ def test_options_are_checked():
         dtt.apply(torch.nn.Linear(2, 2))
 
 
-def test_packed_documents_are_refused():
+def test_packed_documents_run_the_varlen_path_per_document():
+    # Module level: each document attends within itself, as per-document SDPA does.
+    g = torch.Generator().manual_seed(32)
+    b, s, h, hkv, d = 2, 40, 4, 2, 64
+    q = torch.randn(b, s, h, d, generator=g).bfloat16()
+    k, v = (torch.randn(b, s, hkv, d, generator=g).bfloat16() for _ in range(2))
+    bounds = [0, 13, 40, 41, 80]  # row 0: documents of 13 and 27 tokens; row 1: 1 and 39
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    meta = VarlenMetadata(cu, cu, 39, 39, tuple(bounds))
+    sdpa = ScaledDotProductAttention(ScaledDotProductAttention.Config())
+    for module, causal in ((dtt.DashFA3Attention.Config().build(), True),
+                           (dtt.DashFA3Attention.Config(window_size=(-1, -1)).build(), False)):
+        out = module(q, k, v, attention_masks=meta, scale=0.2, enable_gqa=True)
+        assert out.shape == (b, s, h, d)
+        flat = [t.reshape(b * s, *t.shape[2:]).float() for t in (q, k, v)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            want = sdpa(*(t[None, lo:hi] for t in flat), scale=0.2, enable_gqa=True, is_causal=causal)[0]
+            torch.testing.assert_close(out.reshape(b * s, h, d)[lo:hi].float(), want, atol=3e-2, rtol=3e-2)
+    # Gradients flow (the CPU reference's varlen backward; the GPU runs the kernels).
+    qg = q.clone().requires_grad_()
+    dtt.DashFA3Attention.Config().build()(qg, k, v, attention_masks=meta, enable_gqa=True).sum().backward()
+    assert torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0
+
+
+def test_packed_documents_run_in_a_model():
+    # Model level: positions that restart inside a row give packed metadata, which now runs.
     model = to_bf16(dtt.apply(build(tiny_config(FlexAttention.Config()), 50)))
     x = tokens(50)
     packed = torch.stack([torch.arange(SEQLEN), torch.cat([torch.arange(30), torch.arange(SEQLEN - 30)])])
-    with pytest.raises(dtt.UnsupportedAttention, match="packed documents"):
-        model(x, packed, model.get_attention_masks(packed))
-    # The same number of documents as rows, but one row holds two and another none.
-    shifted = torch.stack([torch.arange(5, 5 + SEQLEN), torch.cat([torch.arange(30), torch.arange(SEQLEN - 30)])])
-    with pytest.raises(dtt.UnsupportedAttention, match="packed documents"):
-        model(x, shifted, model.get_attention_masks(shifted))
-    meta = VarlenMetadata(torch.tensor([0, 20, 128], dtype=torch.int32), torch.tensor([0, 20, 128], dtype=torch.int32),
-                          SEQLEN, SEQLEN)  # right count and longest, wrong boundaries
-    with pytest.raises(dtt.UnsupportedAttention, match="document starts inside a row"):
-        model(x, None, meta)
-    with torch.no_grad():  # one document per row (positions from 0): runs
-        positions = torch.arange(SEQLEN).expand(2, SEQLEN)
-        assert torch.isfinite(model(x, positions, model.get_attention_masks(positions))).all()
+    with torch.no_grad():
+        out_packed = model(x, packed, model.get_attention_masks(packed))
+        positions = torch.arange(SEQLEN).expand(2, SEQLEN)  # one document per row: the dense kernels
+        out_rows = model(x, positions, model.get_attention_masks(positions))
+    assert torch.isfinite(out_packed).all() and torch.isfinite(out_rows).all()
+    # Row 0 is one document either way; row 1's second document sees only itself when packed.
+    torch.testing.assert_close(out_packed[0].float(), out_rows[0].float(), atol=2e-2, rtol=2e-2)
+    assert not torch.allclose(out_packed[1, 30:].float(), out_rows[1, 30:].float(), atol=1e-2)
+
+
+def test_packed_documents_refuse_wave_schedules():
+    cu = torch.tensor([0, 13, 40], dtype=torch.int32)
+    meta = VarlenMetadata(cu, cu, 27, 27)
+    q = torch.randn(1, 40, 2, 64).bfloat16()
+    module = dtt.DashFA3Attention.Config(deterministic=True, schedule="shift").build()
+    with pytest.raises(ValueError, match="does not run on packed documents"):
+        module(q.requires_grad_(), q, q, attention_masks=meta)
 
 
 def test_sliding_windows_are_refused():

@@ -26,13 +26,17 @@ What it does with Megatron's call:
   the mask is None, all False, or exactly the causal mask that Megatron's
   dataloader builds (checked once per mask tensor: a device sync on the GPU);
   ``no_mask`` / ``padding`` run full attention when the mask is None or all False.
+- packed sequences (``packed_seq_params`` with ``qkv_format="thd"``): Megatron's
+  (tokens, heads, dim) tensors go to ``flash_attn_varlen_func`` with its
+  ``cu_seqlens_q/kv`` and ``max_seqlen_q/kv``; the output is (tokens, heads *
+  dim), as Megatron's THD path expects.
 - ``deterministic``: True when ``config.deterministic_mode`` is set, else the
   constructor's ``deterministic``, else ``torch.are_deterministic_algorithms_enabled()``
   at each call; ``schedule`` is the constructor's (``"auto"``). Set them
   through ``get_gpt_layer_dash_fa3_spec(deterministic=..., schedule=...)``.
 
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
-``packed_seq_params`` (THD / varlen is not implemented yet), ``attention_bias``,
+padded or context-parallel ``packed_seq_params``, ``attention_bias``,
 attention dropout > 0 while training (``config.attention_dropout = 0.0``;
 Megatron's default is 0.1), any other mask (padding, documents, an
 ``arbitrary`` mask type), sliding windows (``config.window_size``), softmax
@@ -54,7 +58,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from ..interface import flash_attn_func
+from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..ops import host_offsets
 from . import UnsupportedAttention, check_options, resolve_deterministic
 
 __all__ = ["DashFA3DotProductAttention", "UnsupportedAttention", "get_gpt_layer_dash_fa3_spec"]
@@ -73,7 +78,7 @@ _FULL_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 def _refuse(what: str) -> UnsupportedAttention:
     return UnsupportedAttention(
         f"DashFA3DotProductAttention cannot compute {what}. It runs full or causal attention over unpadded, "
-        f"unpacked sequences (no varlen yet), without context parallelism, and does not fall back to another "
+        f"unpacked or THD-packed sequences, without context parallelism, and does not fall back to another "
         f"attention; use the local or Transformer Engine spec for this model or input"
     )
 
@@ -153,11 +158,12 @@ class DashFA3DotProductAttention(MegatronModule):
             raise _refuse(f"a {attn_mask_type.name} mask that masks tokens out (padded batches)")
         raise _refuse(f"attn_mask_type={attn_mask_type.name}")
 
+    def _forward_packed(self, query, key, value, attention_mask, attn_mask_type, params, deterministic):
+        return _forward_packed_thd(self, query, key, value, attention_mask, attn_mask_type, params, deterministic)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                 attn_mask_type: AttnMaskType | None = None, attention_bias=None, packed_seq_params=None,
                 **kwargs) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise _refuse("packed sequences (packed_seq_params, the THD layout); varlen is not implemented yet")
         if attention_bias is not None:
             raise _refuse(f"an attention_bias (shape {tuple(attention_bias.shape)})")
         unknown = sorted(name for name, v in kwargs.items() if v is not None)
@@ -171,14 +177,54 @@ class DashFA3DotProductAttention(MegatronModule):
                 f"DashFA3DotProductAttention computes in bf16/fp16, but query is {query.dtype}: train with "
                 f"bf16=True (or fp16=True)"
             )
+        deterministic = True if self.config.deterministic_mode else resolve_deterministic(self.deterministic)
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, attention_mask, attn_mask_type or self.attn_mask_type,
+                                        packed_seq_params, deterministic)
         seqlen_q, batch, heads, headdim = query.shape
         causal = self._causal(attention_mask, attn_mask_type or self.attn_mask_type, seqlen_q, key.shape[0])
-        deterministic = True if self.config.deterministic_mode else resolve_deterministic(self.deterministic)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out = flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
                               deterministic=deterministic, schedule=self.schedule)
         return out.transpose(0, 1).reshape(seqlen_q, batch, heads * out.shape[-1])
+
+
+def _packed_offsets(params, which: str) -> torch.Tensor:
+    """cu_seqlens_{which} of a THD call; padded offsets (context parallel's, or padding between
+    sequences) are refused unless they equal the unpadded ones."""
+    cu = getattr(params, f"cu_seqlens_{which}")
+    padded = getattr(params, f"cu_seqlens_{which}_padded")
+    if cu is None:
+        raise _refuse(f"packed_seq_params without cu_seqlens_{which}")
+    if padded is not None and padded is not cu and host_offsets(padded) != host_offsets(cu):
+        raise _refuse(f"padded packed sequences (cu_seqlens_{which}_padded differs from cu_seqlens_{which})")
+    return cu
+
+
+def _forward_packed_thd(module, query, key, value, attention_mask, attn_mask_type, params, deterministic):
+    """Megatron's THD layout: (tokens, heads, dim) packed documents in, (tokens, heads * dim) out."""
+    if params.qkv_format != "thd":
+        raise _refuse(f"packed_seq_params with qkv_format={params.qkv_format!r} (only 'thd')")
+    if params.cp_group is not None or (params.local_cp_size or 1) > 1:
+        raise _refuse("packed sequences split by context parallelism (packed_seq_params.cp_group/local_cp_size)")
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        raise _refuse(f"packed (THD) tensors of shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                      f"{tuple(value.shape)} (expected (tokens, heads, dim))")
+    if attention_mask is not None:
+        raise _refuse("an attention_mask with packed sequences")
+    if attn_mask_type in _CAUSAL_TYPES:
+        causal = True
+    elif attn_mask_type in _FULL_TYPES:
+        causal = False
+    else:
+        raise _refuse(f"attn_mask_type={attn_mask_type.name} with packed sequences")
+    cu_q, cu_k = _packed_offsets(params, "q"), _packed_offsets(params, "kv")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(params.max_seqlen_q), int(params.max_seqlen_kv),
+                                 softmax_scale=module.softmax_scale, causal=causal, deterministic=deterministic,
+                                 schedule=module.schedule)
+    return out.reshape(out.shape[0], -1)
 
 
 def get_gpt_layer_dash_fa3_spec(*args, deterministic: bool | None = None, schedule: str = "auto", **kwargs):

@@ -25,18 +25,23 @@ What it does with torchtitan's call:
 - masks: torchtitan's trainer builds attention masks from the dataloader's
   per-document ``positions`` for Flex and Varlen configs only.
   ``DashFA3Attention.Config`` is a ``VarlenAttention.Config``, so the trainer
-  hands it ``VarlenMetadata``; the module checks that it describes one
-  document per row (a row whose positions restart is a packed row) and then
-  runs plain causal attention. A Flex model's causal + document mask becomes
-  that same check; ``apply``/``use_dash_fa3`` switch the config, so the
-  model's ``get_attention_masks`` returns ``VarlenMetadata`` from then on.
+  hands it ``VarlenMetadata``. One document per row runs ``flash_attn_func``;
+  documents packed in rows (positions that restart inside a row) run
+  ``flash_attn_varlen_func`` on the (batch * seq, heads, dim) views, each
+  document attending within itself, as torchtitan's own Varlen attention. A
+  Flex model's causal + document mask becomes the same; ``apply`` /
+  ``use_dash_fa3`` switch the config, so the model's ``get_attention_masks``
+  returns ``VarlenMetadata`` from then on. Packed documents take the varlen
+  schedules (``auto``, ``fa3``, ``spt``, ``descending``, ``lpt``); the
+  backward reads the document lengths from the metadata's host copy when
+  torchtitan attaches one, else once per step from the device.
 - ``deterministic`` / ``schedule``: from the config (``use_dash_fa3`` /
   ``apply`` arguments); ``deterministic=None`` (the default) follows
   ``torch.are_deterministic_algorithms_enabled()`` at each call, which
   torchtitan's ``debug.deterministic`` switches on.
 
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
-packed documents (varlen is not implemented yet), a FlexAttention ``BlockMask``
+a FlexAttention ``BlockMask``
 or a per-layer dict of masks, sliding windows (``window_size`` other than
 ``(-1, 0)``/``(-1, -1)``, or a model that overrides ``get_attention_masks``,
 as gpt-oss and Qwen 3.5 do for their windows), ``score_mod``,
@@ -65,7 +70,8 @@ from torchtitan.models.common.attention import (
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.protocols.module import Module
 
-from ..interface import flash_attn_func
+from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..ops import remember_host_offsets
 from . import UnsupportedAttention, check_options, resolve_deterministic
 
 __all__ = ["DashFA3Attention", "UnsupportedAttention", "apply", "use_dash_fa3"]
@@ -86,7 +92,7 @@ _REPLACED_CONFIGS = tuple(cls.Config for cls in _REPLACED)
 def _refuse(what: str) -> UnsupportedAttention:
     return UnsupportedAttention(
         f"dash_fa3's torchtitan attention cannot compute {what}. It runs full or causal attention over one "
-        f"document per row (no varlen yet), on a single GPU, and does not fall back to another attention; "
+        f"document per row or documents packed in rows, on a single GPU, and does not fall back to another attention; "
         f"use attn_backend='flex' or 'varlen' for this model or input"
     )
 
@@ -98,24 +104,22 @@ def _check_window(window_size) -> tuple[int, int]:
     return window
 
 
-_checked_metadata: list = [None, -1]  # weak reference to the last cu_seq_q found unpacked, its version
+_checked_metadata: list = [None, -1, False]  # weak reference to the last cu_seq_q checked, its version, the verdict
 
 
-def _check_one_document_per_row(masks: VarlenMetadata, batch: int, seqlen_q: int, seqlen_k: int) -> None:
-    """Refuses VarlenMetadata unless it is [0, L, 2L, ..., B*L]: every row one document.
+def _one_document_per_row(masks: VarlenMetadata, batch: int, seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether VarlenMetadata is [0, L, 2L, ..., B*L]: every row one document (then the dense
+    kernels run; else the packed ones).
 
     All layers of a forward get the same metadata, so the value check (a device sync on
-    the GPU, as torchtitan's own metadata builder does) runs once per new cu_seq_q."""
+    the GPU without the host copy torchtitan may attach, as its own metadata builder does)
+    runs once per new cu_seq_q."""
     cu_q, cu_k = masks.cu_seq_q, masks.cu_seq_k
     if cu_q.numel() != batch + 1 or cu_k.numel() != batch + 1 or masks.max_q != seqlen_q or masks.max_k != seqlen_k:
-        raise _refuse(
-            f"packed documents ({cu_q.numel() - 1} documents in {batch} rows of {seqlen_q} tokens, longest "
-            f"{masks.max_q}: positions restart inside a row, or a row does not start at position 0); varlen is "
-            f"not implemented yet"
-        )
-    ref, version = _checked_metadata
+        return False
+    ref, version, verdict = _checked_metadata
     if ref is not None and ref() is cu_q and version == cu_q._version and (cu_k is cu_q or torch.equal(cu_k, cu_q)):
-        return
+        return verdict
     host = masks.cu_seq_q_host
     if host is not None and cu_k is cu_q:
         unpacked = tuple(host) == tuple(range(0, (batch + 1) * seqlen_q, seqlen_q))
@@ -123,10 +127,8 @@ def _check_one_document_per_row(masks: VarlenMetadata, batch: int, seqlen_q: int
         want_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, device=cu_q.device, dtype=cu_q.dtype)
         want_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, device=cu_k.device, dtype=cu_k.dtype)
         unpacked = bool(torch.equal(cu_q, want_q)) and bool(torch.equal(cu_k, want_k))
-    if not unpacked:
-        raise _refuse("packed documents (cu_seq_q/cu_seq_k mark document starts inside a row); varlen is not "
-                      "implemented yet")
-    _checked_metadata[:] = [weakref.ref(cu_q), cu_q._version]
+    _checked_metadata[:] = [weakref.ref(cu_q), cu_q._version, unpacked]
+    return unpacked
 
 
 class DashFA3Attention(Module):
@@ -175,8 +177,10 @@ class DashFA3Attention(Module):
             raise _refuse(f"the keyword arguments {', '.join(unknown)}")
         batch, seqlen_q = q_BLNH.shape[:2]
         seqlen_k = k_BLNH.shape[1]
+        packed = None
         if isinstance(attention_masks, VarlenMetadata):
-            _check_one_document_per_row(attention_masks, batch, seqlen_q, seqlen_k)
+            if not _one_document_per_row(attention_masks, batch, seqlen_q, seqlen_k):
+                packed = attention_masks
         elif isinstance(attention_masks, Mapping):
             raise _refuse(f"a dict of per-layer masks (keys {sorted(attention_masks)}): a hybrid or "
                           f"sliding-window model")
@@ -198,6 +202,16 @@ class DashFA3Attention(Module):
         else:
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
         deterministic = resolve_deterministic(self.deterministic)
+        if packed is not None:
+            # Documents packed in rows: the (batch * seq, heads, dim) views go to the varlen
+            # kernels, each document attending within itself.
+            if packed.cu_seq_q_host is not None and packed.cu_seq_k is packed.cu_seq_q:
+                remember_host_offsets(packed.cu_seq_q, packed.cu_seq_q_host)  # no sync for the backward's schedule
+            q, k, v = (t.reshape(batch * t.shape[1], *t.shape[2:]) for t in (q_BLNH, k_BLNH, v_BLNH))
+            out = flash_attn_varlen_func(q, k, v, packed.cu_seq_q, packed.cu_seq_k, packed.max_q, packed.max_k,
+                                         softmax_scale=scale, causal=causal, deterministic=deterministic,
+                                         schedule=self.schedule)
+            return out.view(batch, seqlen_q, *out.shape[1:])
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BLNH, k_BLNH, v_BLNH))
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, deterministic=deterministic,
                                schedule=self.schedule)

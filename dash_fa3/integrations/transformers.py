@@ -31,8 +31,8 @@ What it does with transformers' call:
   ``torch.are_deterministic_algorithms_enabled()`` and ``schedule`` is "auto".
 
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
-padding in the attention mask, packed sequences (varlen is not implemented
-yet: position_ids that restart inside a row are checked (on the GPU
+padding in the attention mask, packed sequences (the adapter does not hand
+them to ``flash_attn_varlen_func`` yet: position_ids that restart inside a row are checked (on the GPU
 asynchronously: the error comes from a later attention call of the same or the
 next forward, not the first one), except while
 torch.compile traces), bidirectional sliding windows, chunked or other custom mask patterns, a 4D mask handed
@@ -91,7 +91,7 @@ def get_defaults() -> dict:
 def _refuse(what: str) -> UnsupportedAttention:
     return UnsupportedAttention(
         f"attn_implementation='{NAME}' cannot compute {what}. dash_fa3 runs full or causal attention over "
-        f"unpadded batches (no varlen yet) and does not fall back to another attention; use "
+        f"unpadded batches, one sequence per row, and does not fall back to another attention; use "
         f"attn_implementation='sdpa' or 'eager' for this model or input"
     )
 
@@ -169,7 +169,7 @@ def _raise_if_packed(flag: bool, shape) -> None:
     if flag:
         _pending_checks.clear()
         raise _refuse(f"packed sequences (position_ids of shape {tuple(shape)} restart inside a row); "
-                      f"varlen is not implemented yet")
+                      f"this adapter does not hand them to flash_attn_varlen_func yet")
 
 
 def _resolve_pending_checks() -> None:
