@@ -68,6 +68,23 @@ _lib.impl("fwd", _fwd_reference, "CPU")
 # ---------------------------------------------------------------- backward
 
 
+def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device) -> int:
+    """The device's SM count, after checking that the backward kernel of (hdim, dtype, mask) is
+    built (an error that says how to build it otherwise: nothing falls back to a slow path) and
+    that sm_margin leaves an SM."""
+    variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask)
+    built = _ext.built_bwd_variants()
+    if variant.name not in built:
+        raise RuntimeError(
+            f"dash_fa3: no backward kernel for {variant.name} in this build (built: {', '.join(built) or 'none'}); "
+            f"rebuild with {variants.ENV_VAR} naming it, e.g. {variants.ENV_VAR}=hdim{hdim} pip install "
+            "--no-build-isolation -e .")
+    total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if total - sm_margin < 1:
+        raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
+    return total
+
+
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic, schedule, sm_margin, device):
     """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
@@ -79,16 +96,7 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic,
 
     batch, seqlen_q, heads, hdim = q_shape
     mask = variants.mask_of_window(window_left, window_right)
-    variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask)
-    built = _ext.built_bwd_variants()
-    if variant.name not in built:
-        raise RuntimeError(
-            f"dash_fa3: no backward kernel for {variant.name} in this build (built: {', '.join(built) or 'none'}); "
-            f"rebuild with {variants.ENV_VAR} naming it, e.g. {variants.ENV_VAR}=hdim{hdim} pip install "
-            "--no-build-isolation -e .")
-    total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if total - sm_margin < 1:
-        raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
+    total = _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device)
     block_m, block_n = bwd_block_sizes(hdim)
     geometry = Geometry(batch=batch, heads=heads, heads_kv=k_shape[2], seqlen_q=seqlen_q, seqlen_k=k_shape[1],
                         block_m=block_m, block_n=block_n, mask=mask, window_left=window_left,
@@ -223,29 +231,19 @@ def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, w
 
     hdim = q.shape[-1]
     mask = variants.mask_of_window(window_left, window_right)
-    variant = variants.Variant(hdim, "bf16" if q.dtype == torch.bfloat16 else "fp16", mask)
-    built = _ext.built_bwd_variants()
-    if variant.name not in built:
-        raise RuntimeError(
-            f"dash_fa3: no backward kernel for {variant.name} in this build (built: {', '.join(built) or 'none'}); "
-            f"rebuild with {variants.ENV_VAR} naming it, e.g. {variants.ENV_VAR}=hdim{hdim} pip install "
-            "--no-build-isolation -e .")
+    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device)
     cq, ck = host_offsets(cu_seqlens_q), host_offsets(cu_seqlens_k)
     lengths = tuple((cq[b + 1] - cq[b], ck[b + 1] - ck[b]) for b in range(len(cq) - 1))
     if cq[0] != 0 or ck[0] != 0 or cq[-1] != q.shape[0] or ck[-1] != k.shape[0] or any(
             lq < 0 or lk < 0 for lq, lk in lengths):
         raise ValueError("cu_seqlens_q / cu_seqlens_k must start at 0, be non-decreasing and end at the token "
                          f"counts ({q.shape[0]} / {k.shape[0]}), got {list(cq)} / {list(ck)}")
-    device = q.device
-    total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if total - sm_margin < 1:
-        raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
     block_m, block_n = bwd_block_sizes(hdim)
     name = resolve_varlen_schedule(schedule, deterministic)
     meta = varlen_metadata_cached(name, lengths, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], block_m,
                                   block_n, mask, window_left, window_right, total - sm_margin)
     flat = torch.from_numpy(meta.as_int32_array())
-    return flat.to(device, non_blocking=True), flat
+    return flat.to(q.device, non_blocking=True), flat
 
 
 def _fwd_general_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,

@@ -61,6 +61,19 @@ def lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal):
     return out, lse
 
 
+EQUAL_DOCS = (3, 333)  # documents, tokens each
+
+
+def equal_documents(v, seed):
+    """q, k, v, dout of a dense batch of EQUAL_DOCS rows (heads 4 / 2), to be packed."""
+    b, s = EQUAL_DOCS
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = TORCH_DTYPES[v.dtype]
+    q = torch.randn(b, s, 4, v.hdim, device="cuda", dtype=dt, generator=g)
+    k, vv = (torch.randn(b, s, 2, v.hdim, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    return q, k, vv, torch.randn_like(q)
+
+
 def run_varlen(q, k, v, cu_q, cu_k, lq, lk, scale, window, causal):
     poison_cuda_allocator(1 << 28)
     out, lse = dash_fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq + [0]), max(lk + [0]),
@@ -95,11 +108,8 @@ def test_varlen_forward_matches_reference(v, mask, case):
 def test_varlen_of_equal_documents_is_the_dense_kernel_bitwise(v):
     # Equal documents packed are the dense batch: the same tiles in the same order, the same bits.
     require_built(v, "fwd")
-    b, s, h, hkv = 3, 333, 4, 2
-    g = torch.Generator(device="cuda").manual_seed(11)
-    dt = TORCH_DTYPES[v.dtype]
-    q = torch.randn(b, s, h, v.hdim, device="cuda", dtype=dt, generator=g)
-    k, vv = (torch.randn(b, s, hkv, v.hdim, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    b, s = EQUAL_DOCS
+    q, k, vv, _ = equal_documents(v, 11)
     dense_out, dense_lse = dash_fa3.flash_attn_func(q, k, vv, causal=v.causal, return_attn_probs=True)
     cu_s = cumsum([s] * b)
     out, lse = dash_fa3.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), vv.flatten(0, 1), cu_s, cu_s, s, s,
@@ -178,11 +188,8 @@ def test_varlen_deterministic_is_bitwise_for_every_schedule(schedule):
 def test_varlen_backward_of_equal_documents_is_the_dense_kernel_bitwise(v):
     # fa3 order, deterministic: the same tasks and the same dQ add order as the dense call.
     require_built(v, "bwd")
-    b, s, h, hkv = 3, 333, 4, 2
-    g = torch.Generator(device="cuda").manual_seed(12)
-    dt = TORCH_DTYPES[v.dtype]
-    q, dout = (torch.randn(b, s, h, v.hdim, device="cuda", dtype=dt, generator=g) for _ in range(2))
-    k, vv = (torch.randn(b, s, hkv, v.hdim, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    b, s = EQUAL_DOCS
+    q, k, vv, dout = equal_documents(v, 12)
     qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, vv))
     out = dash_fa3.flash_attn_func(qd, kd, vd, causal=v.causal, deterministic=True, schedule="fa3")
     dense = torch.autograd.grad(out, (qd, kd, vd), dout)
