@@ -118,6 +118,53 @@ def backward(fa3: FA3, dout, q, k, v, out, lse, causal: bool, deterministic: boo
     return dq, dk, dv
 
 
+def forward_varlen(fa3: FA3, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                   causal: bool, softmax_scale: float | None = None):
+    """(out, lse) of FA3's forward op over packed documents, called as flash_attn_varlen_func
+    calls it (needs a build with --features varlen)."""
+    if fa3.flash_attn_varlen_func is None:
+        raise FA3NotBuilt(f"this FA3 build has no varlen kernels; rebuild with --features varlen ({fa3.build_dir})")
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    out, lse, *_ = fa3.module._flash_attn_forward(
+        q, k, v,
+        None, None,         # k_new, v_new
+        None,               # qv
+        None,               # out
+        cu_seqlens_q, cu_seqlens_k, None,   # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new
+        None, None,         # seqused_q, seqused_k
+        max_seqlen_q, max_seqlen_k,
+        None, None, None,   # page_table, kv_batch_idx, leftpad_k
+        None, None, None,   # rotary_cos, rotary_sin, seqlens_rotary
+        None, None, None,   # q_descale, k_descale, v_descale
+        softmax_scale,
+        causal=causal, window_size_left=-1, window_size_right=-1, attention_chunk=0,
+        softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
+    )
+    return out, lse
+
+
+def backward_varlen(fa3: FA3, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                    max_seqlen_k: int, causal: bool, deterministic: bool, softmax_scale: float | None = None):
+    """(dq, dk, dv) of FA3's backward op over packed documents, as its varlen autograd calls it."""
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    dq, dk, dv = (x.new_empty(x.shape) for x in (q, k, v))
+    fa3.module._flash_attn_backward(
+        dout, q, k, v, out, lse,
+        cu_seqlens_q, cu_seqlens_k,
+        None, None,         # seqused_q, seqused_k
+        max_seqlen_q, max_seqlen_k,
+        dq, dk, dv,
+        softmax_scale, causal,
+        -1, -1,             # window_size left, right
+        0.0,                # softcap
+        deterministic,
+        0,                  # sm_margin
+    )
+    return dq, dk, dv
+
+
 def forward_fn(fa3: FA3, q, k, v, causal: bool):
     """A no-argument callable running FA3's forward (for timing)."""
     return lambda: forward(fa3, q, k, v, causal)

@@ -1,0 +1,138 @@
+"""Packed documents, ours against FlashAttention-3's varlen functions (issue 17's varlen bar), one process.
+
+A packed batch of --tokens tokens (default 16k) cut into documents of a fixed-seed long-tailed
+mix of lengths (log-uniform from --min to --max tokens, the last one trimmed to fit), heads =
+2048 / hdim, bf16, causal. Per mix: our forward (``fwd_varlen``), our backward non-deterministic
+and deterministic (``auto``: ``lpt`` / ``spt`` merged over the documents) and FA3's forward and
+both backward modes, interleaved in rounds (median of per-round CUDA-event medians;
+``bench_peers.time_point``). FA3 must be built with varlen:
+``python benchmarks/peers/build_fa3.py --src PATH --hdims 128 --features varlen``.
+
+    python benchmarks/bench_varlen.py --hdim 128 --seeds 0,1,2 --commit <sha>
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_peers  # noqa: E402
+from peers import fa3 as fa3_peer  # noqa: E402
+
+from dash_fa3 import _ext, ops  # noqa: E402
+from dash_fa3._timing import commit_label  # noqa: E402
+
+
+def document_mix(tokens: int, shortest: int, longest: int, seed: int) -> list[int]:
+    """Document lengths summing to ``tokens``: log-uniform in [shortest, longest], the last trimmed."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        n = int(round(math.exp(rng.uniform(math.log(shortest), math.log(longest)))))
+        lengths.append(min(n, tokens - sum(lengths)))
+    return lengths
+
+
+def causal_entries(lengths) -> int:
+    """Score entries a causal mask keeps, summed over the documents (the FLOP count's pair count)."""
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--min", type=int, default=64, dest="shortest")
+    ap.add_argument("--max", type=int, default=8192, dest="longest")
+    ap.add_argument("--seeds", default="0", help="comma-separated mix seeds")
+    ap.add_argument("--hdim", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR))
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args(argv)
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if not (1 <= args.shortest <= args.longest):
+        ap.error("need 1 <= --min <= --max")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_varlen: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    fa3 = fa3_peer.load_fa3(args.fa3_build)
+    heads = 2048 // args.hdim
+    print(f"# packed documents, {torch.cuda.get_device_name()}, {datetime.date.today()}, commit "
+          f"{args.commit or commit_label()}, FA3 {fa3.commit}; {args.tokens} tokens, lengths log-uniform "
+          f"{args.shortest}..{args.longest}, {heads} heads, hdim {args.hdim}, bf16, causal; TFLOP/s over the "
+          f"documents' causal entries (fwd 4*h*d per entry, bwd 2.5x); median of {args.rounds} interleaved rounds")
+    print("| seed | documents | longest | ours fwd | FA3 fwd | ours nd | FA3 nd | ours det | FA3 det | fwd ours/FA3 "
+          "| nd ours/FA3 | det ours/FA3 | det/nd ours | max rel diff out, dq vs FA3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for seed in args.seeds:
+        lengths = document_mix(args.tokens, args.shortest, args.longest, seed)
+        cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
+                          device="cuda")
+        longest = max(lengths)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v, dout = (torch.randn(args.tokens, heads, args.hdim, device="cuda", dtype=torch.bfloat16,
+                                     generator=g) for _ in range(4))
+        scale = args.hdim ** -0.5
+
+        def ours_fwd():
+            return _ext.ops().fwd_varlen(q, k, v, cu, cu, longest, longest, scale, -1, 0, 0)
+
+        def ours_bwd(det):
+            return ops._bwd_general_cuda(dout, q, k, v, out, lse, cu, cu, longest, longest, scale, -1, 0, 0.0, det,
+                                         "auto", 0)
+
+        out, lse = ours_fwd()
+        f_out, f_lse = fa3_peer.forward_varlen(fa3, q, k, v, cu, cu, longest, longest, True, scale)
+        dq = ours_bwd(False)[0]
+        f_dq = fa3_peer.backward_varlen(fa3, dout, q, k, v, f_out, f_lse, cu, cu, longest, longest, True, False,
+                                        scale)[0]
+        diffs = [bench_peers.rel_diff(a, b) for a, b in ((out, f_out), (dq, f_dq))]
+        fns = {
+            "ours fwd": ours_fwd,
+            "FA3 fwd": lambda: fa3_peer.forward_varlen(fa3, q, k, v, cu, cu, longest, longest, True, scale),
+            "ours nd": lambda: ours_bwd(False),
+            "FA3 nd": lambda: fa3_peer.backward_varlen(fa3, dout, q, k, v, f_out, f_lse, cu, cu, longest, longest,
+                                                       True, False, scale),
+            "ours det": lambda: ours_bwd(True),
+            "FA3 det": lambda: fa3_peer.backward_varlen(fa3, dout, q, k, v, f_out, f_lse, cu, cu, longest, longest,
+                                                        True, True, scale),
+        }
+        errors: dict = {}
+        round_ms, _ = bench_peers.time_point(fns, errors, args.rounds, args.warmup, args.iters)
+        fwd_flops = 4.0 * heads * args.hdim * causal_entries(lengths)
+        tf = {}
+        for name, ms in round_ms.items():
+            flops = fwd_flops if name.endswith("fwd") else 2.5 * fwd_flops
+            tf[name] = flops / (sorted(ms)[len(ms) // 2] * 1e-3) / 1e12
+
+        def cell(name):
+            return f"{tf[name]:.0f}" if name in tf else f"n/a ({errors.get(name, '?')})"
+
+        def ratio(a, b):
+            return f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "n/a"
+
+        print(f"| {seed} | {len(lengths)} | {longest} | " + " | ".join(cell(n) for n in fns) + " | "
+              + " | ".join((ratio("ours fwd", "FA3 fwd"), ratio("ours nd", "FA3 nd"), ratio("ours det", "FA3 det"),
+                            ratio("ours det", "ours nd")))
+              + f" | {diffs[0]:.1e}, {diffs[1]:.1e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
