@@ -223,16 +223,52 @@ def test_padding_mask_is_refused():
         assert torch.isfinite(ours(x, attention_mask=torch.ones_like(x)).logits).all()
 
 
-@pytest.mark.parametrize("use_cache", [False, True])
-def test_packed_sequences_are_refused(use_cache):
-    # Without a cache transformers' mask builder finds the packing; with one, the attention function does.
+def test_packed_sequences_match_eager_per_document():
+    # Without a cache (use_cache=False) transformers' mask builder finds the packing (position_ids
+    # restart inside a row) and the documents run through flash_attn_varlen_func; eager's packed
+    # mask is the reference.
+    x = ids(62, batch=2, seqlen=24)
+    positions = torch.stack([torch.arange(24), torch.cat([torch.arange(7), torch.arange(12), torch.arange(5)])])
+    results = {}
+    for name, model in zip(("ref", "eager", "ours"), tiny_models(62)):
+        out = model(x, position_ids=positions, labels=x, use_cache=False)
+        out.loss.backward()
+        results[name] = (out.logits.detach().double(),
+                         {n: p.grad.detach().double() for n, p in model.named_parameters()})
+    assert_model_close_to_reference(results, ("self_attn", "embed"), "eager bf16", ERR_FACTOR, ERR_FLOOR)
+    # A document sees only itself: its logits do not change with what precedes it in the row.
+    _, _, ours = tiny_models(62)
+    with torch.no_grad():
+        alone = ours(x[1:, 7:19], position_ids=torch.arange(12)[None], use_cache=False).logits
+        packed = ours(x, position_ids=positions, use_cache=False).logits[1:, 7:19]
+    torch.testing.assert_close(packed.float(), alone.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_packed_offsets_from_the_caller():
+    # DataCollatorWithFlattening(return_flash_attn_kwargs=True) hands cu_seq_lens_q/k and max_length_q/k.
+    q = torch.randn(1, 4, 20, 64, dtype=torch.bfloat16)
+    kv = torch.randn(1, 2, 20, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    out, _ = dt.attention_forward(torch.nn.Module(), q, kv, kv, None, scaling=0.125, cu_seq_lens_q=cu,
+                                  cu_seq_lens_k=cu, max_length_q=12, max_length_k=12)
+    assert out.shape == (1, 20, 4, 64)
+    for lo, hi in ((0, 8), (8, 20)):
+        want, _ = dt.attention_forward(torch.nn.Module(), q[:, :, lo:hi], kv[:, :, lo:hi], kv[:, :, lo:hi], None,
+                                       scaling=0.125)
+        torch.testing.assert_close(out[:, lo:hi].float(), want.float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(dt.UnsupportedAttention, match="max_length_q"):
+        dt.attention_forward(torch.nn.Module(), q, kv, kv, None, cu_seq_lens_q=cu)
+
+
+def test_packed_sequences_with_a_cache_are_refused():
+    # With a KV cache transformers does not look for packing; the attention function does.
     _, _, ours = tiny_models(62)
     x = ids(62, batch=2, seqlen=16)
     positions = torch.stack([torch.arange(16), torch.cat([torch.arange(6), torch.arange(10)])])  # row 1: 2 documents
     with pytest.raises(dt.UnsupportedAttention, match="packed sequences"):
-        ours(x, position_ids=positions, use_cache=use_cache)
+        ours(x, position_ids=positions, use_cache=True)
     with torch.no_grad():  # positions that do not restart: one document per row, runs
-        ours(x, position_ids=torch.arange(3, 19).expand(2, 16), use_cache=use_cache)
+        ours(x, position_ids=torch.arange(3, 19).expand(2, 16), use_cache=True)
 
 
 def test_custom_4d_mask_is_refused():
@@ -346,7 +382,7 @@ def test_fp32_model_is_refused_with_the_fix():
 def test_other_refusals():
     q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
     for kw, match in (({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(4)}, "s_aux"),
-                      ({"cu_seq_lens_q": torch.tensor([0, 8])}, "packed variable-length")):
+                      ({"cu_seqlens_q": torch.tensor([0, 8])}, "cu_seq_lens_q/k")):
         with pytest.raises(dt.UnsupportedAttention, match=match):
             dt.attention_forward(torch.nn.Module(), q, q, q, None, **kw)
     with pytest.raises(TypeError, match="is_causal"):

@@ -25,16 +25,25 @@ What it does with transformers' call:
   keys ``q - w < kv <= q`` that transformers' sliding-window mask keeps. The
   mask builder recognises transformers' own sliding-window causal mask
   function; any other overlay on it is refused.
+- packed sequences (several documents in a row, position_ids restarting, as
+  ``DataCollatorWithFlattening`` produces, with ``use_cache=False``):
+  transformers' mask builder finds the packing and composes its packed mask,
+  which the mask hook recognises; the documents then run through
+  ``flash_attn_varlen_func`` on (batch * seq, heads, dim) views, each
+  attending within itself (with its sliding window, if any). The document
+  offsets are read on the host once per forward. Offsets handed over as
+  ``cu_seq_lens_q/k`` with ``max_length_q/k`` (the collator's
+  ``return_flash_attn_kwargs=True``) run the same way.
 - ``deterministic`` / ``schedule``: a keyword of the model call
   (``model(ids, deterministic=True)``) wins; else the module default set with
   ``set_defaults``; else ``deterministic`` follows
   ``torch.are_deterministic_algorithms_enabled()`` and ``schedule`` is "auto".
 
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
-padding in the attention mask, packed sequences (the adapter does not hand
-them to ``flash_attn_varlen_func`` yet: position_ids that restart inside a row are checked (on the GPU
-asynchronously: the error comes from a later attention call of the same or the
-next forward, not the first one), except while
+padding in the attention mask, packed sequences with a KV cache (transformers
+looks for packing only without one; position_ids that restart inside a row are
+checked (on the GPU asynchronously: the error comes from a later attention call
+of the same or the next forward, not the first one), except while
 torch.compile traces), bidirectional sliding windows, chunked or other custom mask patterns, a 4D mask handed
 in by the caller, a static (pre-allocated) KV cache whose keys run past the
 last query, dropout > 0, softcap, attention sinks, position bias, and fp32
@@ -52,8 +61,10 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 from transformers.masking_utils import and_masks, sliding_window_overlay
+from transformers import masking_utils
 
-from ..interface import flash_attn_func
+from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..ops import remember_host_offsets
 from . import UnsupportedAttention, check_options, resolve_deterministic
 
 __all__ = ["NAME", "UnsupportedAttention", "attention_forward", "mask_for_dash_fa3", "register", "set_defaults",
@@ -91,7 +102,8 @@ def get_defaults() -> dict:
 def _refuse(what: str) -> UnsupportedAttention:
     return UnsupportedAttention(
         f"attn_implementation='{NAME}' cannot compute {what}. dash_fa3 runs full or causal attention over "
-        f"unpadded batches, one sequence per row, and does not fall back to another attention; use "
+        f"unpadded batches (one sequence per row, or packed documents without a KV cache) and does not fall "
+        f"back to another attention; use "
         f"attn_implementation='sdpa' or 'eager' for this model or input"
     )
 
@@ -123,6 +135,39 @@ def _sliding_window_of(mask_function) -> int | None:
     return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
 
 
+def _packed_overlay(mask_function):
+    """(base mask function, packed_sequence_mask) if ``mask_function`` is transformers' packed-
+    sequence composition of a base mask (documents packed in rows, found in position_ids without
+    a KV cache): ``and_masks`` of ``packed_sequence_mask_function`` and the base, the base wrapped
+    by ``remap_positions_for_packed_sequence`` where transformers has it. Else None."""
+    if getattr(mask_function, "__qualname__", None) != and_masks(causal_mask_function).__qualname__:
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    packed_fn = getattr(masking_utils, "packed_sequence_mask_function", None)
+    if not (isinstance(parts, tuple) and len(parts) == 2) or packed_fn is None:
+        return None
+    packed_name = packed_fn(torch.zeros(1, 1)).__qualname__
+    remap = getattr(masking_utils, "remap_positions_for_packed_sequence", None)
+    remap_name = remap(causal_mask_function, torch.zeros(1, 1)).__qualname__ if remap is not None else None
+    for i, part in enumerate(parts):
+        if getattr(part, "__qualname__", None) != packed_name:
+            continue
+        packed = _closure(part).get("packed_sequence_mask")
+        base = parts[1 - i]
+        if remap_name is not None and getattr(base, "__qualname__", None) == remap_name:
+            base = _closure(base).get("mask_function")
+        if isinstance(packed, torch.Tensor) and packed.dim() == 2 and callable(base):
+            return base, packed
+    return None
+
+
+# The packed_sequence_mask of the last mask the hook accepted with packing, or None: the
+# attention calls of that forward run the documents through flash_attn_varlen_func. Held (a
+# (batch, seq) int tensor) until the next model forward's hook call replaces it: nothing else
+# keeps it alive once transformers' mask builder returns.
+_packed_mask: list = [None]
+
+
 def mask_for_dash_fa3(batch_size: int, q_length: int | None = None, kv_length: int | None = None, q_offset=0,
                       kv_offset=0, mask_function=causal_mask_function, attention_mask=None, cache_position=None,
                       local_size=None, **kwargs):
@@ -138,6 +183,10 @@ def mask_for_dash_fa3(batch_size: int, q_length: int | None = None, kv_length: i
         if cache_position is None:
             raise TypeError("mask_for_dash_fa3 needs q_length (and q_offset) or cache_position")
         q_length, q_offset = cache_position.shape[0], cache_position[0]
+    packed = _packed_overlay(mask_function)
+    _packed_mask[0] = None if packed is None else packed[1]
+    if packed is not None:
+        mask_function = packed[0]  # the documents' own mask, checked as any other below
     window = _sliding_window_of(mask_function)
     if window is not None and local_size is not None and local_size != window:
         raise _refuse(f"a sliding-window mask of {window} keys built with local_size={local_size}")
@@ -168,8 +217,8 @@ _pending_checks: list = []  # (event, pinned flag, shape) of position_ids checks
 def _raise_if_packed(flag: bool, shape) -> None:
     if flag:
         _pending_checks.clear()
-        raise _refuse(f"packed sequences (position_ids of shape {tuple(shape)} restart inside a row); "
-                      f"this adapter does not hand them to flash_attn_varlen_func yet")
+        raise _refuse(f"packed sequences (position_ids of shape {tuple(shape)} restart inside a row) with a KV "
+                      f"cache, where transformers builds no packed mask; pass use_cache=False")
 
 
 def _resolve_pending_checks() -> None:
@@ -208,6 +257,39 @@ def _check_unpacked(position_ids) -> None:
     _pending_checks.append((event, flag, position_ids.shape))
 
 
+_packed_offsets: list = [None, -1, None]  # weak reference to the last packed_sequence_mask read, its version, result
+
+
+def _documents_of(packed_mask: torch.Tensor):
+    """(cu_seqlens on the mask's device, longest document) of a packed_sequence_mask, (batch, seq)
+    document indices: a document is a run of one index within a row. Read on the host once per
+    mask tensor and version (one synchronisation per forward); the offsets' host copy is recorded
+    for the backward's schedule."""
+    ref, version, result = _packed_offsets
+    if ref is not None and ref() is packed_mask and version == packed_mask._version:
+        return result
+    rows = packed_mask.cpu()
+    starts = torch.ones(rows.shape, dtype=torch.bool)
+    starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    cu_host = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([rows.numel()])]).to(torch.int32)
+    cu = cu_host.to(packed_mask.device)
+    remember_host_offsets(cu, cu_host.tolist())
+    result = (cu, int((cu_host[1:] - cu_host[:-1]).max()))
+    _packed_offsets[:] = [weakref.ref(packed_mask), packed_mask._version, result]
+    return result
+
+
+def _current_packing(query: torch.Tensor, key: torch.Tensor, position_ids):
+    """The packed documents the mask hook found in this forward for this call's shape, or None."""
+    packed = _packed_mask[0]
+    if packed is None or position_ids is None:
+        return None
+    batch, _, seqlen, _ = query.shape
+    if tuple(packed.shape) != (batch, seqlen) or key.shape[2] != seqlen:
+        return None  # not this call's (position_ids are checked as without packing)
+    return _documents_of(packed)
+
+
 def _causal(module, kwargs) -> bool:
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -233,10 +315,24 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     for name in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise _refuse(f"{name}={kwargs[name]!r}")
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k"):
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
         if kwargs.get(name) is not None:
-            raise _refuse(f"packed variable-length sequences ({name})")
-    _check_unpacked(kwargs.get("position_ids"))
+            raise _refuse(f"the keyword {name} (transformers passes packed offsets as cu_seq_lens_q/k)")
+    documents = None
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        # Offsets handed over by the caller (e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=True)).
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        cu_k = cu_q if cu_k is None else cu_k
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        if cu_q is None or max_q is None or max_k is None:
+            raise _refuse("packed offsets without cu_seq_lens_q, max_length_q and max_length_k")
+        documents = (cu_q, cu_k, int(max_q), int(max_k))
+    else:
+        found = _current_packing(query, key, kwargs.get("position_ids"))
+        if found is not None:
+            documents = (found[0], found[0], found[1], found[1])
+        else:
+            _check_unpacked(kwargs.get("position_ids"))
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise UnsupportedAttention(
             f"attn_implementation='{NAME}' computes in bf16/fp16, but the model runs in {query.dtype}: "
@@ -257,6 +353,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     schedule = kwargs.get("schedule") or _defaults["schedule"]
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if documents is not None:
+        # Documents packed in rows: (batch * seq, heads, dim) views, each document attending within itself.
+        batch, seqlen = q.shape[:2]
+        q, k, v = (t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))
+        out = flash_attn_varlen_func(q, k, v, *documents, softmax_scale=scaling, causal=causal, window_size=window,
+                                     deterministic=deterministic, schedule=schedule)
+        return out.view(batch, seqlen, *out.shape[1:]), None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
                           deterministic=deterministic, schedule=schedule)
