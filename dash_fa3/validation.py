@@ -177,22 +177,27 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"{name} must be a non-negative int, got {m!r}")
     if q.device.type == "cpu" and not torch.compiler.is_compiling():  # data-dependent: not traceable
-        for name, cu, total, m in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
-                                   ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
-            lengths = cu[1:] - cu[:-1]
-            if int(cu[0]) != 0:
-                raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
-            if bool((lengths < 0).any()):
-                raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
-            if int(cu[-1]) != total:
-                raise ValueError(
-                    f"{name} must end at the number of packed tokens ({total}, {name[-1]}.shape[0]), got {int(cu[-1])}"
-                )
-            longest = int(lengths.max())
-            if longest > m:
-                raise ValueError(f"max_seqlen_{name[-1]}={m} is smaller than the longest document ({longest} tokens)")
+        check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), total_q, max_seqlen_q)
+        check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), total_k, max_seqlen_k)
     return VarlenShape(cu_seqlens_q.numel() - 1, total_q, total_k, heads, heads_kv, headdim,
                        SUPPORTED_DTYPES[q.dtype])
+
+
+def check_offsets(name: str, values, total: int, max_seqlen: int) -> None:
+    """The host values of cu_seqlens_q / cu_seqlens_k (``name``): start at 0, non-decreasing,
+    end at ``total`` packed tokens, no document longer than ``max_seqlen``."""
+    values = [int(x) for x in values]
+    lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name} must end at the number of packed tokens ({total}, {name[-1]}.shape[0]), got "
+                         f"{values[-1]}")
+    longest = max(lengths)
+    if longest > max_seqlen:
+        raise ValueError(f"max_seqlen_{name[-1]}={max_seqlen} is smaller than the longest document ({longest} tokens)")
 
 
 def check_varlen_kernel(q, shape: VarlenShape, mask: str) -> None:
