@@ -80,9 +80,10 @@ struct PackedDocs {
   int64_t max_seqlen_q, max_seqlen_k;
 };
 
-// cu_seqlens_q / _k of a packed call: contiguous int32, 1-D, one length
-// (batch + 1 >= 2), on device. Returns batch. The values stay on the device.
-int64_t check_cu_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Device& device);
+// The arguments of a packed call: cu_seqlens_q / _k contiguous int32, 1-D, one
+// length (batch + 1 >= 2), on device; max_seqlen_q / _k in [1, total_q] /
+// [1, total_k]. Returns batch. The offsets' values stay on the device.
+int64_t check_packed_docs(const PackedDocs& docs, int64_t total_q, int64_t total_k, const at::Device& device);
 
 // The SM count of a CUDA device (queried once per device).
 int64_t device_sm_count(const at::Device& device);

@@ -68,11 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   // packed: (heads, padded total) (common/seqlen_info.h).
   int64_t docs = sh.batch, rounded = (seqlen_q + block_m - 1) / block_m * block_m;
   if (packed) {
-    docs = check_cu_seqlens(packed->cu_seqlens_q, packed->cu_seqlens_k, dev);
-    TORCH_CHECK(packed->max_seqlen_q >= 1 && packed->max_seqlen_k >= 1 && packed->max_seqlen_q <= seqlen_q &&
-                    packed->max_seqlen_k <= seqlen_k,
-                msg("dash_fa3: max_seqlen_q / max_seqlen_k must be in [1, total_q] / [1, total_k], got ",
-                    packed->max_seqlen_q, " / ", packed->max_seqlen_k));
+    docs = check_packed_docs(*packed, seqlen_q, seqlen_k, dev);
     rounded = packed_padded_offset(seqlen_q, static_cast<int>(docs), static_cast<int>(block_m));
   }
 

@@ -52,18 +52,22 @@ QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return s;
 }
 
-int64_t check_cu_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Device& device) {
-  for (const at::Tensor* t : {&cu_seqlens_q, &cu_seqlens_k}) {
+int64_t check_packed_docs(const PackedDocs& docs, int64_t total_q, int64_t total_k, const at::Device& device) {
+  for (const at::Tensor* t : {&docs.cu_seqlens_q, &docs.cu_seqlens_k}) {
     TORCH_CHECK(t->device() == device && t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous() &&
                     t->numel() >= 2,
                 msg("dash_fa3: cu_seqlens_q / cu_seqlens_k must be contiguous 1-D int32 tensors of batch + 1 >= 2 "
                     "entries on q's device ", device, ", got ", t->scalar_type(), " ", t->sizes(), " on ",
                     t->device()));
   }
-  TORCH_CHECK(cu_seqlens_q.numel() == cu_seqlens_k.numel(),
+  TORCH_CHECK(docs.cu_seqlens_q.numel() == docs.cu_seqlens_k.numel(),
               msg("dash_fa3: cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got ",
-                  cu_seqlens_q.numel(), " and ", cu_seqlens_k.numel()));
-  return cu_seqlens_q.numel() - 1;
+                  docs.cu_seqlens_q.numel(), " and ", docs.cu_seqlens_k.numel()));
+  TORCH_CHECK(docs.max_seqlen_q >= 1 && docs.max_seqlen_k >= 1 && docs.max_seqlen_q <= total_q &&
+                  docs.max_seqlen_k <= total_k,
+              msg("dash_fa3: max_seqlen_q / max_seqlen_k must be in [1, total_q] / [1, total_k], got ",
+                  docs.max_seqlen_q, " / ", docs.max_seqlen_k));
+  return docs.cu_seqlens_q.numel() - 1;
 }
 
 int64_t device_sm_count(const at::Device& device) {

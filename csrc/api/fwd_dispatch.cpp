@@ -65,11 +65,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
   p.seqlen_q = static_cast<int>(seqlen_q);
   p.seqlen_k = static_cast<int>(sh.seqlen_k);
   if (packed) {
-    const int64_t docs = check_cu_seqlens(packed->cu_seqlens_q, packed->cu_seqlens_k, q.device());
-    TORCH_CHECK(packed->max_seqlen_q >= 1 && packed->max_seqlen_k >= 1 && packed->max_seqlen_q <= seqlen_q &&
-                    packed->max_seqlen_k <= sh.seqlen_k,
-                msg("dash_fa3: max_seqlen_q / max_seqlen_k must be in [1, total_q] / [1, total_k], got ",
-                    packed->max_seqlen_q, " / ", packed->max_seqlen_k));
+    const int64_t docs = check_packed_docs(*packed, seqlen_q, sh.seqlen_k, q.device());
     p.cu_seqlens_q = packed->cu_seqlens_q.data_ptr<int>();
     p.cu_seqlens_k = packed->cu_seqlens_k.data_ptr<int>();
     p.total_q = static_cast<int>(seqlen_q);

@@ -63,4 +63,16 @@ DASH_FA3_HD int packed_row_of(int64_t r, int const* cu_q, int batch, int block_m
   return row < cu_q[lo + 1] ? int(row) : -1;
 }
 
+// The input row that statistics row r of a (problem, head) holds, or -1 for a
+// padding row: dense, r below seqlen_q; packed (cu_q given; r a padded row of
+// all `batch` documents), packed_row_of.
+DASH_FA3_HD int stat_input_row(int64_t r, int seqlen_q, int const* cu_q, int batch, int block_m) {
+  if (cu_q != nullptr) { return packed_row_of(r, cu_q, batch, block_m); }
+  return r < seqlen_q ? int(r) : -1;
+}
+
+// Batches of the tensors (and of the statistics rows): dense, the call's;
+// packed, one.
+DASH_FA3_HD int tensor_batches(int batch, int const* cu_q) { return cu_q != nullptr ? 1 : batch; }
+
 }  // namespace dash_fa3

@@ -92,7 +92,7 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   typename Traits::Params p{};
   // Packed documents: the tensors are one batch of total rows.
   bool const packed = a.cu_seqlens_q != nullptr;
-  int const tensor_batch = packed ? 1 : a.batch;
+  int const tensor_batch = tensor_batches(a.batch, a.cu_seqlens_q);
   auto shape_q = make_shape(packed ? a.total_q : a.seqlen_q, a.headdim, a.heads, tensor_batch);
   auto shape_k = make_shape(packed ? a.total_k : a.seqlen_k, a.headdim, a.heads_kv, tensor_batch);
   // (row, dim, head, batch) view of a (batch, seqlen, heads, d) tensor; ptr an Element pointer.

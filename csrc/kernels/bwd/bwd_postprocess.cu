@@ -69,10 +69,9 @@ __host__ __device__ constexpr int row_pairs(int seqlen_q) {
 // to its document's packed row (common/seqlen_info.h), padding not written.
 template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p) {
-  const bool packed = p.cu_seqlens_q != nullptr;
-  const int tensor_batch = packed ? 1 : p.batch;
+  const int tensor_batch = tensor_batches(p.batch, p.cu_seqlens_q);
   const int chunks_per_row = p.headdim / kVec;
-  const int pairs = row_pairs(packed ? p.seqlen_q_rounded : p.seqlen_q);
+  const int pairs = row_pairs(p.cu_seqlens_q != nullptr ? p.seqlen_q_rounded : p.seqlen_q);
   const int64_t total_q = int64_t(tensor_batch) * p.heads * pairs * chunks_per_row;
   const int64_t total_kv =
       p.dk_partial != nullptr ? int64_t(tensor_batch) * p.heads_kv * p.seqlen_k * chunks_per_row : 0;
@@ -106,9 +105,8 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
         hi_vals[2 * k] = v.z, hi_vals[2 * k + 1] = v.w;
       }
       // The output rows of accumulator rows lo and lo + 8 (-1: padding).
-      const int out_lo = packed ? packed_row_of(lo, p.cu_seqlens_q, p.batch, p.block_m) : (lo < p.seqlen_q ? lo : -1);
-      const int out_hi = packed ? packed_row_of(lo + kRowPair, p.cu_seqlens_q, p.batch, p.block_m)
-                                : (lo + kRowPair < p.seqlen_q ? lo + kRowPair : -1);
+      const int out_lo = stat_input_row(lo, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
+      const int out_hi = stat_input_row(lo + kRowPair, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
       Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + c * kVec;
       if (out_lo >= 0) store_vec<Elem>(dst + out_lo * p.dq_stride.row, vals, p.softmax_scale);
       if (out_hi >= 0) store_vec<Elem>(dst + out_hi * p.dq_stride.row, hi_vals, p.softmax_scale);
@@ -136,12 +134,12 @@ void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaSt
     throw std::invalid_argument("dash_fa3: postprocess needs a dQ fragment order for (block_m, headdim) and "
                                 "seqlen_q <= seqlen_q_rounded, a multiple of block_m");
   }
-  const bool packed = params.cu_seqlens_q != nullptr;
-  const int tensor_batch = packed ? 1 : params.batch;
+  const int tensor_batch = tensor_batches(params.batch, params.cu_seqlens_q);
   const int64_t total_kv =
       params.dk_partial != nullptr ? int64_t(tensor_batch) * params.heads_kv * params.seqlen_k : 0;
   const int64_t total =
-      (int64_t(tensor_batch) * params.heads * row_pairs(packed ? params.seqlen_q_rounded : params.seqlen_q) +
+      (int64_t(tensor_batch) * params.heads *
+           row_pairs(params.cu_seqlens_q != nullptr ? params.seqlen_q_rounded : params.seqlen_q) +
        total_kv) * (params.headdim / kVec);
   if (total == 0) return;
   int device = 0, sms = 0;

@@ -41,8 +41,7 @@ template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessParams p) {
   const int lane_in_row = threadIdx.x % kLanesPerRow;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanesPerRow;
-  const bool packed = p.cu_seqlens_q != nullptr;
-  const int64_t num_rows = int64_t(packed ? 1 : p.batch) * p.heads * p.seqlen_q_rounded;
+  const int64_t num_rows = int64_t(tensor_batches(p.batch, p.cu_seqlens_q)) * p.heads * p.seqlen_q_rounded;
 
   // Rows are enumerated (b, h, s) with s fastest, the layout of dPsum and lse_log2.
   if (row < num_rows) {
@@ -51,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessP
     const int h = static_cast<int>(bh % p.heads);
     const int b = static_cast<int>(bh / p.heads);
     // The input row (-1: padding); packed, in batch 0.
-    const int s = packed ? packed_row_of(r, p.cu_seqlens_q, p.batch, p.block_m) : (r < p.seqlen_q ? r : -1);
+    const int s = stat_input_row(r, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
     float acc = 0.f;
     float lse_log2 = INFINITY;
     if (s >= 0) {
@@ -89,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessP
 void run_bwd_preprocess(const BwdPreprocessParams& params, DType dtype, cudaStream_t stream) {
   if (params.headdim % kVec != 0) throw std::invalid_argument("dash_fa3: preprocess needs headdim % 8 == 0");
   const int64_t num_rows =
-      int64_t(params.cu_seqlens_q != nullptr ? 1 : params.batch) * params.heads * params.seqlen_q_rounded;
+      int64_t(tensor_batches(params.batch, params.cu_seqlens_q)) * params.heads * params.seqlen_q_rounded;
   const int64_t blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (blocks == 0) return;
   dispatch_dtype(dtype, [&](auto tag) {

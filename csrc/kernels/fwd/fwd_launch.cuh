@@ -61,7 +61,7 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   // Packed documents: the tensors are one batch of total rows.
   bool const packed = a.cu_seqlens_q != nullptr;
   int const rows_q = packed ? a.total_q : a.seqlen_q, rows_k = packed ? a.total_k : a.seqlen_k;
-  int const tensor_batch = packed ? 1 : a.batch;
+  int const tensor_batch = tensor_batches(a.batch, a.cu_seqlens_q);
   auto shape_q = make_shape(rows_q, a.headdim, a.heads, tensor_batch);
   auto shape_k = make_shape(rows_k, a.headdim, a.heads_kv, tensor_batch);
   auto shape_vt = make_shape(a.headdim, rows_k, a.heads_kv, tensor_batch);
