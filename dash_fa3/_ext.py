@@ -62,5 +62,16 @@ def built_bwd_variants() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def built_packed_fwd_variants() -> tuple[str, ...]:
+    """Variants whose packed-document (varlen) forward is built (variants.LAYOUTS)."""
+    return tuple(ops().built_packed_fwd_variants())
+
+
+@functools.lru_cache(maxsize=None)
+def built_packed_bwd_variants() -> tuple[str, ...]:
+    return tuple(ops().built_packed_bwd_variants())
+
+
+@functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -68,17 +68,16 @@ _lib.impl("fwd", _fwd_reference, "CPU")
 # ---------------------------------------------------------------- backward
 
 
-def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device) -> int:
+def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False) -> int:
     """The device's SM count, after checking that the backward kernel of (hdim, dtype, mask) is
-    built (an error that says how to build it otherwise: nothing falls back to a slow path) and
-    that sm_margin leaves an SM."""
+    built for dense tensors or, ``packed``, packed documents (an error that says how to build it
+    otherwise: nothing falls back to a slow path) and that sm_margin leaves an SM."""
     variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask)
-    built = _ext.built_bwd_variants()
+    built = _ext.built_packed_bwd_variants() if packed else _ext.built_bwd_variants()
     if variant.name not in built:
         raise RuntimeError(
-            f"dash_fa3: no backward kernel for {variant.name} in this build (built: {', '.join(built) or 'none'}); "
-            f"rebuild with {variants.ENV_VAR} naming it, e.g. {variants.ENV_VAR}=hdim{hdim} pip install "
-            "--no-build-isolation -e .")
+            f"dash_fa3: no {'packed-document ' if packed else ''}backward kernel for {variant.name} in this build "
+            f"(built: {', '.join(built) or 'none'}); {validation.rebuild_hint(variant.name, packed)}")
     total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if total - sm_margin < 1:
         raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
@@ -231,7 +230,7 @@ def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, w
 
     hdim = q.shape[-1]
     mask = variants.mask_of_window(window_left, window_right)
-    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device)
+    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device, packed=True)
     cq, ck = host_offsets(cu_seqlens_q), host_offsets(cu_seqlens_k)
     # The checks flash_attn_varlen_func makes on CPU tensors, now that the values are on the host.
     validation.check_offsets("cu_seqlens_q", cq, q.shape[0], max_seqlen_q)

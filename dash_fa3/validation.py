@@ -204,7 +204,7 @@ def check_varlen_kernel(q, shape: VarlenShape, mask: str) -> None:
     """On CUDA tensors: a Hopper GPU, and the forward kernel of ``mask`` for the shape in the build."""
     if q.is_cuda and not torch.compiler.is_compiling():
         check_cuda_device(q.device)
-        check_built(variants.Variant(shape.headdim, shape.dtype, mask).name)
+        check_built(variants.Variant(shape.headdim, shape.dtype, mask).name, packed=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,14 +220,23 @@ def check_cuda_device(device: torch.device) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def check_built(variant_name: str) -> None:
-    """Raises unless the forward of ``variant_name`` is in this build (cached per name)."""
+def check_built(variant_name: str, packed: bool = False) -> None:
+    """Raises unless the forward of ``variant_name`` is in this build (cached per name), for
+    dense tensors or, ``packed``, for packed documents (variants.LAYOUTS)."""
     from . import _ext
 
-    built = _ext.built_fwd_variants()  # raises with the reason when the extension is missing
+    # Either call raises with the reason when the extension is missing.
+    built = _ext.built_packed_fwd_variants() if packed else _ext.built_fwd_variants()
     if variant_name not in built:
-        hdim = variant_name.split("-")[0]
-        raise ValueError(
-            f"variant {variant_name} was not compiled into this build (built: {', '.join(built)}); "
-            f"rebuild with {variants.ENV_VAR} selecting it, e.g. {variants.ENV_VAR}={hdim}"
-        )
+        raise ValueError(f"{'the packed-document kernel of ' if packed else ''}variant {variant_name} was not "
+                         f"compiled into this build (built: {', '.join(built) or 'none'}); "
+                         f"{rebuild_hint(variant_name, packed)}")
+
+
+def rebuild_hint(variant_name: str, packed: bool) -> str:
+    """How to build the kernels of ``variant_name`` (with the packed layout if ``packed``)."""
+    hdim = variant_name.split("-")[0]
+    hint = f"rebuild with {variants.ENV_VAR} selecting it, e.g. {variants.ENV_VAR}={hdim}"
+    if packed:
+        hint += f", and {variants.LAYOUT_ENV} unset or naming packed"
+    return hint + " pip install --no-build-isolation -e ."

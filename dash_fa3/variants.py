@@ -39,6 +39,14 @@ BWD_HEADDIMS: tuple[int, ...] = HEADDIMS
 # builds name their head dims explicitly (``DASH_FA3_VARIANTS=all``).
 DEFAULT_FILTER = "hdim64,hdim128"
 
+# Tensor layouts every selected variant is compiled for, each its own kernel
+# instantiation: dense (batch, seqlen, heads, d) tensors, and packed documents
+# (FA3's varlen: (total, heads, d) with cu_seqlens; flash_attn_varlen_func).
+# The dense kernels so carry no per-document code. ``DASH_FA3_LAYOUTS=dense``
+# halves the build of a machine that never packs documents.
+LAYOUTS: tuple[str, ...] = ("dense", "packed")
+LAYOUT_ENV = "DASH_FA3_LAYOUTS"
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Variant:
@@ -104,6 +112,18 @@ def select(pattern: str | None = None) -> tuple[Variant, ...]:
     if not chosen:
         raise ValueError(f"{ENV_VAR}={pattern!r} selects no variant")
     return tuple(sorted(chosen))
+
+
+def select_layouts(value: str | None = None) -> tuple[str, ...]:
+    """Layouts named by ``value`` (default: ``$DASH_FA3_LAYOUTS``, unset: all of LAYOUTS),
+    comma-separated, in LAYOUTS order. Raises ``ValueError`` for an unknown name or none."""
+    if value is None:
+        value = os.environ.get(LAYOUT_ENV) or ",".join(LAYOUTS)
+    names_ = {n.strip() for n in value.split(",") if n.strip()}
+    unknown = names_ - set(LAYOUTS)
+    if unknown or not names_:
+        raise ValueError(f"{LAYOUT_ENV}={value!r}: name one or more of {', '.join(LAYOUTS)}")
+    return tuple(layout for layout in LAYOUTS if layout in names_)
 
 
 def mask_of_window(left: int, right: int) -> str:

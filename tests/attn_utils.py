@@ -55,11 +55,13 @@ def assert_bitwise_repeatable(run, repeats):
     assert all(torch.equal(a, b) for a, b in zip(other, first))
 
 
-def require_built(v, direction):
-    """Skip unless the extension has the ``direction`` ("fwd"/"bwd") kernel of variant ``v``."""
-    built = _ext.built_fwd_variants() if direction == "fwd" else _ext.built_bwd_variants()
-    if v.name not in built:
-        pytest.skip(f"no {direction} kernel for {v.name} in this build")
+def require_built(v, direction, layout="dense"):
+    """Skip unless the extension has the ``direction`` ("fwd"/"bwd") kernel of variant ``v`` for
+    ``layout`` (variants.LAYOUTS)."""
+    table = {("fwd", "dense"): _ext.built_fwd_variants, ("bwd", "dense"): _ext.built_bwd_variants,
+             ("fwd", "packed"): _ext.built_packed_fwd_variants, ("bwd", "packed"): _ext.built_packed_bwd_variants}
+    if v.name not in table[direction, layout]():
+        pytest.skip(f"no {layout} {direction} kernel for {v.name} in this build")
 
 
 def make_inputs(v, shape, seed):

@@ -89,7 +89,7 @@ def run_varlen(q, k, v, cu_q, cu_k, lq, lk, scale, window, causal):
                                   (3, 1, 2048, True, 3, 3)])
 def test_varlen_forward_matches_reference(v, mask, case):
     window, causal, kind = mask
-    require_built(variants.Variant(v.hdim, v.dtype, kind), "fwd")
+    require_built(variants.Variant(v.hdim, v.dtype, kind), "fwd", "packed")
     seed, docs, longest, same_qk, heads, heads_kv = case
     lq, lk = doc_mix(seed, docs, longest, same_qk)
     q, k, vv = packed_inputs(v, lq, lk, heads, heads_kv, seed)
@@ -107,6 +107,7 @@ def test_varlen_forward_matches_reference(v, mask, case):
 @pytest.mark.parametrize("v", [v for v in variants.ALL_VARIANTS if v.mask != "local"], ids=lambda v: v.name)
 def test_varlen_of_equal_documents_is_the_dense_kernel_bitwise(v):
     # Equal documents packed are the dense batch: the same tiles in the same order, the same bits.
+    require_built(v, "fwd", "packed")
     require_built(v, "fwd")
     b, s = EQUAL_DOCS
     q, k, vv, _ = equal_documents(v, 11)
@@ -120,7 +121,7 @@ def test_varlen_of_equal_documents_is_the_dense_kernel_bitwise(v):
 
 def test_varlen_forward_without_tokens():
     v = variants.Variant(64, "bf16", "causal")
-    require_built(v, "fwd")
+    require_built(v, "fwd", "packed")
     q = torch.randn(5, 2, 64, device="cuda", dtype=torch.bfloat16)
     empty = torch.zeros(0, 2, 64, device="cuda", dtype=torch.bfloat16)
     cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device="cuda")
@@ -152,7 +153,7 @@ def varlen_grads(q, k, v, dout, cu_q, cu_k, lq, lk, scale, window, causal, **kw)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
 def test_varlen_gradients_match_reference(v, mask, case, deterministic):
     window, causal, kind = mask
-    require_built(variants.Variant(v.hdim, v.dtype, kind), "bwd")
+    require_built(variants.Variant(v.hdim, v.dtype, kind), "bwd", "packed")
     seed, docs, longest, same_qk, heads, heads_kv = case
     lq, lk = doc_mix(seed, docs, longest, same_qk)
     q, k, vv = packed_inputs(v, lq, lk, heads, heads_kv, seed)
@@ -171,7 +172,7 @@ def test_varlen_gradients_match_reference(v, mask, case, deterministic):
 @pytest.mark.parametrize("schedule", ["auto", "fa3", "spt", "descending", "lpt"])
 def test_varlen_deterministic_is_bitwise_for_every_schedule(schedule):
     v = variants.Variant(128, "bf16", "causal")
-    require_built(v, "bwd")
+    require_built(v, "bwd", "packed")
     lq, lk = doc_mix(4, 11, 1800, True)
     q, k, vv = packed_inputs(v, lq, lk, 8, 2, 4)
     dout = torch.randn_like(q)
@@ -187,6 +188,7 @@ def test_varlen_deterministic_is_bitwise_for_every_schedule(schedule):
 @pytest.mark.parametrize("v", [v for v in variants.ALL_VARIANTS if v.mask != "local"], ids=lambda v: v.name)
 def test_varlen_backward_of_equal_documents_is_the_dense_kernel_bitwise(v):
     # fa3 order, deterministic: the same tasks and the same dQ add order as the dense call.
+    require_built(v, "bwd", "packed")
     require_built(v, "bwd")
     b, s = EQUAL_DOCS
     q, k, vv, dout = equal_documents(v, 12)
@@ -203,7 +205,7 @@ def test_varlen_backward_of_equal_documents_is_the_dense_kernel_bitwise(v):
 
 def test_varlen_backward_refuses_wave_schedules():
     v = variants.Variant(64, "bf16", "causal")
-    require_built(v, "bwd")
+    require_built(v, "bwd", "packed")
     q = torch.randn(100, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu_s = torch.tensor([0, 40, 100], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="does not run on packed documents"):

@@ -55,26 +55,50 @@ def test_variant_name_roundtrip():
 
 
 def test_checked_in_instantiations_match_generator():
-    """csrc/instantiations/ holds exactly one generated file per known (direction, variant)."""
-    pairs = build_config.instantiations(variants.ALL_VARIANTS)
+    """csrc/instantiations/ holds exactly one generated file per known (direction, variant, layout)."""
+    triples = build_config.instantiations(variants.ALL_VARIANTS)
     on_disk = {f for f in os.listdir(build_config.INSTANTIATIONS) if f.endswith(".cu")}
-    assert on_disk == {build_config.instantiation_name(d, v) for d, v in pairs}
-    for d, v in pairs:
-        path = build_config.INSTANTIATIONS / build_config.instantiation_name(d, v)
-        assert path.read_text() == build_config.instantiation_source(d, v)
-    # every variant has a forward; the backward exists for BWD_HEADDIMS
-    assert sum(d == "fwd" for d, _ in pairs) == len(variants.ALL_VARIANTS)
-    assert {v.hdim for d, v in pairs if d == "bwd"} == set(variants.BWD_HEADDIMS)
+    assert on_disk == {build_config.instantiation_name(d, v, layout) for d, v, layout in triples}
+    for d, v, layout in triples:
+        path = build_config.INSTANTIATIONS / build_config.instantiation_name(d, v, layout)
+        assert path.read_text() == build_config.instantiation_source(d, v, layout)
+        assert f"/*kPacked=*/{'true' if layout == 'packed' else 'false'}>" in path.read_text()
+    # every variant has a forward in each layout; the backward exists for BWD_HEADDIMS
+    for layout in variants.LAYOUTS:
+        assert sum(d == "fwd" and lay == layout for d, _, lay in triples) == len(variants.ALL_VARIANTS)
+        assert {v.hdim for d, v, lay in triples if d == "bwd" and lay == layout} == set(variants.BWD_HEADDIMS)
 
 
 def test_build_sources_follow_selection():
     sel = variants.select("hdim128-bf16-causal")
     table = build_config.variant_table_source(sel)
-    assert table.count('"hdim128-bf16-causal"') == 2 and "hdim64" not in table  # fwd and bwd
+    # fwd and bwd, dense and packed
+    assert table.count('"hdim128-bf16-causal"') == 4 and "hdim64" not in table
     table = build_config.variant_table_source(variants.select("hdim256-bf16-full"))
-    assert "DASH_FA3_FOR_EACH_BWD_VARIANT(X)" in table and table.count('"hdim256-bf16-full"') == 2  # fwd and bwd
+    assert "DASH_FA3_FOR_EACH_BWD_VARIANT(X)" in table and table.count('"hdim256-bf16-full"') == 4
+    # A dense-only build: the packed tables are declared, and empty.
+    table = build_config.variant_table_source(sel, ("dense",))
+    assert table.count('"hdim128-bf16-causal"') == 2
+    for d in build_config.DIRECTIONS:
+        macro = build_config.table_macro(d, "packed")
+        assert f"#define {macro}(X) \\\n\n" in table, macro
     for src in build_config.COMMON_SOURCES:
         assert os.path.isfile(os.path.join(ROOT, src)), src
+
+
+def test_layouts_select(monkeypatch):
+    assert variants.select_layouts("packed") == ("packed",)
+    assert variants.select_layouts(" packed , dense") == ("dense", "packed")
+    for bad in ("", "ragged", "dense,ragged", ","):
+        with pytest.raises(ValueError, match=variants.LAYOUT_ENV):
+            variants.select_layouts(bad)
+    monkeypatch.delenv(variants.LAYOUT_ENV, raising=False)
+    assert variants.select_layouts() == variants.LAYOUTS
+    monkeypatch.setenv(variants.LAYOUT_ENV, "dense")
+    assert variants.select_layouts() == ("dense",)
+    sources = build_config.prepare(variants.select("hdim128-bf16-causal"))
+    assert [s for s in sources if "instantiations" in s] == [
+        "csrc/instantiations/fwd_hdim128_bf16_causal.cu", "csrc/instantiations/bwd_hdim128_bf16_causal.cu"]
 
 
 @pytest.mark.skipif(not _ext.available(), reason=f"extension not loaded: {_ext.ext_error()}")
@@ -84,3 +108,6 @@ def test_built_variants_are_declared():
     assert set(built) <= {v.name for v in variants.ALL_VARIANTS}
     bwd = _ext.built_bwd_variants()
     assert set(bwd) == {name for name in built if variants.Variant.parse(name).has_bwd}
+    packed = _ext.built_packed_fwd_variants()
+    assert set(packed) <= {v.name for v in variants.ALL_VARIANTS}
+    assert set(_ext.built_packed_bwd_variants()) == {n for n in packed if variants.Variant.parse(n).has_bwd}

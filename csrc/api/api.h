@@ -59,6 +59,9 @@ at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double 
 
 std::vector<std::string> built_fwd_variants();
 std::vector<std::string> built_bwd_variants();
+// The same for the packed-document (varlen) kernels (DASH_FA3_LAYOUTS).
+std::vector<std::string> built_packed_fwd_variants();
+std::vector<std::string> built_packed_bwd_variants();
 
 // Shared input checks (csrc/api/checks.cpp).
 DType dtype_of(const at::Tensor& t, const char* name);

@@ -34,6 +34,8 @@ TORCH_LIBRARY(dash_fa3_C, m) {
   m.def("bwd_postprocess(Tensor dq_accum, int seqlen_q, float softmax_scale, ScalarType dtype) -> Tensor");
   m.def("built_fwd_variants() -> str[]", &dash_fa3::built_fwd_variants);
   m.def("built_bwd_variants() -> str[]", &dash_fa3::built_bwd_variants);
+  m.def("built_packed_fwd_variants() -> str[]", &dash_fa3::built_packed_fwd_variants);
+  m.def("built_packed_bwd_variants() -> str[]", &dash_fa3::built_packed_bwd_variants);
 }
 
 TORCH_LIBRARY_IMPL(dash_fa3_C, CUDA, m) {

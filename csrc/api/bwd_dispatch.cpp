@@ -26,14 +26,20 @@ namespace dash_fa3 {
 namespace {
 
 #define DASH_FA3_BWD_ENTRY(HDIM, DTYPE, MASK, NAME) \
-  KernelVariant<BwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_bwd<HDIM, DType::DTYPE, MaskKind::MASK>},
-// A vector, not an array: a build may select no variant of this direction.
+  KernelVariant<BwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_bwd<HDIM, DType::DTYPE, MaskKind::MASK, false>},
+#define DASH_FA3_BWD_PACKED_ENTRY(HDIM, DTYPE, MASK, NAME) \
+  KernelVariant<BwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_bwd<HDIM, DType::DTYPE, MaskKind::MASK, true>},
+// Vectors, not arrays: a build may select no variant of a direction or layout.
 const std::vector<KernelVariant<BwdParams>> kBwdVariants = {DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_FA3_BWD_ENTRY)};
+const std::vector<KernelVariant<BwdParams>> kBwdPackedVariants = {
+    DASH_FA3_FOR_EACH_BWD_PACKED_VARIANT(DASH_FA3_BWD_PACKED_ENTRY)};
 #undef DASH_FA3_BWD_ENTRY
+#undef DASH_FA3_BWD_PACKED_ENTRY
 
 }  // namespace
 
 std::vector<std::string> built_bwd_variants() { return variant_names(kBwdVariants); }
+std::vector<std::string> built_packed_bwd_variants() { return variant_names(kBwdPackedVariants); }
 
 namespace {
 
@@ -60,7 +66,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
               msg("dash_fa3: window (", window_left, ", ", window_right, ") entries must be in [-1, 2^30) "
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
-  const auto& chosen = find_variant(kBwdVariants, "backward", sh.hdim, sh.dtype, mask);
+  const auto& chosen = packed ? find_variant(kBwdPackedVariants, "packed backward", sh.hdim, sh.dtype, mask, true)
+                              : find_variant(kBwdVariants, "backward", sh.hdim, sh.dtype, mask);
   const int64_t seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads, heads_kv = sh.heads_kv,
                 hdim = sh.hdim;
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));

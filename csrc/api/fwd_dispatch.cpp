@@ -16,14 +16,20 @@ namespace dash_fa3 {
 namespace {
 
 #define DASH_FA3_FWD_ENTRY(HDIM, DTYPE, MASK, NAME) \
-  KernelVariant<FwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_fwd<HDIM, DType::DTYPE, MaskKind::MASK>},
-// A vector, not an array: a build may select no variant of this direction.
+  KernelVariant<FwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_fwd<HDIM, DType::DTYPE, MaskKind::MASK, false>},
+#define DASH_FA3_FWD_PACKED_ENTRY(HDIM, DTYPE, MASK, NAME) \
+  KernelVariant<FwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_fwd<HDIM, DType::DTYPE, MaskKind::MASK, true>},
+// Vectors, not arrays: a build may select no variant of a direction or layout.
 const std::vector<KernelVariant<FwdParams>> kFwdVariants = {DASH_FA3_FOR_EACH_FWD_VARIANT(DASH_FA3_FWD_ENTRY)};
+const std::vector<KernelVariant<FwdParams>> kFwdPackedVariants = {
+    DASH_FA3_FOR_EACH_FWD_PACKED_VARIANT(DASH_FA3_FWD_PACKED_ENTRY)};
 #undef DASH_FA3_FWD_ENTRY
+#undef DASH_FA3_FWD_PACKED_ENTRY
 
 }  // namespace
 
 std::vector<std::string> built_fwd_variants() { return variant_names(kFwdVariants); }
+std::vector<std::string> built_packed_fwd_variants() { return variant_names(kFwdPackedVariants); }
 
 namespace {
 
@@ -43,7 +49,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
               msg("dash_fa3: window (", window_left, ", ", window_right, ") entries must be in [-1, 2^30) "
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
-  const auto& chosen = find_variant(kFwdVariants, "forward", sh.hdim, sh.dtype, mask);
+  const auto& chosen = packed ? find_variant(kFwdPackedVariants, "packed forward", sh.hdim, sh.dtype, mask, true)
+                              : find_variant(kFwdVariants, "forward", sh.hdim, sh.dtype, mask);
   const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, heads = sh.heads, hdim = sh.hdim;
 
   c10::cuda::CUDAGuard guard(q.device());

@@ -37,17 +37,20 @@ std::string variant_list(const std::vector<KernelVariant<Params>>& table) {
 }
 
 // The variant for (hdim, dtype, mask); a TORCH_CHECK error naming what was built otherwise.
+// direction names the table in that error ("forward", "packed backward", ...);
+// packed: the table of packed-document kernels (DASH_FA3_LAYOUTS may leave it out).
 template <class Params>
 const KernelVariant<Params>& find_variant(const std::vector<KernelVariant<Params>>& table, const char* direction,
-                                          int64_t hdim, DType dtype, MaskKind mask) {
+                                          int64_t hdim, DType dtype, MaskKind mask, bool packed = false) {
   const KernelVariant<Params>* found = nullptr;
   for (const auto& v : table) {
     if (v.hdim == hdim && v.dtype == dtype && v.mask == mask) found = &v;
   }
   TORCH_CHECK(found != nullptr, msg("dash_fa3: no ", direction, " kernel for hdim", hdim, "-",
                                     dtype == DType::kBF16 ? "bf16" : "fp16", "-", mask_kind_name(mask),
-                                    " in this build (built: ", variant_list(table),
-                                    "); rebuild with DASH_FA3_VARIANTS naming it"));
+                                    " in this build (built: ", table.empty() ? std::string("none") : variant_list(table),
+                                    "); rebuild with DASH_FA3_VARIANTS naming it",
+                                    packed ? " and DASH_FA3_LAYOUTS unset or naming packed" : ""));
   return *found;
 }
 

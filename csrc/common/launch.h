@@ -10,7 +10,9 @@
 
 namespace dash_fa3 {
 
-template <int kHeadDim, DType kDType, MaskKind kMask>
+// kPacked: the instantiation for packed documents (FwdParams::cu_seqlens_q
+// given); the dense one carries no per-document code.
+template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 
 void run_bwd_preprocess(const BwdPreprocessParams& params, DType dtype, cudaStream_t stream);
@@ -22,8 +24,8 @@ namespace dash_fa3 {
 
 // Backward main kernel (csrc/kernels/bwd/bwd_launch.cuh). Its tiles are
 // bwd_block_m(headdim) x bwd_block_n(headdim) (kernel_contract.h); block_m is
-// also the preprocess's rounding of seqlen_q.
-template <int kHeadDim, DType kDType, MaskKind kMask>
+// also the preprocess's rounding of seqlen_q. kPacked as for run_fwd.
+template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace dash_fa3

@@ -93,8 +93,11 @@ struct BwdEpilogue {
   // Whether an MHA task with steps must store from registers: its KV tile
   // reaches past its packed document's end.
   CUTE_DEVICE static bool needs_direct_store(Params const& p, int32_t const* row) {
-    if (p.cu_seqlens_k == nullptr) { return false; }
-    return (row[schedule::kCKvTile] + 1) * kBlockN > Traits::seqlens(p, row[schedule::kCBatch]).seqlen_k;
+    if constexpr (Traits::kPacked) {
+      return (row[schedule::kCKvTile] + 1) * kBlockN > Traits::seqlens(p, row[schedule::kCBatch]).seqlen_k;
+    } else {
+      return false;
+    }
   }
 
   // Tasks without steps (dK = dV = 0, nothing loaded), GQA, and MHA tiles that

@@ -91,7 +91,7 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   using Element = typename Traits::Element;
   typename Traits::Params p{};
   // Packed documents: the tensors are one batch of total rows.
-  bool const packed = a.cu_seqlens_q != nullptr;
+  constexpr bool packed = Traits::kPacked;
   int const tensor_batch = tensor_batches(a.batch, a.cu_seqlens_q);
   auto shape_q = make_shape(packed ? a.total_q : a.seqlen_q, a.headdim, a.heads, tensor_batch);
   auto shape_k = make_shape(packed ? a.total_k : a.seqlen_k, a.headdim, a.heads_kv, tensor_batch);
@@ -157,9 +157,9 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
 
 }  // namespace bwd
 
-template <int kHeadDim, DType kDType, MaskKind kMask>
+template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
 void run_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kMask>;
+  using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kMask, kPacked>;
   using bwd::require;
   require(params.headdim == kHeadDim, "headdim does not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
@@ -170,8 +170,9 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   require(!(Traits::kFixedSteps && params.deterministic),
           "this extension is a DASH_FA3_BWD_FIXED_STEPS=1 measurement build, which has no deterministic mode: "
           "rebuild without that variable");
-  require((params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr),
-          "cu_seqlens_q and cu_seqlens_k must both be given or both be nullptr");
+  require((params.cu_seqlens_q != nullptr) == kPacked && (params.cu_seqlens_k != nullptr) == kPacked,
+          kPacked ? "the packed instantiation needs cu_seqlens_q and cu_seqlens_k"
+                  : "the dense instantiation takes no cu_seqlens (packed documents have their own)");
   if (params.cu_seqlens_q == nullptr) {
     int const n_q = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     require(params.seqlen_q_rounded == n_q * Traits::kBlockM,

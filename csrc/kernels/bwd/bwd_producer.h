@@ -93,7 +93,7 @@ struct BwdProducer {
       // also reads the next document's rows, whose statistics rows are
       // padding (common/seqlen_info.h).
       auto q_rows = [&](auto const& tma) {
-        return domain_offset(make_coord(sl.offset_q, 0), tma.get_tma_tensor(p.shape_q)(_, _, h, sl.tensor_batch));
+        return Traits::from_row(tma.get_tma_tensor(p.shape_q)(_, _, h, sl.tensor_batch), sl.offset_q);
       };
       Tensor gQ = local_tile(q_rows(p.tma_q), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
       Tensor gdO = local_tile(q_rows(p.tma_do), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));

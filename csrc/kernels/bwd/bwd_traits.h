@@ -91,7 +91,7 @@ enum class BwdBarrier : uint32_t {
 #define DASH_FA3_BWD_FIXED_STEPS 0
 #endif
 
-template <int kHeadDim_, class Element_, MaskKind kMask_>
+template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -99,6 +99,10 @@ struct BwdTraits {
   static constexpr bool kCausal = kMask == MaskKind::kCausal;
   // A runtime window (Params::window_left/right), masked on both sides.
   static constexpr bool kLocal = kMask == MaskKind::kLocal;
+  // Packed documents (common/seqlen_info.h): each problem's lengths and rows
+  // come from cu_seqlens. The dense instantiation reads the call's lengths
+  // from the kernel parameters and has no per-document code.
+  static constexpr bool kPacked = kPacked_;
 
   // Tile shape per head dim, from dash_fa3/schedule/contract.py (as FA3's
   // Hopper backward at hdim 64/128): kBlockN KV rows, kBlockM Q rows per step.
@@ -361,7 +365,11 @@ struct BwdTraits {
 
   // The lengths and rows of problem (document) b.
   CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) {
-    return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+    if constexpr (kPacked) {
+      return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+    } else {
+      return {p.seqlen_q, p.seqlen_k, 0, 0, b};
+    }
   }
 
   // Block ranges of one (batch, head) with lengths seqlen_q x seqlen_k and
@@ -382,16 +390,30 @@ struct BwdTraits {
   // dQ accumulator rows (times kHeadDim floats) and, divided by kBlockM, its
   // first semaphore.
   CUTE_HOST_DEVICE static int64_t stat_row(Params const& p, int b, int h) {
-    if (p.cu_seqlens_q == nullptr) { return (int64_t(b) * p.heads + h) * p.seqlen_q_rounded; }
-    return int64_t(h) * p.seqlen_q_rounded + packed_padded_offset(p.cu_seqlens_q[b], b, kBlockM);
+    if constexpr (kPacked) {
+      return int64_t(h) * p.seqlen_q_rounded + packed_padded_offset(p.cu_seqlens_q[b], b, kBlockM);
+    } else {
+      return (int64_t(b) * p.heads + h) * p.seqlen_q_rounded;
+    }
   }
 
   // KV tile kv of (problem sl, KV head h_kv) in the TMA view of a K-shaped
   // tensor (K, V loads; dK, dV stores): (kBlockN, kHeadDim).
   template <class TmaCopy>
   CUTE_DEVICE static auto kv_tile(TmaCopy const& tma, Params const& p, SeqlenInfo const& sl, int h_kv, int kv) {
-    return local_tile(domain_offset(make_coord(sl.offset_k, 0), tma.get_tma_tensor(p.shape_k)(_, _, h_kv, sl.tensor_batch)),
+    return local_tile(from_row(tma.get_tma_tensor(p.shape_k)(_, _, h_kv, sl.tensor_batch), sl.offset_k),
                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(kv, _0{}));
+  }
+
+  // A (rows, d) view of a problem's tensor from its first row: packed, from
+  // the document's offset; dense, the view itself.
+  template <class View>
+  CUTE_DEVICE static auto from_row(View const& rows, int row0) {
+    if constexpr (kPacked) {
+      return domain_offset(make_coord(row0, 0), rows);
+    } else {
+      return rows;
+    }
   }
 };
 

@@ -71,10 +71,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       FwdTile t;
       SeqlenInfo sl;
       BlockRange kv_blocks;
-      // (One loop for dense and packed calls: the MMA warpgroups have registers to spare.)
-      typename Scheduler::Slot const slot = p.cu_seqlens_q != nullptr
-                                                ? Scheduler::template tile_at<true>(p, k, t, sl, kv_blocks)
-                                                : Scheduler::template tile_at<false>(p, k, t, sl, kv_blocks);
+      typename Scheduler::Slot const slot = Scheduler::tile_at(p, k, t, sl, kv_blocks);
       if (slot == Scheduler::Slot::kDone) { break; }
       if (slot == Scheduler::Slot::kSkip) { continue; }
       if (kv_blocks.end <= kv_blocks.begin) {

@@ -59,7 +59,7 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   using P = typename Traits::Params;
   P p{};
   // Packed documents: the tensors are one batch of total rows.
-  bool const packed = a.cu_seqlens_q != nullptr;
+  constexpr bool packed = Traits::kPacked;
   int const rows_q = packed ? a.total_q : a.seqlen_q, rows_k = packed ? a.total_k : a.seqlen_k;
   int const tensor_batch = tensor_batches(a.batch, a.cu_seqlens_q);
   auto shape_q = make_shape(rows_q, a.headdim, a.heads, tensor_batch);
@@ -118,9 +118,9 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
 
 }  // namespace fwd
 
-template <int kHeadDim, DType kDType, MaskKind kMask>
+template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
-  using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kMask>;
+  using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked>;
   using fwd::require;
   require(params.headdim == kHeadDim, "headdim does not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
@@ -136,8 +136,9 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   require(params.o_stride.row % 2 == 0 && params.o_stride.head % 2 == 0 && params.o_stride.batch % 2 == 0,
           "o strides must be even (O is written in 4-byte pairs)");
   require(params.lse != nullptr, "lse must be given");
-  require((params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr),
-          "cu_seqlens_q and cu_seqlens_k must both be given or both be nullptr");
+  require((params.cu_seqlens_q != nullptr) == kPacked && (params.cu_seqlens_k != nullptr) == kPacked,
+          kPacked ? "the packed instantiation needs cu_seqlens_q and cu_seqlens_k"
+                  : "the dense instantiation takes no cu_seqlens (packed documents have their own)");
   require(params.cu_seqlens_q == nullptr || (params.total_q >= 1 && params.total_k >= 1),
           "packed documents need total_q, total_k >= 1");
   require(!Traits::kLocal || (params.window_left >= -1 && params.window_right >= -1),

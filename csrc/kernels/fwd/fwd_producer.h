@@ -39,22 +39,9 @@ struct FwdProducer {
   }
 
   // Run by all 32 lanes of the producer warp; lane 0 issues the copies and
-  // the expect-tx arrivals (it is the pipelines' leader thread). Dense and
-  // packed calls take separate instantiations of the loop: the packed one
-  // carries the documents' row offsets, which the dense one, at the
-  // producer's 24 registers, would otherwise pay for in spills.
+  // the expect-tx arrivals (it is the pipelines' leader thread).
   CUTE_DEVICE static void run(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
                               PipelineKV& pipeline_k, PipelineKV& pipeline_v) {
-    if (p.cu_seqlens_q != nullptr) {
-      run_tiles<true>(p, smem, pipeline_q, pipeline_k, pipeline_v);
-    } else {
-      run_tiles<false>(p, smem, pipeline_q, pipeline_k, pipeline_v);
-    }
-  }
-
-  template <bool kPacked>
-  CUTE_DEVICE static void run_tiles(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
-                                    PipelineKV& pipeline_k, PipelineKV& pipeline_v) {
     bool const leader = (threadIdx.x % 32) == 0;
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
@@ -75,7 +62,7 @@ struct FwdProducer {
       FwdTile t;
       SeqlenInfo sl;
       BlockRange kv_blocks;
-      typename Scheduler::Slot const slot = Scheduler::template tile_at<kPacked>(p, k, t, sl, kv_blocks);
+      typename Scheduler::Slot const slot = Scheduler::tile_at(p, k, t, sl, kv_blocks);
       if (slot == Scheduler::Slot::kDone) { break; }
       if (slot == Scheduler::Slot::kSkip) { continue; }
       // The MMA warpgroups skip such a tile too (they write O = 0, LSE = -inf).
@@ -85,7 +72,7 @@ struct FwdProducer {
       // A packed document's rows start at its offset; its last tiles read the
       // next document's rows, which the mask (keys) and the epilogue (rows) ignore.
       auto rows_from = [](int offset, auto mode, auto const& tensor) {
-        if constexpr (kPacked) {
+        if constexpr (Traits::kPacked) {
           return domain_offset(decltype(mode)::value == 0 ? make_coord(offset, 0) : make_coord(0, offset), tensor);
         } else {
           return tensor;

@@ -86,14 +86,13 @@ struct FwdTileScheduler {
   // for a slot without a tile (an odd causal pair's middle, a tile past its
   // document's end), else kTile with the tile, its problem's lengths and its
   // key blocks (possibly empty: rows that attend no key).
-  // kPacked: whether the call has packed documents (p.cu_seqlens_q), when the
-  // caller has branched on it already.
-  template <bool kPacked>
   CUTE_DEVICE static Slot tile_at(Params const& p, int k, FwdTile& t, SeqlenInfo& sl, BlockRange& kv_blocks) {
     if (!slot(p, k, t)) { return Slot::kDone; }
     if (t.m_block < 0) { return Slot::kSkip; }
-    sl = kPacked ? Traits::seqlens(p, t.batch) : SeqlenInfo{p.seqlen_q, p.seqlen_k, 0, 0, t.batch};
-    if (t.m_block * Traits::kBlockM >= sl.seqlen_q) { return Slot::kSkip; }
+    sl = Traits::seqlens(p, t.batch);
+    if constexpr (Traits::kPacked) {
+      if (t.m_block * Traits::kBlockM >= sl.seqlen_q) { return Slot::kSkip; }
+    }
     kv_blocks = Traits::tile_geometry(p, sl).kv_range(t.m_block);
     return Slot::kTile;
   }

@@ -68,7 +68,7 @@ template <bool kDiagonal> struct FwdTileConfig<256, kDiagonal> {
   static constexpr int kBlockN = 80, kStages = 2, kQStages = 1;
 };
 
-template <int kHeadDim_, class Element_, MaskKind kMask_>
+template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -76,6 +76,10 @@ struct FwdTraits {
   static constexpr bool kCausal = kMask == MaskKind::kCausal;
   // A runtime window (Params::window_left/right), masked on both sides.
   static constexpr bool kLocal = kMask == MaskKind::kLocal;
+  // Packed documents (common/seqlen_info.h): each problem's lengths and rows
+  // come from cu_seqlens. The dense instantiation reads the call's lengths
+  // from the kernel parameters and has no per-document code.
+  static constexpr bool kPacked = kPacked_;
   using TileConfig = FwdTileConfig<kHeadDim, kCausal || kLocal>;
 
   static constexpr int kNumMmaWarpgroups = 2;
@@ -191,7 +195,11 @@ struct FwdTraits {
 
   // The lengths and rows of problem (document) b.
   CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) {
-    return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+    if constexpr (kPacked) {
+      return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+    } else {
+      return {p.seqlen_q, p.seqlen_k, 0, 0, b};
+    }
   }
 
   // Block ranges of one (batch, head) with lengths sl and this kernel's tiles;
