@@ -458,6 +458,34 @@ def time_point(fns: dict, errors: dict, rounds: int, warmup: int, iters: int) ->
     return {n: t for n, t in round_ms.items() if t}, {n: s for n, s in samples.items() if s}
 
 
+# The side-by-side tables of bench_window.py and bench_varlen.py: their own leading columns, then these.
+PAIR_COLUMNS = ("ours fwd", "FA3 fwd", "ours nd", "FA3 nd", "ours det", "FA3 det")
+PAIR_HEADER = (" | ".join(PAIR_COLUMNS) + " | fwd ours/FA3 | nd ours/FA3 | det ours/FA3 | det/nd ours "
+               "| max rel diff out, dq vs FA3")
+
+
+def pair_cells(fns: dict, fwd_flops: float, diffs, args) -> str:
+    """The PAIR_HEADER cells of one configuration: ``fns`` (PAIR_COLUMNS -> call) timed in
+    interleaved rounds (args.rounds, .warmup, .iters), TFLOP/s of the per-round medians' median
+    (forward at ``fwd_flops``, backward 2.5x), the ratios, and ``diffs`` (out, dq vs FA3)."""
+    errors: dict = {}
+    round_ms, _ = time_point(fns, errors, args.rounds, args.warmup, args.iters)
+    tf = {}
+    for name, ms in round_ms.items():
+        flops = fwd_flops if name.endswith("fwd") else 2.5 * fwd_flops
+        tf[name] = flops / (sorted(ms)[len(ms) // 2] * 1e-3) / 1e12
+
+    def cell(name):
+        return f"{tf[name]:.0f}" if name in tf else f"n/a ({errors.get(name, '?')})"
+
+    def ratio(a, b):
+        return f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "n/a"
+
+    return " | ".join([cell(n) for n in PAIR_COLUMNS] + [
+        ratio("ours fwd", "FA3 fwd"), ratio("ours nd", "FA3 nd"), ratio("ours det", "FA3 det"),
+        ratio("ours det", "ours nd"), f"{diffs[0]:.1e}, {diffs[1]:.1e}"])
+
+
 def load_peer(args):
     """(FA3 or None, reason it is missing or None)."""
     if "fa3" not in args.peers:

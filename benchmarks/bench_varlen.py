@@ -77,8 +77,7 @@ def main(argv=None) -> int:
           f"{args.commit or commit_label()}, FA3 {fa3.commit}; {args.tokens} tokens, lengths log-uniform "
           f"{args.shortest}..{args.longest}, {heads} heads, hdim {args.hdim}, bf16, causal; TFLOP/s over the "
           f"documents' causal entries (fwd 4*h*d per entry, bwd 2.5x); median of {args.rounds} interleaved rounds")
-    print("| seed | documents | longest | ours fwd | FA3 fwd | ours nd | FA3 nd | ours det | FA3 det | fwd ours/FA3 "
-          "| nd ours/FA3 | det ours/FA3 | det/nd ours | max rel diff out, dq vs FA3 |")
+    print(f"| seed | documents | longest | {bench_peers.PAIR_HEADER} |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seed in args.seeds:
         lengths = document_mix(args.tokens, args.shortest, args.longest, seed)
@@ -98,39 +97,22 @@ def main(argv=None) -> int:
                                          "auto", 0)
 
         out, lse = ours_fwd()
-        f_out, f_lse = fa3_peer.forward_varlen(fa3, q, k, v, cu, cu, longest, longest, True, scale)
+        docs = (cu, cu, longest, longest)
+        f_out, f_lse = fa3_peer.forward(fa3, q, k, v, True, scale, docs=docs)
         dq = ours_bwd(False)[0]
-        f_dq = fa3_peer.backward_varlen(fa3, dout, q, k, v, f_out, f_lse, cu, cu, longest, longest, True, False,
-                                        scale)[0]
+        f_dq = fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, True, False, scale, docs=docs)[0]
         diffs = [bench_peers.rel_diff(a, b) for a, b in ((out, f_out), (dq, f_dq))]
         fns = {
             "ours fwd": ours_fwd,
-            "FA3 fwd": lambda: fa3_peer.forward_varlen(fa3, q, k, v, cu, cu, longest, longest, True, scale),
+            "FA3 fwd": lambda: fa3_peer.forward(fa3, q, k, v, True, scale, docs=docs),
             "ours nd": lambda: ours_bwd(False),
-            "FA3 nd": lambda: fa3_peer.backward_varlen(fa3, dout, q, k, v, f_out, f_lse, cu, cu, longest, longest,
-                                                       True, False, scale),
+            "FA3 nd": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, True, False, scale, docs=docs),
             "ours det": lambda: ours_bwd(True),
-            "FA3 det": lambda: fa3_peer.backward_varlen(fa3, dout, q, k, v, f_out, f_lse, cu, cu, longest, longest,
-                                                        True, True, scale),
+            "FA3 det": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, True, True, scale, docs=docs),
         }
-        errors: dict = {}
-        round_ms, _ = bench_peers.time_point(fns, errors, args.rounds, args.warmup, args.iters)
         fwd_flops = 4.0 * heads * args.hdim * causal_entries(lengths)
-        tf = {}
-        for name, ms in round_ms.items():
-            flops = fwd_flops if name.endswith("fwd") else 2.5 * fwd_flops
-            tf[name] = flops / (sorted(ms)[len(ms) // 2] * 1e-3) / 1e12
-
-        def cell(name):
-            return f"{tf[name]:.0f}" if name in tf else f"n/a ({errors.get(name, '?')})"
-
-        def ratio(a, b):
-            return f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "n/a"
-
-        print(f"| {seed} | {len(lengths)} | {longest} | " + " | ".join(cell(n) for n in fns) + " | "
-              + " | ".join((ratio("ours fwd", "FA3 fwd"), ratio("ours nd", "FA3 nd"), ratio("ours det", "FA3 det"),
-                            ratio("ours det", "ours nd")))
-              + f" | {diffs[0]:.1e}, {diffs[1]:.1e} |", flush=True)
+        print(f"| {seed} | {len(lengths)} | {longest} | {bench_peers.pair_cells(fns, fwd_flops, diffs, args)} |",
+              flush=True)
     return 0
 
 

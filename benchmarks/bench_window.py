@@ -78,8 +78,7 @@ def main(argv=None) -> int:
           f"{args.commit or commit_label()}, FA3 {fa3.commit}; batch 1, {args.seqlen} tokens, {heads} heads, hdim "
           f"{args.hdim}, bf16; TFLOP/s over the window's entries (fwd 4*h*d per entry, bwd 2.5x); median of "
           f"{args.rounds} interleaved rounds")
-    print("| window | ours fwd | FA3 fwd | ours nd | FA3 nd | ours det | FA3 det | fwd ours/FA3 | nd ours/FA3 "
-          "| det ours/FA3 | det/nd ours | max rel diff out, dq vs FA3 |")
+    print(f"| window | {bench_peers.PAIR_HEADER} |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for left, right in args.window:
         g = torch.Generator(device="cuda").manual_seed(left * 7 + right)
@@ -100,25 +99,8 @@ def main(argv=None) -> int:
             "ours det": lambda: ops._bwd_cuda_window(dout, q, k, v, out, lse, scale, left, right, True, "auto", 0, _no_reference),
             "FA3 det": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, False, True, scale, window=win),
         }
-        errors: dict = {}
-        round_ms, _ = bench_peers.time_point(fns, errors, args.rounds, args.warmup, args.iters)
-        entries = window_entries(args.seqlen, left, right)
-        fwd_flops = 4.0 * heads * args.hdim * entries
-        tf = {}
-        for name, ms in round_ms.items():
-            flops = fwd_flops if name.endswith("fwd") else 2.5 * fwd_flops
-            tf[name] = flops / (sorted(ms)[len(ms) // 2] * 1e-3) / 1e12
-
-        def cell(name):
-            return f"{tf[name]:.0f}" if name in tf else f"n/a ({errors.get(name, '?')})"
-
-        def ratio(a, b):
-            return f"{tf[a] / tf[b]:.2f}" if a in tf and b in tf else "n/a"
-
-        print(f"| ({left}, {right}) | " + " | ".join(cell(n) for n in fns) + " | "
-              + " | ".join((ratio("ours fwd", "FA3 fwd"), ratio("ours nd", "FA3 nd"), ratio("ours det", "FA3 det"),
-                            ratio("ours det", "ours nd")))
-              + f" | {diffs[0]:.1e}, {diffs[1]:.1e} |", flush=True)
+        fwd_flops = 4.0 * heads * args.hdim * window_entries(args.seqlen, left, right)
+        print(f"| ({left}, {right}) | {bench_peers.pair_cells(fns, fwd_flops, diffs, args)} |", flush=True)
     return 0
 
 

@@ -511,3 +511,31 @@ def test_nd_only_drops_every_deterministic_backward():
     kept = bp.nondeterministic(names)
     assert set(kept) == {"FA3 fwd", "cuDNN fwd", "ours fwd", "FA3 nd", "cuDNN bwd", "ours nd"} & set(names)
     assert "ours nd" in kept and "FA3 nd" in kept
+
+
+def test_pair_cells_time_the_six_calls_and_report_errors(monkeypatch):
+    """The row cells of bench_window / bench_varlen: TFLOP/s of the median round, ratios, n/a on errors."""
+    ms = {"ours fwd": [2.0, 1.0, 3.0], "FA3 fwd": [4.0, 4.0, 4.0], "ours nd": [5.0, 5.0, 5.0],
+          "FA3 nd": [10.0, 10.0, 10.0], "ours det": [10.0, 10.0, 10.0]}
+
+    def fake_time_point(fns, errors, rounds, warmup, iters):
+        assert list(fns) == list(bp.PAIR_COLUMNS) and (rounds, warmup, iters) == (3, 1, 2)
+        errors["FA3 det"] = "boom"
+        return ms, {}
+
+    monkeypatch.setattr(bp, "time_point", fake_time_point)
+    args = type("A", (), {"rounds": 3, "warmup": 1, "iters": 2})()
+    cells = bp.pair_cells({n: None for n in bp.PAIR_COLUMNS}, 1e12, (1e-5, 2e-4), args).split(" | ")
+    assert len(cells) == bp.PAIR_HEADER.count("|") + 1
+    # 1e12 flops forward: 2 ms median -> 500 TFLOP/s; the backward counts 2.5x.
+    assert cells[:6] == ["500", "250", "500", "250", "250", "n/a (boom)"]
+    assert cells[6:] == ["2.00", "2.00", "n/a", "0.50", "1.0e-05, 2.0e-04"]
+
+
+def test_fa3_packed_documents_need_a_varlen_build():
+    dense_only = fa3_peer.FA3(None, None, None, {}, "/nowhere")
+    assert fa3_peer._packed(dense_only, None) == (None, None, None, None)
+    with pytest.raises(fa3_peer.FA3NotBuilt, match="--features varlen"):
+        fa3_peer._packed(dense_only, ("cu", "cu", 8, 8))
+    with_varlen = fa3_peer.FA3(None, None, object(), {}, "/b")
+    assert fa3_peer._packed(with_varlen, ("cu", "ck", 8, 9)) == ("cu", "ck", 8, 9)

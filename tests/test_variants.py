@@ -86,7 +86,7 @@ def test_build_sources_follow_selection():
         assert os.path.isfile(os.path.join(ROOT, src)), src
 
 
-def test_layouts_select(monkeypatch):
+def test_layouts_select(monkeypatch, tmp_path):
     assert variants.select_layouts("packed") == ("packed",)
     assert variants.select_layouts(" packed , dense") == ("dense", "packed")
     for bad in ("", "ragged", "dense,ragged", ","):
@@ -96,6 +96,7 @@ def test_layouts_select(monkeypatch):
     assert variants.select_layouts() == variants.LAYOUTS
     monkeypatch.setenv(variants.LAYOUT_ENV, "dense")
     assert variants.select_layouts() == ("dense",)
+    monkeypatch.setattr(build_config, "GENERATED", tmp_path)  # leave the checkout's build/generated alone
     sources = build_config.prepare(variants.select("hdim128-bf16-causal"))
     assert [s for s in sources if "instantiations" in s] == [
         "csrc/instantiations/fwd_hdim128_bf16_causal.cu", "csrc/instantiations/bwd_hdim128_bf16_causal.cu"]

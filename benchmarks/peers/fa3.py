@@ -72,19 +72,32 @@ def load_fa3(build_dir=DEFAULT_BUILD_DIR) -> FA3:
     return FA3(module, module.flash_attn_func, varlen, info, str(build_dir))
 
 
-def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None, window=(-1, -1)):
+def _packed(fa3: FA3, docs) -> tuple:
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of packed documents ``docs``, or
+    four Nones for dense tensors; packed documents need a build with --features varlen."""
+    if docs is None:
+        return None, None, None, None
+    if fa3.flash_attn_varlen_func is None:
+        raise FA3NotBuilt(f"this FA3 build has no varlen kernels; rebuild with --features varlen ({fa3.build_dir})")
+    return tuple(docs)
+
+
+def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None, window=(-1, -1), docs=None):
     """(out, lse) from FA3's forward op, called as flash_attn_func calls it; ``window`` is FA3's
-    (left, right) window_size (needs a build with --features local)."""
+    (left, right) window_size (needs a build with --features local). ``docs``: packed documents
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of (total, heads, d) tensors, called
+    as flash_attn_varlen_func calls it."""
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
+    cu_q, cu_k, max_q, max_k = _packed(fa3, docs)
     out, lse, *_ = fa3.module._flash_attn_forward(
         q, k, v,
         None, None,         # k_new, v_new
         None,               # qv
         None,               # out
-        None, None, None,   # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new
+        cu_q, cu_k, None,   # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new
         None, None,         # seqused_q, seqused_k
-        None, None,         # max_seqlen_q, max_seqlen_k
+        max_q, max_k,       # max_seqlen_q, max_seqlen_k
         None, None, None,   # page_table, kv_batch_idx, leftpad_k
         None, None, None,   # rotary_cos, rotary_sin, seqlens_rotary
         None, None, None,   # q_descale, k_descale, v_descale
@@ -96,68 +109,23 @@ def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None,
 
 
 def backward(fa3: FA3, dout, q, k, v, out, lse, causal: bool, deterministic: bool,
-             softmax_scale: float | None = None, dq=None, dk=None, dv=None, window=(-1, -1)):
+             softmax_scale: float | None = None, dq=None, dk=None, dv=None, window=(-1, -1), docs=None):
     """(dq, dk, dv) from FA3's backward op as its autograd calls it: into dq/dk/dv
-    when given (preallocated), else into fresh empty_like tensors, as FA3 does."""
+    when given (preallocated), else into fresh empty_like tensors, as FA3 does. ``docs`` as
+    for forward."""
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
+    cu_q, cu_k, max_q, max_k = _packed(fa3, docs)
     if dq is None:
         dq, dk, dv = (x.new_empty(x.shape) for x in (q, k, v))
     fa3.module._flash_attn_backward(
         dout, q, k, v, out, lse,
-        None, None,         # cu_seqlens_q, cu_seqlens_k
+        cu_q, cu_k,         # cu_seqlens_q, cu_seqlens_k
         None, None,         # seqused_q, seqused_k
-        None, None,         # max_seqlen_q, max_seqlen_k
+        max_q, max_k,       # max_seqlen_q, max_seqlen_k
         dq, dk, dv,
         softmax_scale, causal,
         window[0], window[1],   # window_size left, right
-        0.0,                # softcap
-        deterministic,
-        0,                  # sm_margin
-    )
-    return dq, dk, dv
-
-
-def forward_varlen(fa3: FA3, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                   causal: bool, softmax_scale: float | None = None):
-    """(out, lse) of FA3's forward op over packed documents, called as flash_attn_varlen_func
-    calls it (needs a build with --features varlen)."""
-    if fa3.flash_attn_varlen_func is None:
-        raise FA3NotBuilt(f"this FA3 build has no varlen kernels; rebuild with --features varlen ({fa3.build_dir})")
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    out, lse, *_ = fa3.module._flash_attn_forward(
-        q, k, v,
-        None, None,         # k_new, v_new
-        None,               # qv
-        None,               # out
-        cu_seqlens_q, cu_seqlens_k, None,   # cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new
-        None, None,         # seqused_q, seqused_k
-        max_seqlen_q, max_seqlen_k,
-        None, None, None,   # page_table, kv_batch_idx, leftpad_k
-        None, None, None,   # rotary_cos, rotary_sin, seqlens_rotary
-        None, None, None,   # q_descale, k_descale, v_descale
-        softmax_scale,
-        causal=causal, window_size_left=-1, window_size_right=-1, attention_chunk=0,
-        softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
-    )
-    return out, lse
-
-
-def backward_varlen(fa3: FA3, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                    max_seqlen_k: int, causal: bool, deterministic: bool, softmax_scale: float | None = None):
-    """(dq, dk, dv) of FA3's backward op over packed documents, as its varlen autograd calls it."""
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    dq, dk, dv = (x.new_empty(x.shape) for x in (q, k, v))
-    fa3.module._flash_attn_backward(
-        dout, q, k, v, out, lse,
-        cu_seqlens_q, cu_seqlens_k,
-        None, None,         # seqused_q, seqused_k
-        max_seqlen_q, max_seqlen_k,
-        dq, dk, dv,
-        softmax_scale, causal,
-        -1, -1,             # window_size left, right
         0.0,                # softcap
         deterministic,
         0,                  # sm_margin
