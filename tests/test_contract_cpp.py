@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from dash_fa3 import bwd_layouts
+from dash_fa3 import bwd_layouts, fwd_order
 from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule
 from dash_fa3.schedule.export import DEFAULT_GRID, grid_geometries, read_bundle, write_bundle
 from dash_fa3.schedule.contract import BWD_BLOCK_SIZES
@@ -293,4 +293,44 @@ def test_packed_statistics_rows_match_the_kernels(driver):
             tiles = want[start:start + n_tiles * block_m]
             assert tiles.size == n_tiles * block_m
             assert bool(((tiles == -1) | ((tiles >= cu[b]) & (tiles < cu[b + 1]))).all())
+    assert pos == got.size
+
+
+def test_packed_forward_order_matches_the_kernels(driver):
+    """csrc/common/packed_order.h against dash_fa3/fwd_order.py: the documents' sort buckets,
+    and the decode of every unit of an order buffer into (document, unit within it). The
+    order's promises: documents in descending key blocks, every unit of every document
+    (every head) exactly once, a document's units consecutive, empty documents passed over."""
+    rng = np.random.default_rng(11)
+    cases = [(128, False, [0, 0], [0, 0]), (128, True, [0, 1], [0, 1]), (64, True, [0, 0, 5, 5], [0, 3, 3, 9])]
+    for _ in range(40):
+        lengths_q = rng.choice([0, 1, 63, 64, 65, 127, 128, 129, 300, 1000], size=int(rng.integers(1, 12)))
+        same = bool(rng.integers(0, 2))
+        lengths_k = lengths_q if same else rng.choice([0, 1, 64, 200, 700], size=lengths_q.size)
+        cases.append((int(rng.choice([64, 128, 176])), bool(rng.integers(0, 2)),
+                      [0] + np.cumsum(lengths_q).tolist(), [0] + np.cumsum(lengths_k).tolist()))
+    cases.append((128, False, [0, 5], [0, 128 * 5000]))  # longer than the last bucket
+    heads, block_m = 3, 128
+    stdin, orders = "", []
+    for block_n, causal, cu_q, cu_k in cases:
+        order = fwd_order.packed_order(cu_q, cu_k, heads, block_m, block_n, causal)
+        orders.append(order)
+        stdin += f"{block_n} {len(cu_q) - 1} {' '.join(map(str, cu_k))} {' '.join(map(str, order))}\n"
+    got = run_driver(driver, "fwd_order", stdin=stdin)
+    pos = 0
+    for (block_n, causal, cu_q, cu_k), order in zip(cases, orders):
+        batch = len(cu_q) - 1
+        buckets = [fwd_order.bucket(cu_k[d + 1] - cu_k[d], block_n) for d in range(batch)]
+        np.testing.assert_array_equal(got[pos:pos + batch], buckets)
+        pos += batch
+        pairs = got[pos:pos + 2 * int(order[0])].reshape(-1, 2)
+        pos += 2 * int(order[0])
+        want = []
+        for d in order[2 + batch:]:
+            n_m = -(-(cu_q[d + 1] - cu_q[d]) // block_m)
+            want += [(d, u) for u in range(fwd_order.units_per_head(n_m, causal) * heads)]
+        np.testing.assert_array_equal(pairs, np.array(want, dtype=np.int32).reshape(-1, 2))
+        keys = [cu_k[d + 1] - cu_k[d] for d in order[2 + batch:]]
+        blocks = [min(-(-k // block_n), fwd_order.BUCKETS - 1) for k in keys]
+        assert blocks == sorted(blocks, reverse=True)
     assert pos == got.size

@@ -169,6 +169,7 @@ COMMON_SOURCES = [
     "csrc/api/bwd_dispatch.cpp",
     "csrc/api/bwd_pre_post.cpp",
     "csrc/api/bwd_workspace.cpp",
+    "csrc/kernels/fwd/fwd_packed_order.cu",
     "csrc/kernels/bwd/bwd_preprocess.cu",
     "csrc/kernels/bwd/bwd_postprocess.cu",
 ]

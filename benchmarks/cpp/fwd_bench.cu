@@ -246,7 +246,7 @@ static Result run_one(const Config& c) {
   p.q_stride = q.st; p.k_stride = k.st; p.v_stride = v.st; p.o_stride = o.st;
   p.batch = c.batch; p.seqlen_q = c.seqlen_q; p.seqlen_k = sk; p.heads = c.heads; p.heads_kv = hkv;
   p.headdim = d; p.softmax_scale = scale; p.softmax_scale_log2 = scale * 1.4426950408889634f;
-  p.num_sms = num_sms; p.tile_counter = nullptr;
+  p.num_sms = num_sms; p.packed_order = nullptr;
 
   Result r;
   poison();

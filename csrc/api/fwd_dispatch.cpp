@@ -8,6 +8,7 @@
 #include "api.h"
 #include "common/constants.h"
 #include "common/launch.h"
+#include "common/packed_order.h"
 #include "message.h"
 #include "variant_registry.h"
 #include "variant_table.h"
@@ -89,7 +90,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
   p.window_left = static_cast<int>(window_left);
   p.window_right = static_cast<int>(window_right);
   p.num_sms = static_cast<int>(num_sms);
-  p.tile_counter = nullptr;  // the forward's persistent scheduler is static
+  at::Tensor order;  // packed: the documents' order, written by run_fwd's order kernel
+  if (packed) {
+    order = at::empty({packed_order_ints(p.batch)}, q.options().dtype(at::kInt));
+    p.packed_order = order.data_ptr<int>();
+  }
   chosen.launch(p, c10::cuda::getCurrentCUDAStream().stream());
   return {out, lse};
 }

@@ -15,6 +15,9 @@ namespace dash_fa3 {
 template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 
+// Before a packed forward (run_fwd<..., true> launches it).
+void run_fwd_packed_order(const FwdPackedOrderParams& params, cudaStream_t stream);
+
 void run_bwd_preprocess(const BwdPreprocessParams& params, DType dtype, cudaStream_t stream);
 void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaStream_t stream);
 

@@ -72,9 +72,24 @@ struct FwdParams {
   int total_k;
 
   int num_sms;  // persistent grid size, read off the device by the caller
-  // Zero-initialised int, used by the persistent tile scheduler to hand out
-  // tiles dynamically; nullptr when the scheduler is static.
-  int* tile_counter;
+  // Packed documents: an int32 buffer of packed_order_ints(batch) entries
+  // that run_fwd fills with the order of the documents' work before the
+  // main kernel reads it (common/packed_order.h); nullptr for a dense batch.
+  int* packed_order;
+};
+
+// The packed forward's order kernel (kernels/fwd/fwd_packed_order.cu): writes
+// `order` (common/packed_order.h) for `batch` documents of `heads` heads in
+// tiles of block_m queries and block_n keys.
+struct FwdPackedOrderParams {
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int batch;
+  int heads;
+  int block_m;
+  int block_n;
+  bool causal_pairs;  // the causal kernels' units are pairs of query tiles
+  int* order;
 };
 
 // Backward preprocess: dPsum = rowsum(dO * O) in fp32, LSE in the log2 domain,

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "common/dq_accum_layout.h"
+#include "common/packed_order.h"
 #include "common/seqlen_info.h"
 #include "kernel_contract.h"
 #include "schedules/schedule_metadata.h"
@@ -147,6 +148,26 @@ int packed() {
   return 0;
 }
 
+// Per case: the buckets of the documents, then for every unit of the order
+// buffer given (dash_fa3/fwd_order.py) its document and its unit within it.
+int fwd_order() {
+  std::vector<int32_t> out;
+  int block_n = 0, batch = 0;
+  while (std::cin >> block_n >> batch) {
+    std::vector<int> cu_k(batch + 1), order(dash_fa3::packed_order_ints(batch));
+    for (int& c : cu_k) { std::cin >> c; }
+    for (int& o : order) { std::cin >> o; }
+    for (int d = 0; d < batch; ++d) { out.push_back(dash_fa3::packed_order_bucket(cu_k[d + 1] - cu_k[d], block_n)); }
+    for (int u = 0; u < order[0]; ++u) {
+      int const s = dash_fa3::packed_order_position(order.data(), batch, u);
+      out.push_back(dash_fa3::packed_order_document(order.data(), batch, s));
+      out.push_back(u - dash_fa3::packed_order_first_unit(order.data(), s));
+    }
+  }
+  emit(out);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,5 +177,6 @@ int main(int argc, char** argv) {
   if (cmd == "blocks") { return blocks(); }
   if (cmd == "dqfrag") { return dqfrag(); }
   if (cmd == "packed") { return packed(); }
-  return fail("usage: contract_driver decode BUNDLE | geometry | blocks | dqfrag | packed");
+  if (cmd == "fwd_order") { return fwd_order(); }
+  return fail("usage: contract_driver decode BUNDLE | geometry | blocks | dqfrag | packed | fwd_order");
 }

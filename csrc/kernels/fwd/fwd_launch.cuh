@@ -11,7 +11,8 @@
 //     than seqlen_q/k);
 //   - local kernels: window_left, window_right >= -1 (the full and causal
 //     kernels do not read them).
-// tile_counter is not used (the scheduler is static) and may be nullptr.
+// Packed documents also need packed_order (packed_order_ints(batch) int32 on
+// the device), which this launcher fills before the main kernel.
 #pragma once
 
 // kBlockN = 176 / 112 / 80 need WGMMA N extents outside CuTe's default set. Defined
@@ -89,6 +90,7 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   p.lse_head_stride = packed ? a.total_q : a.seqlen_q;
   p.cu_seqlens_q = a.cu_seqlens_q;
   p.cu_seqlens_k = a.cu_seqlens_k;
+  p.packed_order = a.packed_order;
   p.seqlen_q = a.seqlen_q;
   p.seqlen_k = a.seqlen_k;
   p.heads = a.heads;
@@ -104,6 +106,7 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   p.window_left = a.window_left < 0 ? a.seqlen_k : a.window_left;
   p.window_right = a.window_right < 0 ? a.seqlen_q : a.window_right;
   p.num_m_blocks = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  // Packed, a bound: no document has more query tiles than the longest.
   int64_t const units =
       int64_t(FwdTileScheduler<Traits>::units_per_head(p.num_m_blocks)) * a.heads * a.batch;
   require(units < (int64_t(1) << 30), "too many tiles (batch * heads * seqlen_q / 128 >= 2^30)");
@@ -141,6 +144,8 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
                   : "the dense instantiation takes no cu_seqlens (packed documents have their own)");
   require(params.cu_seqlens_q == nullptr || (params.total_q >= 1 && params.total_k >= 1),
           "packed documents need total_q, total_k >= 1");
+  require((params.packed_order != nullptr) == kPacked,
+          kPacked ? "the packed instantiation needs packed_order" : "the dense instantiation takes no packed_order");
   require(!Traits::kLocal || (params.window_left >= -1 && params.window_right >= -1),
           "window_left and window_right must be >= -1 (-1: unbounded)");
 
@@ -154,6 +159,19 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
                "cudaDeviceGetAttribute(multiProcessorCount)");
   }
   int const grid = p.num_units < num_sms ? p.num_units : num_sms;
+
+  if constexpr (kPacked) {
+    FwdPackedOrderParams order{};
+    order.cu_seqlens_q = params.cu_seqlens_q;
+    order.cu_seqlens_k = params.cu_seqlens_k;
+    order.batch = params.batch;
+    order.heads = params.heads;
+    order.block_m = Traits::kBlockM;
+    order.block_n = Traits::kBlockN;
+    order.causal_pairs = Traits::kCausal;
+    order.order = params.packed_order;
+    run_fwd_packed_order(order, stream);
+  }
 
   auto kernel = fwd::fwd_kernel<Traits>;
   constexpr int kSmemBytes = Traits::kSharedStorageBytes;

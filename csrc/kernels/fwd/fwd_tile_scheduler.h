@@ -18,20 +18,23 @@
 // warpgroups walk the same slots independently, so no tile index has to be
 // passed between them.
 //
-// Packed documents: the units are those of a batch of documents of the
-// longest document's length (max_seqlen_q); a tile past its own document's
-// end is an empty slot that every role skips (tile_at).
-//
 // Unit order. The (batch, head) pairs are cut into sections of
 // heads_per_section consecutive pairs, chosen on the host so that the K and V
 // of one section fit in about half of L2. Within a section the order is unit
 // major (query block, or block pair j), (batch, head) minor. Heads sharing a
 // KV head (GQA) are adjacent, so they share K/V in L2.
+//
+// Packed documents: the units of one document (its own query tiles, every
+// head) are consecutive, ordered within it as a dense batch of one, and the
+// documents follow the order that the order kernel wrote before the launch
+// (common/packed_order.h: longest key range first), so that the snake meets
+// the costliest units first.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "common/block_range.h"
+#include "common/packed_order.h"
 #include "common/seqlen_info.h"
 
 namespace dash_fa3::fwd {
@@ -49,33 +52,48 @@ struct FwdTileScheduler {
 
   // Host and device: units per (batch, head) pair.
   CUTE_HOST_DEVICE static int units_per_head(int num_m_blocks) {
-    return Traits::kCausal ? (num_m_blocks + 1) / 2 : num_m_blocks;
+    return fwd_units_per_head(num_m_blocks, Traits::kCausal);
   }
 
-  // Decodes slot k of this CTA into t. Returns false once the CTA has no
-  // unit left (for slot k and every later slot).
-  CUTE_DEVICE static bool slot(Params const& p, int k, FwdTile& t) {
-    int const round = k / kTilesPerUnit;
-    int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    int const unit = round * int(gridDim.x) + lane;
-    if (unit >= p.num_units) { return false; }
-
-    int const pairs = p.batch * p.heads;
-    int const per_head = units_per_head(p.num_m_blocks);
+  // Unit `in` of `pairs` (batch, head) pairs of num_m_blocks query tiles each,
+  // as (pair, j) in the section order above; t.m_block from j and the slot half.
+  CUTE_DEVICE static int decode(Params const& p, int k, int in, int pairs, int num_m_blocks, FwdTile& t) {
+    int const per_head = units_per_head(num_m_blocks);
     int const units_per_section = p.heads_per_section * per_head;
-    int const section = unit / units_per_section;
+    int const section = in / units_per_section;
     int const first_pair = section * p.heads_per_section;
     int const pairs_here = cute::min(p.heads_per_section, pairs - first_pair);
-    int const in_section = unit - section * units_per_section;
+    int const in_section = in - section * units_per_section;
     int const j = in_section / pairs_here;
-    int const pair = first_pair + (in_section - j * pairs_here);
-    t.batch = pair / p.heads;
-    t.head = pair - t.batch * p.heads;
     if constexpr (Traits::kCausal) {
-      int const hi = p.num_m_blocks - 1 - j;
+      int const hi = num_m_blocks - 1 - j;
       t.m_block = (k % kTilesPerUnit == 0) ? hi : (j == hi ? -1 : j);
     } else {
       t.m_block = j;
+    }
+    return first_pair + (in_section - j * pairs_here);
+  }
+
+  // Decodes slot k of this CTA into t and its problem's lengths sl. Returns
+  // false once the CTA has no unit left (for slot k and every later slot).
+  CUTE_DEVICE static bool slot(Params const& p, int k, FwdTile& t, SeqlenInfo& sl) {
+    int const round = k / kTilesPerUnit;
+    int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    int const unit = round * int(gridDim.x) + lane;
+    if constexpr (Traits::kPacked) {
+      int const* order = p.packed_order;
+      if (unit >= order[0]) { return false; }
+      int const s = packed_order_position(order, p.batch, unit);
+      t.batch = packed_order_document(order, p.batch, s);
+      sl = Traits::seqlens(p, t.batch);
+      int const num_m_blocks = (sl.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+      t.head = decode(p, k, unit - packed_order_first_unit(order, s), p.heads, num_m_blocks, t);
+    } else {
+      if (unit >= p.num_units) { return false; }
+      int const pair = decode(p, k, unit, p.batch * p.heads, p.num_m_blocks, t);
+      t.batch = pair / p.heads;
+      t.head = pair - t.batch * p.heads;
+      sl = Traits::seqlens(p, t.batch);
     }
     return true;
   }
@@ -83,16 +101,12 @@ struct FwdTileScheduler {
   enum class Slot { kDone, kSkip, kTile };
 
   // Slot k as every role sees it: kDone once the CTA has no unit left, kSkip
-  // for a slot without a tile (an odd causal pair's middle, a tile past its
-  // document's end), else kTile with the tile, its problem's lengths and its
-  // key blocks (possibly empty: rows that attend no key).
+  // for a slot without a tile (an odd causal pair's middle), else kTile with
+  // the tile, its problem's lengths and its key blocks (possibly empty: rows
+  // that attend no key).
   CUTE_DEVICE static Slot tile_at(Params const& p, int k, FwdTile& t, SeqlenInfo& sl, BlockRange& kv_blocks) {
-    if (!slot(p, k, t)) { return Slot::kDone; }
+    if (!slot(p, k, t, sl)) { return Slot::kDone; }
     if (t.m_block < 0) { return Slot::kSkip; }
-    sl = Traits::seqlens(p, t.batch);
-    if constexpr (Traits::kPacked) {
-      if (t.m_block * Traits::kBlockM >= sl.seqlen_q) { return Slot::kSkip; }
-    }
     kv_blocks = Traits::tile_geometry(p, sl).kv_range(t.m_block);
     return Slot::kTile;
   }

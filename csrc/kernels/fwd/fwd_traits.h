@@ -179,12 +179,14 @@ struct FwdTraits {
     // document's (max_seqlen_q / _k: they size the tile scheduler's units).
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
+    int const* packed_order;  // packed: the documents' order (common/packed_order.h)
     int seqlen_q, seqlen_k, heads, batch;
     int q_heads_per_kv_head;
     float softmax_scale, softmax_scale_log2;
     // Tile scheduler.
     int num_m_blocks;
-    int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h
+    int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h;
+                            // packed: a bound (the call's count is packed_order[0])
     int heads_per_section;  // (batch, head) pairs per L2 section, see fwd_tile_scheduler.h
     // kLocal: the window with an unbounded side as a bound that masks
     // nothing (left: seqlen_k, right: seqlen_q; the block ranges are the same,

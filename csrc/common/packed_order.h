@@ -1,0 +1,66 @@
+// The forward's order of work over packed documents, defined once for the
+// order kernel (kernels/fwd/fwd_packed_order.cu) that writes it and the tile
+// scheduler (kernels/fwd/fwd_tile_scheduler.h) that reads it.
+//
+// Why. The persistent forward hands out units (a query tile, or a causal pair
+// of tiles) in a static snake over CTAs, which balances units of equal cost.
+// A document's units cost about its key length in blocks, so a batch of
+// unequal documents must be handed out costliest first for the snake to even
+// the CTAs out: a unit-cost model of 16k tokens in log-uniform documents
+// (64..8192) put the busiest CTA 28-116 % above the mean when the units were
+// those of a batch of the longest document's length, and 1-8 % with documents
+// in descending key length.
+//
+// The order lives on the device (the lengths are), in one int32 buffer of
+// packed_order_ints(batch) entries:
+//   [0]                   the units of the call (every document, every head);
+//   [1 + s], s = 0..batch the first unit of the s-th document in the order
+//                         ([1 + batch] = the units of the call);
+//   [2 + batch + s]       the index of the s-th document in the order.
+// Documents are ordered by key blocks, descending (packed_order_bucket);
+// documents in one bucket cost the same per unit and may come in any order,
+// which changes which CTA computes a tile but not its bits.
+#pragma once
+
+#include "common/host_device.h"
+
+namespace dash_fa3 {
+
+// Units per (document or batch, head) with num_m_blocks query tiles: causal
+// masks pair tile n - 1 - j with tile j (fwd_tile_scheduler.h).
+DASH_FA3_HD int fwd_units_per_head(int num_m_blocks, bool causal_pairs) {
+  return causal_pairs ? (num_m_blocks + 1) / 2 : num_m_blocks;
+}
+
+DASH_FA3_HD int packed_order_ints(int batch) { return 2 * batch + 2; }
+
+// Sort buckets: the order kernel counts documents per bucket in shared
+// memory; longer documents share the last bucket (their order among
+// themselves is then arbitrary, still longest class first).
+constexpr int kPackedOrderBuckets = 4096;
+
+// Bucket of a document with seqlen_k keys, 0 first: descending key blocks.
+DASH_FA3_HD int packed_order_bucket(int seqlen_k, int block_n) {
+  int const blocks = (seqlen_k + block_n - 1) / block_n;
+  return kPackedOrderBuckets - 1 - imin(blocks, kPackedOrderBuckets - 1);
+}
+
+// The position s in the order whose units hold `unit` (0 <= unit < order[0]):
+// the last s with first(s) <= unit, so documents without units are passed over.
+DASH_FA3_HD int packed_order_position(int const* order, int batch, int unit) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    int const mid = (lo + hi + 1) / 2;
+    if (order[1 + mid] <= unit) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+DASH_FA3_HD int packed_order_first_unit(int const* order, int s) { return order[1 + s]; }
+DASH_FA3_HD int packed_order_document(int const* order, int batch, int s) { return order[2 + batch + s]; }
+
+}  // namespace dash_fa3
