@@ -8,18 +8,23 @@
 // unequal documents must be handed out costliest first for the snake to even
 // the CTAs out: a unit-cost model of 16k tokens in log-uniform documents
 // (64..8192) put the busiest CTA 28-116 % above the mean when the units were
-// those of a batch of the longest document's length, and 1-8 % with documents
-// in descending key length.
+// those of a batch of the longest document's length, 1-8 % with documents in
+// descending key length handed out in the static snake, and about 1 % handed
+// out in that order as CTAs finish (the tile counter below).
 //
 // The order lives on the device (the lengths are), in one int32 buffer of
 // packed_order_ints(batch) entries:
 //   [0]                   the units of the call (every document, every head);
 //   [1 + s], s = 0..batch the first unit of the s-th document in the order
 //                         ([1 + batch] = the units of the call);
-//   [2 + batch + s]       the index of the s-th document in the order.
+//   [2 + batch + s]       the index of the s-th document in the order;
+//   [2 + 2 * batch]       the tile counter: the forward's CTAs take their
+//                         units after the first off it (zeroed here).
 // Documents are ordered by key blocks, descending (packed_order_bucket);
-// documents in one bucket cost the same per unit and may come in any order,
-// which changes which CTA computes a tile but not its bits.
+// documents in one bucket cost the same per unit and may come in any order.
+// Which CTA computes a unit changes from call to call (the counter hands
+// them out as CTAs finish, an LPT-like greedy over units in descending
+// cost), but a tile's bits do not.
 #pragma once
 
 #include "common/host_device.h"
@@ -32,7 +37,8 @@ DASH_FA3_HD int fwd_units_per_head(int num_m_blocks, bool causal_pairs) {
   return causal_pairs ? (num_m_blocks + 1) / 2 : num_m_blocks;
 }
 
-DASH_FA3_HD int packed_order_ints(int batch) { return 2 * batch + 2; }
+DASH_FA3_HD int packed_order_ints(int batch) { return 2 * batch + 3; }
+DASH_FA3_HD int packed_order_counter_index(int batch) { return 2 * batch + 2; }
 
 // Sort buckets: the order kernel counts documents per bucket in shared
 // memory; longer documents share the last bucket (their order among

@@ -66,12 +66,13 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     typename Traits::PipelineState read_state;
     typename Traits::PipelineStateQ q_state;
     using Scheduler = FwdTileScheduler<Traits>;
+    int unit = 0;  // the current round's unit (Scheduler::tile_at)
     CUTE_NO_UNROLL
     for (int k = 0;; ++k) {
       FwdTile t;
       SeqlenInfo sl;
       BlockRange kv_blocks;
-      typename Scheduler::Slot const slot = Scheduler::tile_at(p, k, t, sl, kv_blocks);
+      typename Scheduler::Slot const slot = Scheduler::template tile_at<false>(p, smem, k, unit, t, sl, kv_blocks);
       if (slot == Scheduler::Slot::kDone) { break; }
       if (slot == Scheduler::Slot::kSkip) { continue; }
       if (kv_blocks.end <= kv_blocks.begin) {

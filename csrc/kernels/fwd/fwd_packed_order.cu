@@ -1,8 +1,8 @@
 // The packed forward's order kernel, one launch before the main kernel: the
 // documents in descending key blocks and the first unit of each
-// (common/packed_order.h). One CTA: a counting sort over
-// kPackedOrderBuckets buckets in shared memory, then a running scan of the
-// units in the sorted order.
+// (common/packed_order.h), and the tile counter zeroed. One CTA: a counting
+// sort over kPackedOrderBuckets buckets in shared memory, then a running scan
+// of the units in the sorted order.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(kThreads) fwd_packed_order_kernel(FwdPackedOrd
   if (tid == 0) {
     p.order[0] = first_of_step;
     p.order[1 + p.batch] = first_of_step;
+    p.order[packed_order_counter_index(p.batch)] = 0;
   }
 }
 

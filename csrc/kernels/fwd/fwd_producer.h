@@ -58,11 +58,12 @@ struct FwdProducer {
     typename Traits::PipelineStateQ q_write_state = cutlass::make_producer_start_state<PipelineQ>();
 
     using Scheduler = FwdTileScheduler<Traits>;
+    int unit = 0;  // the current round's unit (Scheduler::tile_at)
     for (int k = 0;; ++k) {
       FwdTile t;
       SeqlenInfo sl;
       BlockRange kv_blocks;
-      typename Scheduler::Slot const slot = Scheduler::tile_at(p, k, t, sl, kv_blocks);
+      typename Scheduler::Slot const slot = Scheduler::template tile_at<true>(p, smem, k, unit, t, sl, kv_blocks);
       if (slot == Scheduler::Slot::kDone) { break; }
       if (slot == Scheduler::Slot::kSkip) { continue; }
       // The MMA warpgroups skip such a tile too (they write O = 0, LSE = -inf).

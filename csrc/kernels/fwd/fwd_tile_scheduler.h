@@ -1,41 +1,48 @@
-// Static persistent tile scheduler of the forward kernel.
+// Persistent tile scheduler of the forward kernel: static for dense batches,
+// dynamic for packed documents.
 //
 // Work is cut into units. Full and local (window) masks: a unit is one query
 // tile (a window's tiles cost about the same, bar the sequence's ends). Causal: a unit
 // is the PAIR of query blocks (n_m - 1 - j, j), the longest tile with the
 // shortest, so that every unit costs about n_m + 1 key blocks (the causal
 // profile is linear in the block index). The grid has min(num_sms,
-// num_units) CTAs (G); in round r, CTA c takes unit r * G + c (r even) or
+// num_units) CTAs (G).
+//
+// Dense batches: in round r, CTA c takes unit r * G + c (r even) or
 // r * G + (G - 1 - c) (r odd, a snake that evens out what unequal units
 // remain, e.g. with seqlen_q != seqlen_k). Equal-cost units leave only the
 // last round's quantisation as imbalance. Assigning single causal tiles
 // longest-first by snake instead left the busiest CTA 11-20% above the mean
 // in a unit-cost model of the benchmark grid (a greedy dynamic assignment:
-// 0-4%; pairs: 3%).
+// 0-4%; pairs: 3%). The producer warp and the MMA warpgroups compute the
+// same units independently, so nothing passes between them.
+//
+// Packed documents: the units of one document (its own query tiles, every
+// head) are consecutive, ordered within it as a dense batch of one, and the
+// documents follow the order that the order kernel wrote before the launch
+// (common/packed_order.h: longest key range first). Units of unequal
+// documents differ in cost, so they are handed out as CTAs finish: CTA c
+// takes unit c first, then, once per round, the producer warp takes the next
+// unit off the call's counter and hands it to the MMA threads through shared
+// memory (kTileFull / kTileEmpty), a greedy over units in descending cost.
 //
 // A CTA visits slots k = 0, 1, 2, ...: slot k is half k % kTilesPerUnit of
-// the unit of round k / kTilesPerUnit. The producer warp and the MMA
-// warpgroups walk the same slots independently, so no tile index has to be
-// passed between them.
+// the unit of round k / kTilesPerUnit.
 //
 // Unit order. The (batch, head) pairs are cut into sections of
 // heads_per_section consecutive pairs, chosen on the host so that the K and V
 // of one section fit in about half of L2. Within a section the order is unit
 // major (query block, or block pair j), (batch, head) minor. Heads sharing a
 // KV head (GQA) are adjacent, so they share K/V in L2.
-//
-// Packed documents: the units of one document (its own query tiles, every
-// head) are consecutive, ordered within it as a dense batch of one, and the
-// documents follow the order that the order kernel wrote before the launch
-// (common/packed_order.h: longest key range first), so that the snake meets
-// the costliest units first.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "common/block_range.h"
+#include "common/named_barriers.h"
 #include "common/packed_order.h"
 #include "common/seqlen_info.h"
+#include "kernels/fwd/fwd_traits.h"
 
 namespace dash_fa3::fwd {
 
@@ -74,12 +81,49 @@ struct FwdTileScheduler {
     return first_pair + (in_section - j * pairs_here);
   }
 
-  // Decodes slot k of this CTA into t and its problem's lengths sl. Returns
-  // false once the CTA has no unit left (for slot k and every later slot).
-  CUTE_DEVICE static bool slot(Params const& p, int k, FwdTile& t, SeqlenInfo& sl) {
-    int const round = k / kTilesPerUnit;
-    int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    int const unit = round * int(gridDim.x) + lane;
+  static constexpr bool kDynamic = Traits::kPacked;
+  // The producer warp and every MMA thread meet at the unit hand-off.
+  static constexpr int kHandoffThreads = 32 + Traits::kNumMmaThreads;
+
+  // The unit of round `round` of this CTA, for the producer warp (kProducer)
+  // or an MMA thread; every one of them asks for every round, in order.
+  template <bool kProducer>
+  CUTE_DEVICE static int unit_of_round(Params const& p, typename Traits::SharedStorage& smem, int round) {
+    if constexpr (!kDynamic) {
+      int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+      return round * int(gridDim.x) + lane;
+    } else if constexpr (kProducer) {
+      int unit = int(blockIdx.x);
+      if (round > 0) {
+        if (threadIdx.x % 32 == 0) {
+          unit = int(gridDim.x) + atomicAdd(p.packed_order + packed_order_counter_index(p.batch), 1);
+        }
+        unit = __shfl_sync(0xffffffff, unit, 0);
+        // kTileEmpty: the MMA threads have read the previous round's unit.
+        named_barrier_sync(FwdBarrier::kTileEmpty, kHandoffThreads);
+      }
+      if (threadIdx.x % 32 == 0) { smem.tile_unit = unit; }
+      // kTileFull: this round's unit is in shared memory.
+      named_barrier_arrive(FwdBarrier::kTileFull, kHandoffThreads);
+      if (unit >= p.packed_order[0]) {
+        // kTileEmpty: the MMA threads' read of this last (past the end) unit,
+        // so that no arrival is left pending at exit.
+        named_barrier_sync(FwdBarrier::kTileEmpty, kHandoffThreads);
+      }
+      return unit;
+    } else {
+      // kTileFull: the producer warp has written this round's unit.
+      named_barrier_sync(FwdBarrier::kTileFull, kHandoffThreads);
+      int const unit = smem.tile_unit;
+      // kTileEmpty: read; the producer warp may write the next round's.
+      named_barrier_arrive(FwdBarrier::kTileEmpty, kHandoffThreads);
+      return unit;
+    }
+  }
+
+  // Decodes slot k, half of `unit`, into t and its problem's lengths sl.
+  // Returns false once the CTA has no unit left (for slot k and every later slot).
+  CUTE_DEVICE static bool slot(Params const& p, int k, int unit, FwdTile& t, SeqlenInfo& sl) {
     if constexpr (Traits::kPacked) {
       int const* order = p.packed_order;
       if (unit >= order[0]) { return false; }
@@ -104,8 +148,12 @@ struct FwdTileScheduler {
   // for a slot without a tile (an odd causal pair's middle), else kTile with
   // the tile, its problem's lengths and its key blocks (possibly empty: rows
   // that attend no key).
-  CUTE_DEVICE static Slot tile_at(Params const& p, int k, FwdTile& t, SeqlenInfo& sl, BlockRange& kv_blocks) {
-    if (!slot(p, k, t, sl)) { return Slot::kDone; }
+  // `unit` carries the round's unit from its first slot to its second.
+  template <bool kProducer>
+  CUTE_DEVICE static Slot tile_at(Params const& p, typename Traits::SharedStorage& smem, int k, int& unit, FwdTile& t,
+                                  SeqlenInfo& sl, BlockRange& kv_blocks) {
+    if (k % kTilesPerUnit == 0) { unit = unit_of_round<kProducer>(p, smem, k / kTilesPerUnit); }
+    if (!slot(p, k, unit, t, sl)) { return Slot::kDone; }
     if (t.m_block < 0) { return Slot::kSkip; }
     kv_blocks = Traits::tile_geometry(p, sl).kv_range(t.m_block);
     return Slot::kTile;

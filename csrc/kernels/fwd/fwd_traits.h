@@ -37,6 +37,11 @@ enum class FwdBarrier : uint32_t {
   // issuing its GEMMs of one step, then passes the turn to the other one.
   kMmaTurn0 = 0,
   kMmaTurn1 = 1,
+  // Packed documents' unit hand-off (fwd_tile_scheduler.h): the producer warp
+  // arrives on kTileFull once it has written a round's unit to shared memory,
+  // the MMA threads on kTileEmpty once they have read it.
+  kTileFull = 2,
+  kTileEmpty = 3,
   kCount,
 };
 
@@ -157,6 +162,7 @@ struct FwdTraits {
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
+    int tile_unit;  // packed: the unit of the current round (fwd_tile_scheduler.h)
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
   static_assert(kSharedStorageBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
@@ -179,7 +185,7 @@ struct FwdTraits {
     // document's (max_seqlen_q / _k: they size the tile scheduler's units).
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
-    int const* packed_order;  // packed: the documents' order (common/packed_order.h)
+    int* packed_order;  // packed: the documents' order and the tile counter (common/packed_order.h)
     int seqlen_q, seqlen_k, heads, batch;
     int q_heads_per_kv_head;
     float softmax_scale, softmax_scale_log2;
