@@ -326,11 +326,13 @@ def test_packed_forward_order_matches_the_kernels(driver):
         pairs = got[pos:pos + 2 * int(order[0])].reshape(-1, 2)
         pos += 2 * int(order[0])
         want = []
-        for d in order[2 + batch:]:
+        documents = order[2 + batch:2 + 2 * batch]
+        assert order[2 + 2 * batch] == 0  # the tile counter
+        for d in documents:
             n_m = -(-(cu_q[d + 1] - cu_q[d]) // block_m)
             want += [(d, u) for u in range(fwd_order.units_per_head(n_m, causal) * heads)]
         np.testing.assert_array_equal(pairs, np.array(want, dtype=np.int32).reshape(-1, 2))
-        keys = [cu_k[d + 1] - cu_k[d] for d in order[2 + batch:]]
+        keys = [cu_k[d + 1] - cu_k[d] for d in documents]
         blocks = [min(-(-k // block_n), fwd_order.BUCKETS - 1) for k in keys]
         assert blocks == sorted(blocks, reverse=True)
     assert pos == got.size
