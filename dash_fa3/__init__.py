@@ -19,9 +19,15 @@ _LAZY = {
 
 
 def __getattr__(name):
+    # Called only for names not yet in the module's namespace: each is stored on
+    # first use, so `dash_fa3.flash_attn_func(...)` in a training loop costs a
+    # dict lookup, not an import_module call per step.
     if name in _LAZY:
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(f".{module}", __name__), attr)
-    if name in ("reference", "variants", "schedule", "distributed", "checkpoint"):
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'dash_fa3' has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+    elif name in ("reference", "variants", "schedule", "distributed", "checkpoint"):
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'dash_fa3' has no attribute {name!r}")
+    globals()[name] = value
+    return value

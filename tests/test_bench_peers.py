@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_peers as bp  # noqa: E402
-from peers import build_fa3, fa3 as fa3_peer  # noqa: E402
+from peers import build_fa3, fa3 as fa3_peer, fa3_suite  # noqa: E402
 
 FA3_SRC = "/work/fa3-src"
 GRID = json.load(open(os.path.join(ROOT, "dash_fa3", "schedule", "bench_grid.json")))
@@ -539,3 +539,45 @@ def test_fa3_packed_documents_need_a_varlen_build():
         fa3_peer._packed(dense_only, ("cu", "cu", 8, 8))
     with_varlen = fa3_peer.FA3(None, None, object(), {}, "/b")
     assert fa3_peer._packed(with_varlen, ("cu", "ck", 8, 9)) == ("cu", "ck", 8, 9)
+
+
+# ---------------------------------------------------------------- fa3_suite: the adapter of FA3's tests
+
+FA3_TEST_SNIPPET = """\
+def test_flash_attn_output(d, dtype):
+    dv_vals = [128, d] if d > 128 and d <= 192 else ([256, 512, d] if d <= 64 else [d])
+    if dtype == torch.float8_e4m3fn:
+        dv_vals = [d]
+    attention_chunk_vals = [torch.randint(1, 9, (1,)).item(), 0] if not DISABLE_LOCAL else [0]
+    for dv, attention_chunk in itertools.product(dv_vals, attention_chunk_vals):
+        pass
+"""
+
+
+def test_fa3_suite_rewrites_the_unsupported_loop_lists():
+    out = fa3_suite.rewrite_test_source(FA3_TEST_SNIPPET)
+    assert "dv_vals = [d]  #" in out and "[256, 512, d]" not in out
+    assert "attention_chunk_vals = [0]  #" in out and "randint" not in out
+    # Indentation kept, the loop itself untouched.
+    assert "        dv_vals = [d]  #" in out
+    assert "    for dv, attention_chunk in itertools.product(dv_vals, attention_chunk_vals):" in out
+    compile(out, "test_flash_attn.py", "exec")
+
+
+def test_fa3_suite_refuses_an_unknown_test_layout():
+    with pytest.raises(SystemExit, match="attention_chunk_vals"):
+        fa3_suite.rewrite_test_source(FA3_TEST_SNIPPET.replace("attention_chunk_vals =", "chunks ="))
+
+
+def test_fa3_suite_switches_follow_the_build():
+    env = fa3_suite.disable_switches(["hdim64-bf16-causal", "hdim64-bf16-full", "hdim128-fp16-local"])
+    for feature in ("FP8", "SPLIT", "PACKGQA", "SOFTCAP", "PAGEDKV", "APPENDKV", "HDIM96", "HDIM192", "HDIM256"):
+        assert env[f"FLASH_ATTENTION_DISABLE_{feature}"] == "TRUE"
+    assert "FLASH_ATTENTION_DISABLE_HDIM64" not in env and "FLASH_ATTENTION_DISABLE_HDIM128" not in env
+    assert "FLASH_ATTENTION_DISABLE_FP16" not in env
+    assert fa3_suite.disable_switches(["hdim128-bf16-causal"])["FLASH_ATTENTION_DISABLE_FP16"] == "TRUE"
+
+
+def test_fa3_suite_missing_checkout_exits_2(tmp_path, capsys):
+    assert fa3_suite.main(["--src", str(tmp_path)]) == 2
+    assert "lacks test_flash_attn.py" in capsys.readouterr().err
