@@ -105,7 +105,7 @@ def main(argv=None) -> int:
                 f.write(rewrite_test_source(text) if name == "test_flash_attn.py" else text)
         shutil.copy(os.path.join(HERE, "fa3_interface_shim.py"), os.path.join(tmp, "flash_attn_interface.py"))
         selected = " or ".join(TESTS[t] for t in args.tests.split(","))
-        cmd = [sys.executable, "-m", "pytest", "test_flash_attn.py", "-k", selected, "-q", "-rs",
+        cmd = [sys.executable, "-m", "pytest", "test_flash_attn.py", "-k", selected, "-q", "-rfEs",
                "-p", "no:cacheprovider", "--rootdir", tmp]
         if args.junit:
             cmd += ["--junitxml", os.path.abspath(args.junit)]
