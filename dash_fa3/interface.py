@@ -97,8 +97,8 @@ def flash_attn_func(
     bf16 or fp16, last dim contiguous, heads % heads_kv == 0.
     softmax_scale defaults to 1/sqrt(headdim). causal aligns the mask to the
     bottom-right corner when seqlen_q != seqlen_k. window_size=(left, right)
-    (FA3's: -1 unbounded, bottom-right aligned; with causal the right side is 0,
-    and a right side > 0 with causal is an error) runs the local kernels on CUDA.
+    (FA3's: -1 unbounded, bottom-right aligned; causal sets the right side to 0
+    whatever it is given, as FA3 does) runs the local kernels on CUDA.
     deterministic: the backward is bitwise reproducible; schedule names its
     accumulation order ("auto", or one of dash_fa3.schedule's names). With
     deterministic=False the backward's adds land in any order and the schedule

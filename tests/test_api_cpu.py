@@ -80,7 +80,6 @@ def test_api_rejects_wrong_argument_types():
         ({"num_splits": 4}, NotImplementedError, "num_splits=4"),
         ({"pack_gqa": True}, NotImplementedError, "pack_gqa=True"),
         ({"softcap": -30.0}, ValueError, "softcap must be a finite number >= 0"),
-        ({"window_size": (2, 1), "causal": True}, ValueError, "causal=True means window_size"),
     ):
         with pytest.raises(err, match=pattern):
             dash_fa3.flash_attn_func(q, k, v, **kwargs)
@@ -92,6 +91,15 @@ def test_fa3_harmless_defaults_are_accepted():
     for kwargs in ({"num_splits": 0}, {"num_splits": 1}, {"pack_gqa": None}, {"pack_gqa": False},
                    {"softcap": 0.0}, {"softcap": 0}):
         assert torch.equal(dash_fa3.flash_attn_func(q, k, v, causal=True, **kwargs), want)
+
+
+def test_causal_sets_the_right_window_bound_to_zero_as_fa3():
+    """FA3 replaces window_size[1] by 0 when causal=True (its own tests rely on it)."""
+    q, k, v = (rand((1, 9, 2, 64), seed=s) for s in range(3))
+    want = dash_fa3.flash_attn_func(q, k, v, causal=True, window_size=(2, 0))
+    for right in (-1, 1, 5):
+        assert torch.equal(dash_fa3.flash_attn_func(q, k, v, causal=True, window_size=(2, right)), want)
+    assert not torch.equal(dash_fa3.flash_attn_func(q, k, v, window_size=(2, 1)), want)
 
 
 def test_unused_output_needs_no_backward():
