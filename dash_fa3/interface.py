@@ -169,7 +169,9 @@ def flash_attn_varlen_func(
     -inf). max_seqlen_q / max_seqlen_k: the longest documents (checked on CPU
     tensors with the cu_seqlens values; on CUDA tensors the values are not
     read, which would synchronize). window_size, softcap, softmax_scale and
-    the flags as in ``flash_attn_func``. seqused_q / seqused_k are not supported.
+    the flags as in ``flash_attn_func``. seqused_q / seqused_k (int32, one
+    entry per document) are accepted when they equal the documents' lengths
+    (checked, which synchronizes); fewer used tokens raise NotImplementedError.
     Returns out (total_q, heads, headdim), or (out, softmax_lse) with
     return_attn_probs; softmax_lse is (heads, total_q) fp32, natural log.
 
@@ -184,8 +186,6 @@ def flash_attn_varlen_func(
     NotImplementedError.
     """
     func = "flash_attn_varlen_func"
-    if seqused_q is not None or seqused_k is not None:
-        raise _unsupported("seqused_q/seqused_k", func)
     _check_fa3_extras(func, qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa,
                       (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)),
                       sm_margin)
@@ -194,6 +194,8 @@ def flash_attn_varlen_func(
     left, right = reference.window_bounds(window, causal)
     shape = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                            schedule=schedule)
+    validation.check_seqused("seqused_q", seqused_q, cu_seqlens_q)
+    validation.check_seqused("seqused_k", seqused_k, cu_seqlens_k)
     softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
     if q.is_cuda:
         # The kernel family as flash_attn_func picks it, a document's bounds being max_seqlen's at most.

@@ -140,6 +140,29 @@ class VarlenShape:
     dtype: str  # "bf16" / "fp16"
 
 
+def check_seqused(name: str, seqused, cu_seqlens) -> None:
+    """FA3's ``seqused_q`` / ``seqused_k``: the tokens of each document that count.
+
+    Accepted when it equals the documents' lengths (``cu_seqlens`` differences),
+    which is what FA3's callers pass when no token is allocated but unused; the
+    comparison reads device data (one synchronisation per call that passes it).
+    Fewer used tokens than a document holds are not offered: NotImplementedError."""
+    if seqused is None:
+        return
+    if not isinstance(seqused, torch.Tensor) or seqused.dtype != torch.int32:
+        raise TypeError(f"{name} must be a torch.Tensor of dtype torch.int32, got "
+                        f"{seqused.dtype if isinstance(seqused, torch.Tensor) else type(seqused).__name__}")
+    if seqused.dim() != 1 or seqused.numel() != cu_seqlens.numel() - 1 or seqused.device != cu_seqlens.device:
+        raise ValueError(f"{name} must be 1-D with one entry per document on {cu_seqlens.device}, got shape "
+                         f"{tuple(seqused.shape)} on {seqused.device}")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(f"{name} cannot be checked under torch.compile (the check reads device data); "
+                                  f"pass None")
+    if not torch.equal(seqused, cu_seqlens[1:] - cu_seqlens[:-1]):
+        raise NotImplementedError(f"{name} smaller than the documents' lengths (tokens allocated but unused) is "
+                                  f"not supported; {name} equal to the lengths, or None, is")
+
+
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         schedule: str = "auto") -> VarlenShape:
     """Validates the packed inputs of ``flash_attn_varlen_func`` and returns their shape.

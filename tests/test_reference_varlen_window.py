@@ -364,7 +364,9 @@ I32 = torch.int32
     (dict(q=torch.zeros(6, 3, 64, dtype=torch.bfloat16), k=torch.zeros(7, 2, 64, dtype=torch.bfloat16),
           v=torch.zeros(7, 2, 64, dtype=torch.bfloat16)), ValueError, "heads % heads_kv"),
     (dict(v=torch.zeros(7, 1, 32, dtype=torch.bfloat16)), ValueError, "same shape"),
-    (dict(seqused_k=torch.tensor([3, 4], dtype=I32)), NotImplementedError, "flash_attn_varlen_func does not support seqused"),
+    (dict(seqused_k=torch.tensor([2, 4], dtype=I32)), NotImplementedError, "seqused_k smaller than the documents"),
+    (dict(seqused_q=torch.tensor([2, 4])), TypeError, "seqused_q must be a torch.Tensor of dtype torch.int32"),
+    (dict(seqused_q=torch.tensor([2, 4, 0], dtype=I32)), ValueError, "seqused_q must be 1-D with one entry per"),
     (dict(qv=torch.zeros(1)), NotImplementedError, "qv"),
     (dict(k_descale=torch.ones(1)), NotImplementedError, "fp8"),
     (dict(attention_chunk=64), NotImplementedError, "attention_chunk=64"),
@@ -379,6 +381,18 @@ I32 = torch.int32
 def test_varlen_errors(over, exc, match):
     with pytest.raises(exc, match=match):
         dash_fa3.flash_attn_varlen_func(**varlen_args(**over))
+
+
+def test_seqused_equal_to_the_lengths_is_accepted():
+    """FA3's callers pass seqused = the documents' lengths when no token is unused (FA3's own
+    varlen test does): the same result as without it."""
+    g = torch.Generator().manual_seed(3)
+    args = varlen_args(**{name: torch.randn(*shape, generator=g).to(torch.bfloat16)
+                          for name, shape in (("q", (6, 2, 64)), ("k", (7, 1, 64)), ("v", (7, 1, 64)))})
+    want = dash_fa3.flash_attn_varlen_func(**args, causal=True)
+    got = dash_fa3.flash_attn_varlen_func(**args, causal=True, seqused_q=torch.tensor([2, 4], dtype=I32),
+                                          seqused_k=torch.tensor([3, 4], dtype=I32))
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
