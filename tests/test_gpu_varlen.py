@@ -119,6 +119,26 @@ def test_varlen_of_equal_documents_is_the_dense_kernel_bitwise(v):
     assert torch.equal(lse, dense_lse.transpose(0, 1).flatten(1, 2))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_forward_with_more_documents_than_the_order_kernel_has_threads(causal):
+    """1100 documents: the order kernel (kernels/fwd/fwd_packed_order.cu, 1024 threads) sorts
+    and scans them in two steps, many documents share a bucket, and the CTAs take many
+    more units than there are SMs off the counter."""
+    v = variants.Variant(64, "bf16", "causal" if causal else "full")
+    require_built(v, "fwd", "packed")
+    rng = random.Random(7)
+    lq = [rng.choice([0, 1, 5, 40, 40, 129, 300]) for _ in range(1100)] + [1000, 2000]
+    rng.shuffle(lq)
+    q, k, vv = packed_inputs(v, lq, lq, 2, 1, 7)
+    cu = cumsum(lq)
+    scale = 1.0 / math.sqrt(v.hdim)
+    out, lse = run_varlen(q, k, vv, cu, cu, lq, lq, scale, (-1, -1), causal)
+    ref_out, ref_lse = reference.attention_varlen_ref(q, k, vv, cu, cu, scale, causal)
+    lp_out, lp_lse = lowp_per_doc(q, k, vv, cu, cu, scale, (-1, -1), causal)
+    assert_close_to_ref("out", out, lp_out, ref_out)
+    assert_close_to_ref("lse", lse, lp_lse, ref_lse)
+
+
 def test_varlen_forward_without_tokens():
     v = variants.Variant(64, "bf16", "causal")
     require_built(v, "fwd", "packed")
