@@ -58,3 +58,18 @@ def test_summary_compares_main_kernels_only(tmp_path):
 def test_cli_rejects_a_folder_without_exports(tmp_path, capsys):
     assert ncu_summary.main([str(tmp_path)]) == 2
     assert "no IMPL_hHDIM_MASK_SEQLEN.raw.csv" in capsys.readouterr().err
+
+
+def test_forward_direction_reads_the_forward_kernels(tmp_path):
+    """--direction fwd compares our fwd_kernel with FA3's FlashAttnFwdSm90 (the packed order
+    kernel and any backward kernel in the same export are not the forward's main kernel)."""
+    write_raw(tmp_path / "ours_h128_full_2048.raw.csv", [
+        ("dash_fa3::fwd_packed_order_kernel", {"gpu__time_duration.sum": "0.01"}),
+        ("void dash_fa3::fwd::fwd_kernel<...>", {"gpu__time_duration.sum": "0.8", TENSOR: "60"}),
+    ])
+    write_raw(tmp_path / "fa3_h128_full_2048.raw.csv", [
+        ("flash::FlashAttnFwdSm90<...>", {"gpu__time_duration.sum": "0.7", TENSOR: "66"}),
+    ])
+    text = ncu_summary.summarize(tmp_path, direction="fwd")
+    assert "| duration (us) | 800 | 700 |" in text
+    assert "| tensor pipe active (% of peak) | 60 | 66 |" in text

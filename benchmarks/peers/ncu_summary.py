@@ -1,9 +1,10 @@
-"""Summarise the Nsight Compute exports of `ncu_bwd.sh`: ours against FA3 per
-grid point, main backward kernel only.
+"""Summarise the Nsight Compute exports of `ncu_peers.sh`: ours against FA3 per
+grid point, the main kernel of the direction only (the backward's pre- and
+postprocess are left out).
 
-    python benchmarks/peers/ncu_summary.py DIR [--top 15]
+    python benchmarks/peers/ncu_summary.py DIR [--direction bwd|fwd] [--top 15]
 
-DIR holds NAME.raw.csv (and NAME.sass.csv for --top) as ncu_bwd.sh writes them,
+DIR holds NAME.raw.csv (and NAME.sass.csv for --top) as ncu_peers.sh writes them,
 NAME = IMPL_hHDIM_MASK_SEQLEN. Prints one markdown table per point with the
 metrics docs/bwd_kernel.md compares (duration, tensor-pipe activity, issued
 instructions, shared-memory bank conflicts, the stall reasons per issued
@@ -19,8 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-# The main kernel of each implementation (its pre/postprocess are left out).
-MAIN_KERNEL = {"ours": "bwd_kernel", "fa3": "FlashAttnBwdSm90"}
+# The main kernel of each implementation, per direction.
+MAIN_KERNEL = {"bwd": {"ours": "bwd_kernel", "fa3": "FlashAttnBwdSm90"},
+               "fwd": {"ours": "fwd_kernel", "fa3": "FlashAttnFwdSm90"}}
 
 METRICS = [  # (label, raw metric name, scale)
     ("duration (us)", "gpu__time_duration.sum", None),
@@ -113,13 +115,14 @@ def points(directory: Path) -> dict:
     return found
 
 
-def summarize(directory: Path, top: int = 0) -> str:
+def summarize(directory: Path, top: int = 0, direction: str = "bwd") -> str:
+    main_kernel = MAIN_KERNEL[direction]
     out = []
     for (hdim, mask, seqlen), impls in sorted(points(directory).items()):
         names = [i for i in ("ours", "fa3") if i in impls] + sorted(i for i in impls if i not in ("ours", "fa3"))
         data = {}
         for impl in names:
-            kernel = MAIN_KERNEL.get(impl.split("-")[0], "")
+            kernel = main_kernel.get(impl.split("-")[0], "")
             data[impl] = read_raw(directory / f"{impls[impl]}.raw.csv", kernel)
         out.append(f"### hdim {hdim} {mask} {seqlen}\n")
         out.append("| metric | " + " | ".join(names) + " |")
@@ -136,7 +139,7 @@ def summarize(directory: Path, top: int = 0) -> str:
                 sass = directory / f"{impls[impl]}.sass.csv"
                 if not sass.is_file():
                     continue
-                rows = read_sass(sass, MAIN_KERNEL.get(impl.split("-")[0], ""))
+                rows = read_sass(sass, main_kernel.get(impl.split("-")[0], ""))
                 out.append(f"{impl}: the {top} instructions with the most stall samples (share of the kernel's samples)\n")
                 out.append("| address | instruction | samples | main reasons |")
                 out.append("|---|---|---|---|")
@@ -149,11 +152,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("directory", type=Path)
     ap.add_argument("--top", type=int, default=0, help="also list the N most-stalled instructions per kernel")
+    ap.add_argument("--direction", choices=tuple(MAIN_KERNEL), default="bwd", help="whose main kernel to read")
     args = ap.parse_args(argv)
     if not points(args.directory):
         print(f"error: no IMPL_hHDIM_MASK_SEQLEN.raw.csv files in {args.directory}", file=sys.stderr)
         return 2
-    print(summarize(args.directory, args.top))
+    print(summarize(args.directory, args.top, args.direction))
     return 0
 
 

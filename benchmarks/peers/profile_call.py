@@ -1,9 +1,10 @@
-"""One backward call of ours or FA3's at one grid point, between
-cudaProfilerStart/Stop, for Nsight Compute (`benchmarks/peers/ncu_bwd.sh` drives it):
+"""One forward or backward call of ours or FA3's at one grid point, between
+cudaProfilerStart/Stop, for Nsight Compute (`benchmarks/peers/ncu_peers.sh` drives it):
 
-    ncu --profile-from-start off ... python benchmarks/peers/profile_bwd.py IMPL HDIM MASK SEQLEN
+    ncu --profile-from-start off ... python benchmarks/peers/profile_call.py IMPL HDIM MASK SEQLEN [--direction fwd|bwd]
 
-IMPL is `ours` (non-deterministic), `ours-det:SCHEDULE` or `fa3` / `fa3-det`.
+IMPL is `ours` (the backward non-deterministic), `ours-det:SCHEDULE` or `fa3` /
+`fa3-det` (the deterministic ones: backward only).
 The shape is the grid's (bench_grid.json: 16384 tokens, hidden 2048, bf16).
 Two warm-up calls run before the profiled one, so ncu sees a steady state
 (cached schedule, loaded module); only the profiled call lies inside the
@@ -32,8 +33,11 @@ def main(argv=None) -> int:
     ap.add_argument("hdim", type=int)
     ap.add_argument("mask", choices=("full", "causal"))
     ap.add_argument("seqlen", type=int)
+    ap.add_argument("--direction", choices=("bwd", "fwd"), default="bwd")
     ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR))
     args = ap.parse_args(argv)
+    if args.direction == "fwd" and args.impl not in ("ours", "fa3"):
+        ap.error(f"the forward has no deterministic mode: IMPL must be ours or fa3, got {args.impl!r}")
 
     causal = args.mask == "causal"
     shape = (GRID_TOKENS // args.seqlen, args.seqlen, GRID_HIDDEN // args.hdim, args.hdim)
@@ -41,7 +45,18 @@ def main(argv=None) -> int:
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     scale = args.hdim ** -0.5
 
-    if args.impl.startswith("fa3"):
+    if args.direction == "fwd":
+        if args.impl == "fa3":
+            fa3 = fa3_peer.load_fa3(args.fa3_build)
+
+            def call():
+                return fa3_peer.forward(fa3, q, k, v, causal, scale)
+        else:
+            from dash_fa3 import ops
+
+            def call():
+                return ops.fwd(q, k, v, scale, causal, 0)
+    elif args.impl.startswith("fa3"):
         fa3 = fa3_peer.load_fa3(args.fa3_build)
         call = fa3_peer.backward_fn(fa3, q, k, v, dout, causal, args.impl == "fa3-det", preallocate=True)
     elif args.impl == "ours" or args.impl.startswith("ours-det:"):
@@ -63,7 +78,7 @@ def main(argv=None) -> int:
     call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled {args.impl} hdim {args.hdim} {args.mask} {args.seqlen}: shape {shape}")
+    print(f"profiled {args.impl} {args.direction} hdim {args.hdim} {args.mask} {args.seqlen}: shape {shape}")
     return 0
 
 
