@@ -37,7 +37,11 @@ DASH_FA3_HD int fwd_units_per_head(int num_m_blocks, bool causal_pairs) {
   return causal_pairs ? (num_m_blocks + 1) / 2 : num_m_blocks;
 }
 
+// Where each entry lives (the layout above), for the writer and the readers.
 DASH_FA3_HD int packed_order_ints(int batch) { return 2 * batch + 3; }
+constexpr int kPackedOrderUnitsIndex = 0;
+DASH_FA3_HD int packed_order_first_index(int s) { return 1 + s; }
+DASH_FA3_HD int packed_order_document_index(int batch, int s) { return 2 + batch + s; }
 DASH_FA3_HD int packed_order_counter_index(int batch) { return 2 * batch + 2; }
 
 // Sort buckets: the order kernel counts documents per bucket in shared
@@ -51,13 +55,20 @@ DASH_FA3_HD int packed_order_bucket(int seqlen_k, int block_n) {
   return kPackedOrderBuckets - 1 - imin(blocks, kPackedOrderBuckets - 1);
 }
 
-// The position s in the order whose units hold `unit` (0 <= unit < order[0]):
-// the last s with first(s) <= unit, so documents without units are passed over.
+DASH_FA3_HD int packed_order_units(int const* order) { return order[kPackedOrderUnitsIndex]; }
+DASH_FA3_HD int packed_order_first_unit(int const* order, int s) { return order[packed_order_first_index(s)]; }
+DASH_FA3_HD int packed_order_document(int const* order, int batch, int s) {
+  return order[packed_order_document_index(batch, s)];
+}
+
+// The position s in the order whose units hold `unit` (0 <= unit < the
+// call's units): the last s with first(s) <= unit, so documents without units
+// are passed over.
 DASH_FA3_HD int packed_order_position(int const* order, int batch, int unit) {
   int lo = 0, hi = batch - 1;
   while (lo < hi) {
     int const mid = (lo + hi + 1) / 2;
-    if (order[1 + mid] <= unit) {
+    if (packed_order_first_unit(order, mid) <= unit) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -66,7 +77,5 @@ DASH_FA3_HD int packed_order_position(int const* order, int batch, int unit) {
   return lo;
 }
 
-DASH_FA3_HD int packed_order_first_unit(int const* order, int s) { return order[1 + s]; }
-DASH_FA3_HD int packed_order_document(int const* order, int batch, int s) { return order[2 + batch + s]; }
 
 }  // namespace dash_fa3

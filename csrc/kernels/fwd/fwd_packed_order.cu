@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kThreads) fwd_packed_order_kernel(FwdPackedOrd
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int cursor[kPackedOrderBuckets];
   int const tid = threadIdx.x;
-  int* const documents = p.order + 2 + p.batch;
+  int* const documents = p.order + packed_order_document_index(p.batch, 0);
 
   auto bucket_of = [&](int d) { return packed_order_bucket(p.cu_seqlens_k[d + 1] - p.cu_seqlens_k[d], p.block_n); };
 
@@ -60,13 +60,13 @@ __global__ void __launch_bounds__(kThreads) fwd_packed_order_kernel(FwdPackedOrd
     }
     int first = 0, step_units = 0;
     Scan(scan_storage).ExclusiveSum(units, first, step_units);
-    if (s < p.batch) { p.order[1 + s] = first_of_step + first; }
+    if (s < p.batch) { p.order[packed_order_first_index(s)] = first_of_step + first; }
     first_of_step += step_units;
     __syncthreads();
   }
   if (tid == 0) {
-    p.order[0] = first_of_step;
-    p.order[1 + p.batch] = first_of_step;
+    p.order[kPackedOrderUnitsIndex] = first_of_step;
+    p.order[packed_order_first_index(p.batch)] = first_of_step;
     p.order[packed_order_counter_index(p.batch)] = 0;
   }
 }

@@ -105,7 +105,7 @@ struct FwdTileScheduler {
       if (threadIdx.x % 32 == 0) { smem.tile_unit = unit; }
       // kTileFull: this round's unit is in shared memory.
       named_barrier_arrive(FwdBarrier::kTileFull, kHandoffThreads);
-      if (unit >= p.packed_order[0]) {
+      if (unit >= packed_order_units(p.packed_order)) {
         // kTileEmpty: the MMA threads' read of this last (past the end) unit,
         // so that no arrival is left pending at exit.
         named_barrier_sync(FwdBarrier::kTileEmpty, kHandoffThreads);
@@ -126,7 +126,7 @@ struct FwdTileScheduler {
   CUTE_DEVICE static bool slot(Params const& p, int k, int unit, FwdTile& t, SeqlenInfo& sl) {
     if constexpr (Traits::kPacked) {
       int const* order = p.packed_order;
-      if (unit >= order[0]) { return false; }
+      if (unit >= packed_order_units(order)) { return false; }
       int const s = packed_order_position(order, p.batch, unit);
       t.batch = packed_order_document(order, p.batch, s);
       sl = Traits::seqlens(p, t.batch);
