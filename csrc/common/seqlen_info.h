@@ -40,6 +40,18 @@ struct SeqlenInfo {
   }
 };
 
+// The lengths and rows of problem b of a kernel whose Params hold seqlen_q,
+// seqlen_k and cu_seqlens_q/k: the packed instantiations (kPacked) read its
+// document's from cu_seqlens, the dense ones take the call's lengths.
+template <bool kPacked, class Params>
+DASH_FA3_HD SeqlenInfo problem_seqlens(Params const& p, int b) {
+  if constexpr (kPacked) {
+    return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+  } else {
+    return {p.seqlen_q, p.seqlen_k, 0, 0, b};
+  }
+}
+
 // Padded first statistics row of a packed document that starts at packed row
 // row0 and is the b-th of the batch (see the top of this file).
 DASH_FA3_HD int64_t packed_padded_offset(int64_t row0, int b, int block_m) {

@@ -364,13 +364,7 @@ struct BwdTraits {
   };
 
   // The lengths and rows of problem (document) b.
-  CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) {
-    if constexpr (kPacked) {
-      return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
-    } else {
-      return {p.seqlen_q, p.seqlen_k, 0, 0, b};
-    }
-  }
+  CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) { return problem_seqlens<kPacked>(p, b); }
 
   // Block ranges of one (batch, head) with lengths seqlen_q x seqlen_k and
   // this kernel's tiles. The full and causal windows are constants, so their

@@ -202,13 +202,7 @@ struct FwdTraits {
   };
 
   // The lengths and rows of problem (document) b.
-  CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) {
-    if constexpr (kPacked) {
-      return SeqlenInfo::of(b, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
-    } else {
-      return {p.seqlen_q, p.seqlen_k, 0, 0, b};
-    }
-  }
+  CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) { return problem_seqlens<kPacked>(p, b); }
 
   // Block ranges of one (batch, head) with lengths sl and this kernel's tiles;
   // the full and causal windows are constants, so their window tests fold away.
