@@ -486,6 +486,22 @@ def pair_cells(fns: dict, fwd_flops: float, diffs, args) -> str:
         ratio("ours det", "ours nd"), f"{diffs[0]:.1e}, {diffs[1]:.1e}"])
 
 
+def pair_table_start(name: str, subject: str, details: str, leading: list[str], args):
+    """FA3, loaded for a side-by-side table of bench_window.py / bench_varlen.py, once the
+    table's title line ("# SUBJECT, device, date, commit, FA3's commit; DETAILS; rounds") and
+    header (the ``leading`` columns, then PAIR_HEADER) are printed; None without a GPU
+    (after a one-line error)."""
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU", file=sys.stderr)
+        return None
+    fa3 = fa3_peer.load_fa3(args.fa3_build)
+    print(f"# {subject}, {torch.cuda.get_device_name()}, {datetime.date.today()}, commit "
+          f"{args.commit or commit_label()}, FA3 {fa3.commit}; {details}; median of {args.rounds} interleaved rounds")
+    print(f"| {' | '.join(leading)} | {PAIR_HEADER} |")
+    print("|" + "---|" * (len(leading) + len(PAIR_COLUMNS) + 5))
+    return fa3
+
+
 def load_peer(args):
     """(FA3 or None, reason it is missing or None)."""
     if "fa3" not in args.peers:

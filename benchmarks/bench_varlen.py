@@ -14,7 +14,6 @@ both backward modes, interleaved in rounds (median of per-round CUDA-event media
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import random
 import sys
@@ -29,7 +28,6 @@ import bench_peers  # noqa: E402
 from peers import fa3 as fa3_peer  # noqa: E402
 
 from dash_fa3 import _ext, ops  # noqa: E402
-from dash_fa3._timing import commit_label  # noqa: E402
 
 
 def document_mix(tokens: int, shortest: int, longest: int, seed: int) -> list[int]:
@@ -68,17 +66,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_varlen: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    fa3 = fa3_peer.load_fa3(args.fa3_build)
     heads = 2048 // args.hdim
-    print(f"# packed documents, {torch.cuda.get_device_name()}, {datetime.date.today()}, commit "
-          f"{args.commit or commit_label()}, FA3 {fa3.commit}; {args.tokens} tokens, lengths log-uniform "
-          f"{args.shortest}..{args.longest}, {heads} heads, hdim {args.hdim}, bf16, causal; TFLOP/s over the "
-          f"documents' causal entries (fwd 4*h*d per entry, bwd 2.5x); median of {args.rounds} interleaved rounds")
-    print(f"| seed | documents | longest | {bench_peers.PAIR_HEADER} |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    fa3 = bench_peers.pair_table_start(
+        "bench_varlen", "packed documents",
+        f"{args.tokens} tokens, lengths log-uniform {args.shortest}..{args.longest}, {heads} heads, hdim {args.hdim}, "
+        f"bf16, causal; TFLOP/s over the documents' causal entries (fwd 4*h*d per entry, bwd 2.5x)",
+        ["seed", "documents", "longest"], args)
+    if fa3 is None:
+        return 2
     for seed in args.seeds:
         lengths = document_mix(args.tokens, args.shortest, args.longest, seed)
         cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,

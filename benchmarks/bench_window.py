@@ -12,7 +12,6 @@ per-round CUDA-event medians; ``bench_peers.time_point``). FA3 must be built wit
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
@@ -25,7 +24,6 @@ import bench_peers  # noqa: E402
 from peers import fa3 as fa3_peer  # noqa: E402
 
 from dash_fa3 import _ext, ops  # noqa: E402
-from dash_fa3._timing import commit_label  # noqa: E402
 
 
 def _no_reference():
@@ -69,17 +67,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_window: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    fa3 = fa3_peer.load_fa3(args.fa3_build)
     heads = 2048 // args.hdim
-    print(f"# sliding windows, {torch.cuda.get_device_name()}, {datetime.date.today()}, commit "
-          f"{args.commit or commit_label()}, FA3 {fa3.commit}; batch 1, {args.seqlen} tokens, {heads} heads, hdim "
-          f"{args.hdim}, bf16; TFLOP/s over the window's entries (fwd 4*h*d per entry, bwd 2.5x); median of "
-          f"{args.rounds} interleaved rounds")
-    print(f"| window | {bench_peers.PAIR_HEADER} |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    fa3 = bench_peers.pair_table_start(
+        "bench_window", "sliding windows",
+        f"batch 1, {args.seqlen} tokens, {heads} heads, hdim {args.hdim}, bf16; TFLOP/s over the window's entries "
+        f"(fwd 4*h*d per entry, bwd 2.5x)", ["window"], args)
+    if fa3 is None:
+        return 2
     for left, right in args.window:
         g = torch.Generator(device="cuda").manual_seed(left * 7 + right)
         q, k, v, dout = (torch.randn(1, args.seqlen, heads, args.hdim, device="cuda", dtype=torch.bfloat16,

@@ -532,6 +532,23 @@ def test_pair_cells_time_the_six_calls_and_report_errors(monkeypatch):
     assert cells[6:] == ["2.00", "2.00", "n/a", "0.50", "1.0e-05, 2.0e-04"]
 
 
+def test_pair_table_start_prints_title_and_header(monkeypatch, capsys):
+    """The title and header of bench_window / bench_varlen; no GPU: one-line error, None."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = type("A", (), {"rounds": 3, "commit": "abc1234", "fa3_build": "/b"})()
+    assert bp.pair_table_start("bench_x", "things", "details", ["a", "b"], args) is None
+    assert capsys.readouterr().err == "bench_x: needs a CUDA GPU\n"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU X")
+    fake = type("F", (), {"commit": "fa3c0ffee"})()
+    monkeypatch.setattr(fa3_peer, "load_fa3", lambda build: fake if build == "/b" else None)
+    assert bp.pair_table_start("bench_x", "things", "details", ["a", "b"], args) is fake
+    title, header, rule = capsys.readouterr().out.splitlines()
+    assert title.startswith("# things, GPU X, ") and "commit abc1234, FA3 fa3c0ffee; details; median of 3" in title
+    assert header == f"| a | b | {bp.PAIR_HEADER} |"
+    assert rule.count("---") == header.count("|") - 1
+
+
 def test_fa3_packed_documents_need_a_varlen_build():
     dense_only = fa3_peer.FA3(None, None, None, {}, "/nowhere")
     assert fa3_peer._packed(dense_only, None) == (None, None, None, None)
