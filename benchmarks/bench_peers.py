@@ -486,6 +486,15 @@ def pair_cells(fns: dict, fwd_flops: float, diffs, args) -> str:
         ratio("ours det", "ours nd"), f"{diffs[0]:.1e}, {diffs[1]:.1e}"])
 
 
+def add_pair_arguments(ap) -> None:
+    """The timing and FA3 options of bench_window.py / bench_varlen.py."""
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR))
+    ap.add_argument("--commit", default=None, help="the commit the table names (default: git's HEAD)")
+
+
 def pair_table_start(name: str, subject: str, details: str, leading: list[str], args):
     """FA3, loaded for a side-by-side table of bench_window.py / bench_varlen.py, once the
     table's title line ("# SUBJECT, device, date, commit, FA3's commit; DETAILS; rounds") and

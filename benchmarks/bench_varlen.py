@@ -52,11 +52,7 @@ def parse_args(argv=None):
     ap.add_argument("--max", type=int, default=8192, dest="longest")
     ap.add_argument("--seeds", default="0", help="comma-separated mix seeds")
     ap.add_argument("--hdim", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR))
-    ap.add_argument("--commit", default=None)
+    bench_peers.add_pair_arguments(ap)
     args = ap.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if not (1 <= args.shortest <= args.longest):

@@ -55,11 +55,7 @@ def parse_args(argv=None):
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--hdim", type=int, default=128)
     ap.add_argument("--window", type=parse_window, action="append")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR))
-    ap.add_argument("--commit", default=None)
+    bench_peers.add_pair_arguments(ap)
     args = ap.parse_args(argv)
     args.window = args.window or [(4096, 0)]
     return args
