@@ -40,6 +40,8 @@ import warnings
 
 import torch
 
+from . import variants
+
 __all__ = [
     "attention_ref",
     "attention_bwd_ref",
@@ -82,9 +84,7 @@ def window_bounds(window_size=(-1, -1), causal: bool = False) -> tuple[int, int]
     left, right = (-1 if w is None else int(w) for w in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {tuple(window_size)}")
-    if causal:
-        right = 0
-    return left, right
+    return variants.fold_causal(left, right, causal)
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:

@@ -86,6 +86,11 @@ def test_window_geometry_edges():
     assert (g.mask, g.window) == ("local", (32, 0))
     assert Geometry.from_shape(batch=1, heads=2, seqlen_q=256, headdim=128, causal=True).mask == "causal"
     assert Geometry.from_shape(batch=1, heads=2, seqlen_q=256, headdim=128, window_size=(-1, 0)).mask == "causal"
+    # causal sets the right bound to 0 whatever window_size[1] says, as FA3 (and the API) do.
+    g = Geometry.from_shape(batch=1, heads=2, seqlen_q=256, headdim=128, window_size=(32, 7), causal=True)
+    assert (g.mask, g.window) == ("local", (32, 0))
+    assert Geometry.from_shape(batch=1, heads=2, seqlen_q=256, headdim=128, window_size=(-1, 9),
+                               causal=True).mask == "causal"
 
 
 def test_seqlen_q_longer_than_k_has_empty_q_tiles():

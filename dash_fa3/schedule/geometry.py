@@ -38,7 +38,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..variants import MASK_WINDOWS, MASKS, mask_of_window
+from ..variants import MASK_WINDOWS, MASKS, fold_causal, mask_of_window
 from .contract import BWD_BLOCK_SIZES
 
 
@@ -257,11 +257,7 @@ class Geometry:
         ``window_size`` (left, right) with ``causal`` folded in picks the mask kind
         as the dispatch does (:func:`dash_fa3.variants.mask_of_window`)."""
         bm, bn = bwd_block_sizes(headdim)
-        left, right = (int(w) for w in window_size)
-        if causal:
-            if right > 0:
-                raise ValueError(f"causal with window_size[1] = {right} > 0")
-            right = 0
+        left, right = fold_causal(*(int(w) for w in window_size), causal)
         mask = mask_of_window(left, right)
         return cls(batch=batch, heads=heads, heads_kv=heads_kv, seqlen_q=seqlen_q,
                    seqlen_k=seqlen_q if seqlen_k is None else seqlen_k,
