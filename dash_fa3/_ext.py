@@ -51,25 +51,17 @@ def ops():
     return torch.ops.dash_fa3_C
 
 
-@functools.lru_cache(maxsize=None)
-def built_fwd_variants() -> tuple[str, ...]:
-    return tuple(ops().built_fwd_variants())
+# The extension's op listing each (direction, packed) table of compiled kernels.
+_BUILT_OPS = {("fwd", False): "built_fwd_variants", ("bwd", False): "built_bwd_variants",
+              ("fwd", True): "built_packed_fwd_variants", ("bwd", True): "built_packed_bwd_variants"}
 
 
 @functools.lru_cache(maxsize=None)
-def built_bwd_variants() -> tuple[str, ...]:
-    return tuple(ops().built_bwd_variants())
-
-
-@functools.lru_cache(maxsize=None)
-def built_packed_fwd_variants() -> tuple[str, ...]:
-    """Variants whose packed-document (varlen) forward is built (variants.LAYOUTS)."""
-    return tuple(ops().built_packed_fwd_variants())
-
-
-@functools.lru_cache(maxsize=None)
-def built_packed_bwd_variants() -> tuple[str, ...]:
-    return tuple(ops().built_packed_bwd_variants())
+def built_variants(direction: str, packed: bool = False) -> tuple[str, ...]:
+    """Names of the variants whose ``direction`` ("fwd" / "bwd") kernel this build has, for
+    dense tensors or, ``packed``, packed documents (variants.LAYOUTS); raises as ops() does
+    when the extension is missing."""
+    return tuple(getattr(ops(), _BUILT_OPS[direction, bool(packed)])())
 
 
 @functools.lru_cache(maxsize=None)

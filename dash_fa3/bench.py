@@ -53,7 +53,7 @@ def run_gpu(args) -> None:
           f"{'causal' if args.causal else 'full'}")
     variant = validation.AttnShape(b, s, s, h, k.shape[2], d, args.dtype).variant(args.causal)
     rows = []
-    if variant.name in _ext.built_fwd_variants():
+    if variant.name in _ext.built_variants("fwd"):
         ms = median_ms(lambda: flash_attn_func(q, k, v, causal=args.causal), args.warmup, args.iters)
         tf = attention_flops(b, h, s, s, d, args.causal) / ms / 1e9
         rows.append(("forward", "dash_fa3 Hopper kernel", ms, f"{tf:.0f} TFLOP/s"))
@@ -72,7 +72,7 @@ def run_gpu(args) -> None:
     ms = median_ms(lambda: c.bwd_postprocess(accum, s, 0.1, q.dtype), args.warmup, args.iters)
     gbytes = (accum.numel() * 4 + out.numel() * out.element_size()) / 1e9
     rows.append(("bwd postprocess", "dash_fa3 kernel", ms, f"{gbytes / ms * 1e3:.0f} GB/s"))
-    if variant.name not in _ext.built_bwd_variants():
+    if variant.name not in _ext.built_variants("bwd"):
         rows.append(("backward", f"not run: {variant.name} is not in this build", float("nan"), ""))
         _print_rows(rows)
         return rows

@@ -73,7 +73,7 @@ def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False) -> i
     built for dense tensors or, ``packed``, packed documents (an error that says how to build it
     otherwise: nothing falls back to a slow path) and that sm_margin leaves an SM."""
     variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask)
-    built = _ext.built_packed_bwd_variants() if packed else _ext.built_bwd_variants()
+    built = _ext.built_variants("bwd", packed)
     if variant.name not in built:
         raise RuntimeError(
             f"dash_fa3: no {'packed-document ' if packed else ''}backward kernel for {variant.name} in this build "

@@ -248,8 +248,7 @@ def check_built(variant_name: str, packed: bool = False) -> None:
     dense tensors or, ``packed``, for packed documents (variants.LAYOUTS)."""
     from . import _ext
 
-    # Either call raises with the reason when the extension is missing.
-    built = _ext.built_packed_fwd_variants() if packed else _ext.built_fwd_variants()
+    built = _ext.built_variants("fwd", packed)  # raises with the reason when the extension is missing
     if variant_name not in built:
         raise ValueError(f"{'the packed-document kernel of ' if packed else ''}variant {variant_name} was not "
                          f"compiled into this build (built: {', '.join(built) or 'none'}); "

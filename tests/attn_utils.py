@@ -58,9 +58,7 @@ def assert_bitwise_repeatable(run, repeats):
 def require_built(v, direction, layout="dense"):
     """Skip unless the extension has the ``direction`` ("fwd"/"bwd") kernel of variant ``v`` for
     ``layout`` (variants.LAYOUTS)."""
-    table = {("fwd", "dense"): _ext.built_fwd_variants, ("bwd", "dense"): _ext.built_bwd_variants,
-             ("fwd", "packed"): _ext.built_packed_fwd_variants, ("bwd", "packed"): _ext.built_packed_bwd_variants}
-    if v.name not in table[direction, layout]():
+    if v.name not in _ext.built_variants(direction, layout == "packed"):
         pytest.skip(f"no {layout} {direction} kernel for {v.name} in this build")
 
 

@@ -14,7 +14,7 @@ VARIANT = dash_fa3.variants.Variant(128, "bf16", "causal")
 
 @pytest.fixture(autouse=True)
 def need_variant():
-    if VARIANT.name not in _ext.built_fwd_variants():
+    if VARIANT.name not in _ext.built_variants("fwd"):
         pytest.skip(f"{VARIANT.name} is not in this build")
 
 

@@ -104,11 +104,11 @@ def test_layouts_select(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not _ext.available(), reason=f"extension not loaded: {_ext.ext_error()}")
 def test_built_variants_are_declared():
-    built = _ext.built_fwd_variants()
+    built = _ext.built_variants("fwd")
     assert built, "the extension declares no forward variant"
     assert set(built) <= {v.name for v in variants.ALL_VARIANTS}
-    bwd = _ext.built_bwd_variants()
+    bwd = _ext.built_variants("bwd")
     assert set(bwd) == {name for name in built if variants.Variant.parse(name).has_bwd}
-    packed = _ext.built_packed_fwd_variants()
+    packed = _ext.built_variants("fwd", packed=True)
     assert set(packed) <= {v.name for v in variants.ALL_VARIANTS}
-    assert set(_ext.built_packed_bwd_variants()) == {n for n in packed if variants.Variant.parse(n).has_bwd}
+    assert set(_ext.built_variants("bwd", packed=True)) == {n for n in packed if variants.Variant.parse(n).has_bwd}

@@ -39,7 +39,7 @@ def fake_ext(monkeypatch):
     fake = FakeOps()
     built = tuple(v.name for v in variants.ALL_VARIANTS if v.has_bwd)
     monkeypatch.setattr(ops._ext, "ops", lambda: fake)
-    monkeypatch.setattr(ops._ext, "built_bwd_variants", lambda: built)
+    monkeypatch.setattr(ops._ext, "built_variants", lambda direction, packed=False: built)
     monkeypatch.setattr(ops._ext, "num_sms", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     ops._bwd_plan.cache_clear()
@@ -109,7 +109,7 @@ def test_wide_head_dims_take_the_head_dim_split_tiles(fake_ext, hdim):
 
 def test_a_backward_variant_missing_from_the_build_is_an_error(fake_ext, monkeypatch):
     # No reference fallback on the GPU: the error says what was built and how to build the rest.
-    monkeypatch.setattr(ops._ext, "built_bwd_variants", lambda: ("hdim128-bf16-causal",))
+    monkeypatch.setattr(ops._ext, "built_variants", lambda direction, packed=False: ("hdim128-bf16-causal",))
     q, k, v = qkv(d=256)
     out = torch.zeros_like(q)
     with pytest.raises(RuntimeError, match=r"no backward kernel for hdim256-bf16-causal .*built: "

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
     from dash_fa3 import _ext  # noqa: E402  (needs the built extension)
 
-    built = sorted(set(_ext.built_fwd_variants()) & set(_ext.built_packed_fwd_variants()))
+    built = sorted(set(_ext.built_variants("fwd")) & set(_ext.built_variants("fwd", packed=True)))
     env = dict(os.environ, **disable_switches(built))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory(prefix="dash_fa3_fa3_suite_") as tmp:
