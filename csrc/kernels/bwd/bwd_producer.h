@@ -13,6 +13,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "common/named_barriers.h"
+#include "common/problem_view.h"
 #include "kernels/bwd/bwd_tasks.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
@@ -93,7 +94,7 @@ struct BwdProducer {
       // also reads the next document's rows, whose statistics rows are
       // padding (common/seqlen_info.h).
       auto q_rows = [&](auto const& tma) {
-        return Traits::from_row(tma.get_tma_tensor(p.shape_q)(_, _, h, sl.tensor_batch), sl.offset_q);
+        return rows_from<Traits::kPacked>(tma.get_tma_tensor(p.shape_q)(_, _, h, sl.tensor_batch), sl.offset_q);
       };
       Tensor gQ = local_tile(q_rows(p.tma_q), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
       Tensor gdO = local_tile(q_rows(p.tma_do), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));

@@ -45,6 +45,7 @@
 
 #include "common/block_range.h"
 #include "common/dq_accum_layout.h"
+#include "common/problem_view.h"
 #include "common/seqlen_info.h"
 #include "common/gemm_sm90.h"
 #include "common/params.h"
@@ -395,19 +396,8 @@ struct BwdTraits {
   // tensor (K, V loads; dK, dV stores): (kBlockN, kHeadDim).
   template <class TmaCopy>
   CUTE_DEVICE static auto kv_tile(TmaCopy const& tma, Params const& p, SeqlenInfo const& sl, int h_kv, int kv) {
-    return local_tile(from_row(tma.get_tma_tensor(p.shape_k)(_, _, h_kv, sl.tensor_batch), sl.offset_k),
+    return local_tile(rows_from<kPacked>(tma.get_tma_tensor(p.shape_k)(_, _, h_kv, sl.tensor_batch), sl.offset_k),
                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(kv, _0{}));
-  }
-
-  // A (rows, d) view of a problem's tensor from its first row: packed, from
-  // the document's offset; dense, the view itself.
-  template <class View>
-  CUTE_DEVICE static auto from_row(View const& rows, int row0) {
-    if constexpr (kPacked) {
-      return domain_offset(make_coord(row0, 0), rows);
-    } else {
-      return rows;
-    }
   }
 };
 

@@ -16,6 +16,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "common/block_range.h"
+#include "common/problem_view.h"
 #include "kernels/fwd/fwd_tile_scheduler.h"
 #include "kernels/fwd/fwd_traits.h"
 
@@ -72,18 +73,16 @@ struct FwdProducer {
 
       // A packed document's rows start at its offset; its last tiles read the
       // next document's rows, which the mask (keys) and the epilogue (rows) ignore.
-      auto rows_from = [](int offset, auto mode, auto const& tensor) {
-        if constexpr (Traits::kPacked) {
-          return domain_offset(decltype(mode)::value == 0 ? make_coord(offset, 0) : make_coord(0, offset), tensor);
-        } else {
-          return tensor;
-        }
-      };
-      Tensor gQ = local_tile(rows_from(sl.offset_q, _0{}, p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, sl.tensor_batch)),
+      constexpr bool kPacked = Traits::kPacked;
+      Tensor gQ = local_tile(rows_from<kPacked>(p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, sl.tensor_batch),
+                                                sl.offset_q),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
-      Tensor gK = local_tile(rows_from(sl.offset_k, _0{}, p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, sl.tensor_batch)),
+      Tensor gK = local_tile(rows_from<kPacked>(p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, sl.tensor_batch),
+                                                sl.offset_k),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));   // (N, D, n)
-      Tensor gVt = local_tile(rows_from(sl.offset_k, _1{}, p.tma_v.get_tma_tensor(p.shape_vt)(_, _, head_kv, sl.tensor_batch)),
+      // V^T is (d, rows): its rows are mode 1.
+      Tensor gVt = local_tile(rows_from<kPacked, 1>(p.tma_v.get_tma_tensor(p.shape_vt)(_, _, head_kv, sl.tensor_batch),
+                                                    sl.offset_k),
                               Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (D, N, n)
       Tensor tQgQ = tma_q.partition_S(gQ);
       Tensor tKgK = tma_k.partition_S(gK);
