@@ -85,21 +85,23 @@ struct FwdTileScheduler {
   // The producer warp and every MMA thread meet at the unit hand-off.
   static constexpr int kHandoffThreads = 32 + Traits::kNumMmaThreads;
 
-  // The unit of round `round` of this CTA, for the producer warp (kProducer)
-  // or an MMA thread; every one of them asks for every round, in order.
+  // The unit of round `round` of this CTA: the static snake, or (dynamic) the
+  // producer warp's: it takes the unit off the call's counter and writes it to
+  // shared memory for the MMA threads (mma_unit).
   template <bool kProducer>
   CUTE_DEVICE static int unit_of_round(Params const& p, typename Traits::SharedStorage& smem, int round) {
     if constexpr (!kDynamic) {
       int const lane = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
       return round * int(gridDim.x) + lane;
-    } else if constexpr (kProducer) {
+    } else {
+      static_assert(kProducer, "the MMA threads read their unit with mma_unit");
       int unit = int(blockIdx.x);
       if (round > 0) {
         if (threadIdx.x % 32 == 0) {
           unit = int(gridDim.x) + atomicAdd(p.packed_order + packed_order_counter_index(p.batch), 1);
         }
         unit = __shfl_sync(0xffffffff, unit, 0);
-        // kTileEmpty: the MMA threads have read the previous round's unit.
+        // kTileEmpty: the MMA threads have read the previous round's unit for the last time.
         named_barrier_sync(FwdBarrier::kTileEmpty, kHandoffThreads);
       }
       if (threadIdx.x % 32 == 0) { smem.tile_unit = unit; }
@@ -111,14 +113,23 @@ struct FwdTileScheduler {
         named_barrier_sync(FwdBarrier::kTileEmpty, kHandoffThreads);
       }
       return unit;
-    } else {
-      // kTileFull: the producer warp has written this round's unit.
-      named_barrier_sync(FwdBarrier::kTileFull, kHandoffThreads);
-      int const unit = smem.tile_unit;
-      // kTileEmpty: read; the producer warp may write the next round's.
-      named_barrier_arrive(FwdBarrier::kTileEmpty, kHandoffThreads);
-      return unit;
     }
+  }
+
+  // Dynamic: the unit of slot k as an MMA thread reads it. The unit stays in
+  // shared memory through its round (the producer warp writes the next one
+  // only after kTileEmpty), so it is read at every slot rather than held in a
+  // register through the tile.
+  CUTE_DEVICE static int mma_unit(Params const& p, typename Traits::SharedStorage& smem, int k) {
+    // kTileFull: the producer warp has written this round's unit.
+    if (k % kTilesPerUnit == 0) { named_barrier_sync(FwdBarrier::kTileFull, kHandoffThreads); }
+    int const unit = smem.tile_unit;
+    // kTileEmpty: this was the round's last read (its last slot, or a unit past
+    // the end, which has no more); the producer warp may write the next one.
+    if (k % kTilesPerUnit == kTilesPerUnit - 1 || unit >= p.packed_order[0]) {
+      named_barrier_arrive(FwdBarrier::kTileEmpty, kHandoffThreads);
+    }
+    return unit;
   }
 
   // Decodes slot k, half of `unit`, into t and its problem's lengths sl.
@@ -148,11 +159,16 @@ struct FwdTileScheduler {
   // for a slot without a tile (an odd causal pair's middle), else kTile with
   // the tile, its problem's lengths and its key blocks (possibly empty: rows
   // that attend no key).
-  // `unit` carries the round's unit from its first slot to its second.
+  // `unit` carries the round's unit from its first slot to its second (the
+  // MMA threads of the dynamic scheduler read it again instead).
   template <bool kProducer>
   CUTE_DEVICE static Slot tile_at(Params const& p, typename Traits::SharedStorage& smem, int k, int& unit, FwdTile& t,
                                   SeqlenInfo& sl, BlockRange& kv_blocks) {
-    if (k % kTilesPerUnit == 0) { unit = unit_of_round<kProducer>(p, smem, k / kTilesPerUnit); }
+    if constexpr (kDynamic && !kProducer) {
+      unit = mma_unit(p, smem, k);
+    } else if (k % kTilesPerUnit == 0) {
+      unit = unit_of_round<kProducer>(p, smem, k / kTilesPerUnit);
+    }
     if (!slot(p, k, unit, t, sl)) { return Slot::kDone; }
     if (t.m_block < 0) { return Slot::kSkip; }
     kv_blocks = Traits::tile_geometry(p, sl).kv_range(t.m_block);
