@@ -126,7 +126,7 @@ struct FwdTileScheduler {
     int const unit = smem.tile_unit;
     // kTileEmpty: this was the round's last read (its last slot, or a unit past
     // the end, which has no more); the producer warp may write the next one.
-    if (k % kTilesPerUnit == kTilesPerUnit - 1 || unit >= p.packed_order[0]) {
+    if (k % kTilesPerUnit == kTilesPerUnit - 1 || unit >= packed_order_units(p.packed_order)) {
       named_barrier_arrive(FwdBarrier::kTileEmpty, kHandoffThreads);
     }
     return unit;
