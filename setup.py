@@ -5,7 +5,8 @@ runs), the CUDA toolkit's nvcc and headers (``CUDA_HOME``) of the same major
 version as torch's CUDA, and the nvidia-cutlass wheel for the CUTLASS/CuTe
 headers. Every missing prerequisite is reported before anything compiles.
 ``DASH_FA3_VARIANTS`` narrows the compiled variants (see dash_fa3/variants.py).
-``MAX_JOBS`` bounds the parallel compile jobs. ``DASH_FA3_CPU_ONLY=1`` installs
+``DASH_FA3_LAYOUTS`` and ``DASH_FA3_SOFTCAP=1`` choose the kernel families (layouts;
+softcap kernels, off by default). ``MAX_JOBS`` bounds the parallel compile jobs. ``DASH_FA3_CPU_ONLY=1`` installs
 the Python package without the extension (CPU reference path and schedule model).
 """
 
@@ -57,10 +58,13 @@ def extension_modules():
     include_dirs = build_config.include_dirs()
     try:
         selected = build_config.variants.select()
+        layouts = build_config.variants.select_layouts()
+        softcaps = build_config.variants.select_softcap()
     except ValueError as exc:
         fail(str(exc))
-    print(f"dash_fa3: building {len(selected)} variants: {', '.join(v.name for v in selected)}")
-    sources = build_config.prepare(selected)
+    print(f"dash_fa3: building {len(selected)} variants: {', '.join(v.name for v in selected)}; layouts "
+          f"{', '.join(layouts)}; {'plain and softcap' if True in softcaps else 'plain'} scores")
+    sources = build_config.prepare(selected, layouts, softcaps)
     return [
         CUDAExtension(
             name="dash_fa3._C",

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         scale = args.hdim ** -0.5
 
         def ours_fwd():
-            return _ext.ops().fwd_varlen(q, k, v, cu, cu, longest, longest, scale, -1, 0, 0)
+            return _ext.ops().fwd_varlen(q, k, v, cu, cu, longest, longest, scale, -1, 0, 0.0, 0)
 
         def ours_bwd(det):
             return ops._bwd_general_cuda(dout, q, k, v, out, lse, cu, cu, longest, longest, scale, -1, 0, 0.0, det,

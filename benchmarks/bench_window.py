@@ -1,12 +1,16 @@
-"""Sliding-window attention, ours against FlashAttention-3 (issue 17's window bar), one process.
+"""Sliding-window and softcap attention, ours against FlashAttention-3 (issue 17's window and
+softcap bars), one process.
 
 Per configuration (batch 1, hidden 2048 so heads = 2048 / hdim, bf16): our forward (the local
 kernel, ``fwd_window``), our backward non-deterministic and deterministic (``auto`` schedule) and
 FA3's forward and both backward modes with the same window, interleaved in rounds (median of
 per-round CUDA-event medians; ``bench_peers.time_point``). FA3 must be built with windows:
-``python benchmarks/peers/build_fa3.py --src PATH --hdims 128 --features local``.
+``python benchmarks/peers/build_fa3.py --src PATH --hdims 128 --features local``. ``--softcap``
+caps the scores of every configuration (ours: a build with ``DASH_FA3_SOFTCAP=1``; FA3: ``--features
+softcap``); the window -1,0 is causal attention (FA3 then runs its causal kernel).
 
     python benchmarks/bench_window.py --seqlen 16384 --hdim 128 --window 4096,0 --commit <sha>
+    python benchmarks/bench_window.py --seqlen 8192 --hdim 128 --window -1,0 --softcap 30 --commit <sha>
 """
 
 from __future__ import annotations
@@ -24,10 +28,6 @@ import bench_peers  # noqa: E402
 from peers import fa3 as fa3_peer  # noqa: E402
 
 from dash_fa3 import _ext, ops  # noqa: E402
-
-
-def _no_reference():
-    raise RuntimeError("no backward kernel for this head dim in the build (a benchmark runs no reference)")
 
 
 def parse_window(text: str) -> tuple[int, int]:
@@ -55,6 +55,7 @@ def parse_args(argv=None):
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--hdim", type=int, default=128)
     ap.add_argument("--window", type=parse_window, action="append")
+    ap.add_argument("--softcap", type=float, default=0.0, help="softcap of every configuration (0: none)")
     bench_peers.add_pair_arguments(ap)
     args = ap.parse_args(argv)
     args.window = args.window or [(4096, 0)]
@@ -65,32 +66,40 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     heads = 2048 // args.hdim
     fa3 = bench_peers.pair_table_start(
-        "bench_window", "sliding windows",
+        "bench_window", "sliding windows" + (f", softcap {args.softcap:g}" if args.softcap > 0 else ""),
         f"batch 1, {args.seqlen} tokens, {heads} heads, hdim {args.hdim}, bf16; TFLOP/s over the window's entries "
         f"(fwd 4*h*d per entry, bwd 2.5x)", ["window"], args)
     if fa3 is None:
         return 2
+    cap = args.softcap
     for left, right in args.window:
         g = torch.Generator(device="cuda").manual_seed(left * 7 + right)
         q, k, v, dout = (torch.randn(1, args.seqlen, heads, args.hdim, device="cuda", dtype=torch.bfloat16,
                                      generator=g) for _ in range(4))
         scale = args.hdim ** -0.5
-        win = (left, right)
-        out, lse = _ext.ops().fwd_window(q, k, v, scale, left, right, 0)
-        f_out, f_lse = fa3_peer.forward(fa3, q, k, v, False, scale, window=win)
-        dq = ops._bwd_cuda_window(dout, q, k, v, out, lse, scale, left, right, False, "auto", 0, _no_reference)[0]
-        f_dq = fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, False, False, scale, window=win)[0]
+        # FA3 runs (-1, 0) on its causal kernel only when asked for causal.
+        causal = (left, right) == (-1, 0)
+        fa3_kw = {"window": (-1, -1) if causal else (left, right), "softcap": cap}
+        out, lse = _ext.ops().fwd_window(q, k, v, scale, left, right, cap, 0)
+        f_out, f_lse = fa3_peer.forward(fa3, q, k, v, causal, scale, **fa3_kw)
+
+        def ours_bwd(deterministic):
+            return ops._bwd_cuda_window(dout, q, k, v, out, lse, scale, left, right, cap, deterministic, "auto", 0)
+
+        dq = ours_bwd(False)[0]
+        f_dq = fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, causal, False, scale, **fa3_kw)[0]
         diffs = [bench_peers.rel_diff(a, b) for a, b in ((out, f_out), (dq, f_dq))]
         fns = {
-            "ours fwd": lambda: _ext.ops().fwd_window(q, k, v, scale, left, right, 0),
-            "FA3 fwd": lambda: fa3_peer.forward(fa3, q, k, v, False, scale, window=win),
-            "ours nd": lambda: ops._bwd_cuda_window(dout, q, k, v, out, lse, scale, left, right, False, "auto", 0, _no_reference),
-            "FA3 nd": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, False, False, scale, window=win),
-            "ours det": lambda: ops._bwd_cuda_window(dout, q, k, v, out, lse, scale, left, right, True, "auto", 0, _no_reference),
-            "FA3 det": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, False, True, scale, window=win),
+            "ours fwd": lambda: _ext.ops().fwd_window(q, k, v, scale, left, right, cap, 0),
+            "FA3 fwd": lambda: fa3_peer.forward(fa3, q, k, v, causal, scale, **fa3_kw),
+            "ours nd": lambda: ours_bwd(False),
+            "FA3 nd": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, causal, False, scale, **fa3_kw),
+            "ours det": lambda: ours_bwd(True),
+            "FA3 det": lambda: fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, causal, True, scale, **fa3_kw),
         }
         fwd_flops = 4.0 * heads * args.hdim * window_entries(args.seqlen, left, right)
-        print(f"| ({left}, {right}) | {bench_peers.pair_cells(fns, fwd_flops, diffs, args)} |", flush=True)
+        label = f"({left}, {right})" + (f" softcap {cap:g}" if cap > 0 else "")
+        print(f"| {label} | {bench_peers.pair_cells(fns, fwd_flops, diffs, args)} |", flush=True)
     return 0
 
 

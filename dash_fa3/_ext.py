@@ -51,17 +51,16 @@ def ops():
     return torch.ops.dash_fa3_C
 
 
-# The extension's op listing each (direction, packed) table of compiled kernels.
-_BUILT_OPS = {("fwd", False): "built_fwd_variants", ("bwd", False): "built_bwd_variants",
-              ("fwd", True): "built_packed_fwd_variants", ("bwd", True): "built_packed_bwd_variants"}
+# The extension's op listing the compiled kernels of one direction and family.
+_BUILT_OPS = {"fwd": "built_fwd_variants", "bwd": "built_bwd_variants"}
 
 
 @functools.lru_cache(maxsize=None)
-def built_variants(direction: str, packed: bool = False) -> tuple[str, ...]:
+def built_variants(direction: str, packed: bool = False, softcap: bool = False) -> tuple[str, ...]:
     """Names of the variants whose ``direction`` ("fwd" / "bwd") kernel this build has, for
-    dense tensors or, ``packed``, packed documents (variants.LAYOUTS); raises as ops() does
-    when the extension is missing."""
-    return tuple(getattr(ops(), _BUILT_OPS[direction, bool(packed)])())
+    dense tensors or, ``packed``, packed documents (variants.LAYOUTS), with plain or, ``softcap``,
+    softcapped scores (variants.SOFTCAP_ENV); raises as ops() does when the extension is missing."""
+    return tuple(getattr(ops(), _BUILT_OPS[direction])(bool(packed), bool(softcap)))
 
 
 @functools.lru_cache(maxsize=None)

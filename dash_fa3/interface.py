@@ -10,9 +10,9 @@ kind) for ``flash_attn_func``; a window that masks nothing beyond causal or
 full attention (FA3 normalises it the same way: a side reaching past the
 sequence is unbounded, and ``(-1, 0)`` is causal) runs the causal or full
 kernels. Packed variable-length batches (``flash_attn_varlen_func``, windows
-included) run the Hopper kernels, forward and backward. ``softcap`` runs on
-CPU tensors only (the fp32 reference): the kernels do not implement it yet
-(issue 17), so on CUDA tensors it raises ``NotImplementedError``.
+included) run the Hopper kernels, forward and backward. ``softcap`` > 0
+(scores softcap * tanh(scores / softcap), FA3's) runs on the softcap kernels,
+a build option (``DASH_FA3_SOFTCAP=1``; without it CUDA calls raise, naming it).
 """
 
 from __future__ import annotations
@@ -119,13 +119,12 @@ def flash_attn_func(
         if window == (-1, -1):  # plain causal stays on the causal kernel even where it masks nothing (seqlen_q 1)
             right = 0
     mask = variants.mask_of_window(left, right)  # the kernel family: full, causal or local (a window)
-    validation.check_attention_inputs(q, k, v, causal=mask == "causal", mask=mask, schedule=schedule)
+    validation.check_attention_inputs(q, k, v, causal=mask == "causal", mask=mask, schedule=schedule,
+                                      softcap=softcap > 0)
     softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
     if mask != "local" and softcap == 0:
         out, lse = ops.attention(q, k, v, softmax_scale, mask == "causal", sm_margin, deterministic, schedule)
     else:
-        if q.is_cuda and softcap > 0:
-            raise ops.gpu_not_implemented(ops._general_features(None, left, right, softcap))
         out, lse = ops.attention_general(q, k, v, None, None, 0, 0, softmax_scale, left, right, softcap, sm_margin,
                                          deterministic, schedule)
     return (out, lse) if return_attn_probs else out
@@ -182,8 +181,6 @@ def flash_attn_varlen_func(
     the same tensors). Its schedules: "auto" ("spt"
     deterministic, "lpt" otherwise), "fa3", "spt", "descending", "lpt";
     "shift" and "symmetric_shift" plan over one geometry and are refused.
-    softcap is not in the kernels yet (issue 17): CUDA tensors raise
-    NotImplementedError.
     """
     func = "flash_attn_varlen_func"
     _check_fa3_extras(func, qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa,
@@ -203,9 +200,7 @@ def flash_attn_varlen_func(
             left, right = _effective_window(window, causal, max_seqlen_q, max_seqlen_k)
             if window == (-1, -1):
                 right = 0
-        if softcap > 0:
-            raise ops.gpu_not_implemented(ops._general_features(cu_seqlens_q, left, right, softcap))
-        validation.check_varlen_kernel(q, shape, variants.mask_of_window(left, right))
+        validation.check_varlen_kernel(q, shape, variants.mask_of_window(left, right), softcap=softcap > 0)
     # A schedule packed documents cannot run is refused on every device, before the forward.
     resolve_varlen_schedule(schedule, deterministic)
     out, lse = ops.attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,

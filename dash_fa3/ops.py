@@ -24,10 +24,9 @@ variable-length batches (issue 17). On CUDA tensors, windows on
 kind (``local``; one Python call into the C++ dispatch per direction, as the
 backward of the plain ops), and so does the forward over packed documents
 (``fwd_varlen`` / ``bwd_varlen``; the backward reads the documents' lengths
-on the host, once per cu_seqlens tensor: ``host_offsets``). Softcap is not
-implemented in the kernels yet and raises ``NotImplementedError`` (the public
-API raises before reaching it), never a slow fallback. CPU tensors run the
-reference.
+on the host, once per cu_seqlens tensor: ``host_offsets``). Softcap runs the
+softcap kernels (``DASH_FA3_SOFTCAP=1`` builds; a build without them raises,
+never a slow fallback). CPU tensors run the reference.
 """
 
 from __future__ import annotations
@@ -68,16 +67,17 @@ _lib.impl("fwd", _fwd_reference, "CPU")
 # ---------------------------------------------------------------- backward
 
 
-def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False) -> int:
+def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False, softcap=False) -> int:
     """The device's SM count, after checking that the backward kernel of (hdim, dtype, mask) is
-    built for dense tensors or, ``packed``, packed documents (an error that says how to build it
-    otherwise: nothing falls back to a slow path) and that sm_margin leaves an SM."""
+    built for dense tensors or, ``packed``, packed documents, with plain or, ``softcap``,
+    softcapped scores (an error that says how to build it otherwise: nothing falls back to a
+    slow path) and that sm_margin leaves an SM."""
     variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask)
-    built = _ext.built_variants("bwd", packed)
+    built = _ext.built_variants("bwd", packed, softcap)
     if variant.name not in built:
         raise RuntimeError(
-            f"dash_fa3: no {'packed-document ' if packed else ''}backward kernel for {variant.name} in this build "
-            f"(built: {', '.join(built) or 'none'}); {validation.rebuild_hint(variant.name, packed)}")
+            f"dash_fa3: no {validation.family_name(packed, softcap)}backward kernel for {variant.name} in this "
+            f"build (built: {', '.join(built) or 'none'}); {validation.rebuild_hint(variant.name, packed, softcap)}")
     total = _ext.num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if total - sm_margin < 1:
         raise ValueError(f"sm_margin={sm_margin} leaves no SM of the device's {total}")
@@ -85,9 +85,10 @@ def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False) -> i
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic, schedule, sm_margin, device):
+def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap, deterministic, schedule, sm_margin,
+              device):
     """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
-    (-1, 0) causal) runs, built once per shape: (schedule on the device, its header on
+    (-1, 0) causal) and softcap (> 0: the softcap kernels) runs, built once per shape: (schedule on the device, its header on
     the host, the C++ op). A variant this build lacks is an error that says how to build it:
     nothing falls back to a slow path."""
     from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
@@ -95,7 +96,7 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic,
 
     batch, seqlen_q, heads, hdim = q_shape
     mask = variants.mask_of_window(window_left, window_right)
-    total = _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device)
+    total = _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, softcap=softcap > 0)
     block_m, block_n = bwd_block_sizes(hdim)
     geometry = Geometry(batch=batch, heads=heads, heads_kv=k_shape[2], seqlen_q=seqlen_q, seqlen_k=k_shape[1],
                         block_m=block_m, block_n=block_n, mask=mask, window_left=window_left,
@@ -106,18 +107,18 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, deterministic,
     return flat.to(device), flat.clone(), _ext.ops().bwd.default
 
 
-def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic, schedule,
-                     sm_margin):
-    """The backward kernels for a window (full and causal included)."""
-    schedule_flat, schedule_header, run = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right,
+def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, deterministic,
+                     schedule, sm_margin):
+    """The backward kernels for a window (full and causal included) and a softcap (0: none)."""
+    schedule_flat, schedule_header, run = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right, softcap,
                                                     deterministic, schedule, sm_margin, q.device)
     return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, window_left, window_right,
-               deterministic)
+               softcap, deterministic)
 
 
 def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
-    return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, -1, 0 if causal else -1, deterministic, schedule,
-                            sm_margin)
+    return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, -1, 0 if causal else -1, 0.0, deterministic,
+                            schedule, sm_margin)
 
 
 def _bwd_reference(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):
@@ -148,13 +149,6 @@ bwd = torch.ops.dash_fa3.bwd.default
 # ---------------------------------------------------------------- windows, softcap, varlen
 
 
-GPU_PENDING = "the Hopper kernels do not implement {what} yet (issue 17); CPU tensors run it on the fp32 reference"
-
-
-def gpu_not_implemented(what: str) -> NotImplementedError:
-    return NotImplementedError("dash_fa3: " + GPU_PENDING.format(what=what))
-
-
 def _ref_kwargs(window_left, window_right, softcap):
     return {"window_size": (window_left, window_right), "softcap": softcap}
 
@@ -178,23 +172,6 @@ def _bwd_general_reference(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
         dq, dk, dv = reference.attention_varlen_bwd_ref(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
                                                         softmax_scale, **kw)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
-
-
-def _general_features(cu_seqlens_q, window_left, window_right, softcap) -> str:
-    what = []
-    if cu_seqlens_q is not None:
-        what.append("packed variable-length batches (cu_seqlens)")
-    if window_left >= 0 or window_right >= 0:
-        what.append(f"sliding windows (window_size=({window_left}, {window_right}))")
-    if softcap > 0:
-        what.append(f"softcap={softcap}")
-    return ", ".join(what) or "dash_fa3::fwd_general"
-
-
-def kernels_serve(softcap) -> bool:
-    """Whether the Hopper kernels run a dash_fa3::fwd_general / bwd_general call: windows and
-    packed documents, without softcap."""
-    return softcap == 0
 
 
 # Host copies of CUDA cu_seqlens, per tensor object and version: the backward's schedule
@@ -223,14 +200,14 @@ def remember_host_offsets(cu: torch.Tensor, values) -> None:
 
 
 def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
-                 deterministic, schedule, sm_margin):
+                 softcap, deterministic, schedule, sm_margin):
     """(schedule on the device, its header on the host) of a backward over packed documents."""
     from .schedule import bwd_block_sizes
     from .schedule.varlen import resolve_varlen_schedule, varlen_metadata_cached
 
     hdim = q.shape[-1]
     mask = variants.mask_of_window(window_left, window_right)
-    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device, packed=True)
+    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device, packed=True, softcap=softcap > 0)
     cq, ck = host_offsets(cu_seqlens_q), host_offsets(cu_seqlens_k)
     # The checks flash_attn_varlen_func makes on CPU tensors, now that the values are on the host.
     validation.check_offsets("cu_seqlens_q", cq, q.shape[0], max_seqlen_q)
@@ -246,32 +223,29 @@ def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, w
 
 def _fwd_general_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       window_left, window_right, softcap, sm_margin):
-    if not kernels_serve(softcap):
-        raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
     if cu_seqlens_q is None:
-        return _ext.ops().fwd_window(q, k, v, softmax_scale, window_left, window_right, sm_margin)
+        return _ext.ops().fwd_window(q, k, v, softmax_scale, window_left, window_right, softcap, sm_margin)
     if q.shape[0] == 0 or k.shape[0] == 0:
         # No query rows, or no keys anywhere: every row attends nothing (out 0, lse -inf).
         return (q.new_zeros((*q.shape[:2], v.shape[-1])),
                 torch.full((q.shape[1], q.shape[0]), -torch.inf, dtype=torch.float32, device=q.device))
     return _ext.ops().fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                 window_left, window_right, sm_margin)
+                                 window_left, window_right, softcap, sm_margin)
 
 
 def _bwd_general_cuda(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, window_left, window_right, softcap, deterministic, schedule, sm_margin):
-    if not kernels_serve(softcap):
-        raise gpu_not_implemented(_general_features(cu_seqlens_q, window_left, window_right, softcap))
     if cu_seqlens_q is not None:
         if q.shape[0] == 0 or k.shape[0] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         schedule_flat, schedule_header = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                      window_left, window_right, deterministic, schedule, sm_margin)
+                                                      window_left, window_right, softcap, deterministic, schedule,
+                                                      sm_margin)
         return _ext.ops().bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, schedule_flat, schedule_header, softmax_scale, window_left,
-                                     window_right, deterministic)
+                                     window_right, softcap, deterministic)
 
-    return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic,
+    return _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, deterministic,
                             schedule, sm_margin)
 
 
@@ -353,7 +327,6 @@ def attention_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, ma
                       softmax_scale: float, window_left: int, window_right: int, softcap: float, sm_margin: int,
                       deterministic: bool, schedule: str):
     """(out, lse) with a window / softcap / packed documents, differentiable in q, k, v; arguments
-    already validated (``flash_attn_func`` / ``flash_attn_varlen_func``). On CUDA tensors the
-    kernels run windows and packed documents, not softcap (``kernels_serve``)."""
+    already validated (``flash_attn_func`` / ``flash_attn_varlen_func``)."""
     return _AttentionGeneral.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                    window_left, window_right, softcap, sm_margin, deterministic, schedule)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import torch
 
@@ -78,9 +79,11 @@ def _check_heads(heads: int, heads_kv: int, headdim: int) -> None:
         )
 
 
-def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto", mask: str | None = None) -> AttnShape:
+def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto", mask: str | None = None,
+                           softcap: bool = False) -> AttnShape:
     """Validates q, k, v of ``flash_attn_func`` and returns their shape. On CUDA tensors the
-    forward kernel of mask kind ``mask`` (default: causal / full by ``causal``) must be built."""
+    forward kernel of mask kind ``mask`` (default: causal / full by ``causal``), the softcap
+    one if ``softcap``, must be built."""
     _check_tensors(q, k, v, 4, "batch, seqlen, heads, headdim")
 
     batch, seqlen_q, heads, headdim = q.shape
@@ -103,20 +106,33 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto", mas
         # torch.compile cannot trace; under compilation the C++ op re-checks at run time.
         if not torch.compiler.is_compiling():
             check_cuda_device(q.device)
-            check_built(shape.variant(causal, mask).name)
+            check_built(shape.variant(causal, mask).name, softcap=softcap)
     return shape
 
 
-def check_window_size(window_size) -> tuple[int, int]:
-    """FA3's ``window_size``: a pair (left, right) of ints >= -1 (-1, or None, = unbounded)."""
+def _window_side(w) -> int | None:
+    """One side of a window_size as an int (None: unbounded, -1), or None if it is no integer:
+    Python and NumPy ints and integer tensor entries (FA3's own tests pass a tensor) count."""
+    if w is None:
+        return -1
+    if isinstance(w, bool) or (isinstance(w, torch.Tensor) and w.dtype == torch.bool):
+        return None
     try:
-        pair = tuple(window_size)
+        return operator.index(w)
+    except TypeError:
+        return None
+
+
+def check_window_size(window_size) -> tuple[int, int]:
+    """FA3's ``window_size``: a pair (left, right) of integers >= -1 (-1, or None, = unbounded),
+    as a tuple, list or 2-element integer tensor."""
+    try:
+        pair = tuple(_window_side(w) for w in window_size)
     except TypeError:
         pair = None
-    if pair is None or len(pair) != 2 or not all(
-            w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= -1) for w in pair):
+    if pair is None or len(pair) != 2 or not all(w is not None and w >= -1 for w in pair):
         raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window_size!r}")
-    return tuple(-1 if w is None else int(w) for w in pair)
+    return pair
 
 
 def check_softcap(softcap) -> float:
@@ -223,11 +239,12 @@ def check_offsets(name: str, values, total: int, max_seqlen: int) -> None:
         raise ValueError(f"max_seqlen_{name[-1]}={max_seqlen} is smaller than the longest document ({longest} tokens)")
 
 
-def check_varlen_kernel(q, shape: VarlenShape, mask: str) -> None:
-    """On CUDA tensors: a Hopper GPU, and the forward kernel of ``mask`` for the shape in the build."""
+def check_varlen_kernel(q, shape: VarlenShape, mask: str, softcap: bool = False) -> None:
+    """On CUDA tensors: a Hopper GPU, and the packed forward kernel of ``mask`` (the softcap one
+    if ``softcap``) for the shape in the build."""
     if q.is_cuda and not torch.compiler.is_compiling():
         check_cuda_device(q.device)
-        check_built(variants.Variant(shape.headdim, shape.dtype, mask).name, packed=True)
+        check_built(variants.Variant(shape.headdim, shape.dtype, mask).name, packed=True, softcap=softcap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,23 +259,32 @@ def check_cuda_device(device: torch.device) -> None:
         )
 
 
+def family_name(packed: bool, softcap: bool) -> str:
+    """How errors name a kernel family: "", "packed-document ", "softcap ", "packed-document softcap "."""
+    return ("packed-document " if packed else "") + ("softcap " if softcap else "")
+
+
 @functools.lru_cache(maxsize=None)
-def check_built(variant_name: str, packed: bool = False) -> None:
+def check_built(variant_name: str, packed: bool = False, softcap: bool = False) -> None:
     """Raises unless the forward of ``variant_name`` is in this build (cached per name), for
-    dense tensors or, ``packed``, for packed documents (variants.LAYOUTS)."""
+    dense tensors or, ``packed``, for packed documents (variants.LAYOUTS), with plain or,
+    ``softcap``, softcapped scores."""
     from . import _ext
 
-    built = _ext.built_variants("fwd", packed)  # raises with the reason when the extension is missing
+    built = _ext.built_variants("fwd", packed, softcap)  # raises with the reason when the extension is missing
     if variant_name not in built:
-        raise ValueError(f"{'the packed-document kernel of ' if packed else ''}variant {variant_name} was not "
+        raise ValueError(f"the {family_name(packed, softcap)}forward kernel of variant {variant_name} was not "
                          f"compiled into this build (built: {', '.join(built) or 'none'}); "
-                         f"{rebuild_hint(variant_name, packed)}")
+                         f"{rebuild_hint(variant_name, packed, softcap)}")
 
 
-def rebuild_hint(variant_name: str, packed: bool) -> str:
-    """How to build the kernels of ``variant_name`` (with the packed layout if ``packed``)."""
+def rebuild_hint(variant_name: str, packed: bool, softcap: bool = False) -> str:
+    """How to build the kernels of ``variant_name`` (with the packed layout if ``packed``, the
+    softcap kernels if ``softcap``)."""
     hdim = variant_name.split("-")[0]
     hint = f"rebuild with {variants.ENV_VAR} selecting it, e.g. {variants.ENV_VAR}={hdim}"
     if packed:
         hint += f", and {variants.LAYOUT_ENV} unset or naming packed"
+    if softcap:
+        hint += f", and {variants.SOFTCAP_ENV}=1"
     return hint + " pip install --no-build-isolation -e ."

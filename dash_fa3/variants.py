@@ -47,6 +47,12 @@ DEFAULT_FILTER = "hdim64,hdim128"
 LAYOUTS: tuple[str, ...] = ("dense", "packed")
 LAYOUT_ENV = "DASH_FA3_LAYOUTS"
 
+# Softcapped scores (``softcap > 0``: the Gemma 2 family's logit cap) have their
+# own instantiations of every selected variant and layout, built on request only
+# (``DASH_FA3_SOFTCAP=1``): they double the build, and the plain kernels so carry
+# no tanh. False stands for the plain kernels, True for the softcap ones.
+SOFTCAP_ENV = "DASH_FA3_SOFTCAP"
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Variant:
@@ -124,6 +130,20 @@ def select_layouts(value: str | None = None) -> tuple[str, ...]:
     if unknown or not names_:
         raise ValueError(f"{LAYOUT_ENV}={value!r}: name one or more of {', '.join(LAYOUTS)}")
     return tuple(layout for layout in LAYOUTS if layout in names_)
+
+
+def select_softcap(value: str | None = None) -> tuple[bool, ...]:
+    """The softcap axis of a build named by ``value`` (default: ``$DASH_FA3_SOFTCAP``):
+    "0" or unset, the plain kernels only, (False,); "1", softcap kernels too, (False, True).
+    Raises ``ValueError`` for anything else."""
+    if value is None:
+        value = os.environ.get(SOFTCAP_ENV, "")
+    value = value.strip()
+    if value in ("", "0"):
+        return (False,)
+    if value == "1":
+        return (False, True)
+    raise ValueError(f"{SOFTCAP_ENV}={value!r}: 1 builds the softcap kernels too, 0 (or unset) does not")
 
 
 def fold_causal(left: int, right: int, causal: bool) -> tuple[int, int]:

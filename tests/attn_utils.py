@@ -13,12 +13,15 @@ ERR_FACTOR = 2.0
 ERR_FLOOR = 1e-5
 
 
-def attention_lowp(q, k, v, softmax_scale, causal, window_size=(-1, -1)):
+def attention_lowp(q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0):
     """A plain PyTorch bf16/fp16 attention: matmuls in the input dtype, softmax in fp32.
-    ``window_size`` as FA3's (with ``causal`` folded in)."""
+    ``window_size`` as FA3's (with ``causal`` folded in); ``softcap`` > 0 caps the scores
+    (softcap * tanh(scores / softcap), in fp32)."""
     heads = q.shape[2]
     qh, kh, vh = (reference._bhsd(t, heads, t.dtype) for t in (q, k, v))
     s = torch.matmul(qh, kh.transpose(-1, -2)).float() * softmax_scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     if causal or tuple(window_size) != (-1, -1):
         keep = reference.visible_mask(q.shape[1], k.shape[1], window_size, causal, q.device)
         s = s.masked_fill(~keep, float("-inf"))
@@ -55,11 +58,11 @@ def assert_bitwise_repeatable(run, repeats):
     assert all(torch.equal(a, b) for a, b in zip(other, first))
 
 
-def require_built(v, direction, layout="dense"):
+def require_built(v, direction, layout="dense", softcap=False):
     """Skip unless the extension has the ``direction`` ("fwd"/"bwd") kernel of variant ``v`` for
-    ``layout`` (variants.LAYOUTS)."""
-    if v.name not in _ext.built_variants(direction, layout == "packed"):
-        pytest.skip(f"no {layout} {direction} kernel for {v.name} in this build")
+    ``layout`` (variants.LAYOUTS), the softcap one if ``softcap`` (variants.SOFTCAP_ENV)."""
+    if v.name not in _ext.built_variants(direction, layout == "packed", softcap):
+        pytest.skip(f"no {layout}{' softcap' if softcap else ''} {direction} kernel for {v.name} in this build")
 
 
 def make_inputs(v, shape, seed):

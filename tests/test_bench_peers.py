@@ -593,6 +593,10 @@ def test_fa3_suite_switches_follow_the_build():
     assert "FLASH_ATTENTION_DISABLE_HDIM64" not in env and "FLASH_ATTENTION_DISABLE_HDIM128" not in env
     assert "FLASH_ATTENTION_DISABLE_FP16" not in env
     assert fa3_suite.disable_switches(["hdim128-bf16-causal"])["FLASH_ATTENTION_DISABLE_FP16"] == "TRUE"
+    # softcap stays in FA3's tests only when every built variant has its softcap kernels
+    built = ["hdim128-bf16-causal", "hdim128-bf16-full"]
+    assert "FLASH_ATTENTION_DISABLE_SOFTCAP" not in fa3_suite.disable_switches(built, built + ["hdim64-bf16-full"])
+    assert fa3_suite.disable_switches(built, built[:1])["FLASH_ATTENTION_DISABLE_SOFTCAP"] == "TRUE"
 
 
 def test_fa3_suite_missing_checkout_exits_2(tmp_path, capsys):

@@ -142,7 +142,7 @@ def test_bad_windows_are_refused_by_the_dispatch():
     require_built(v, "fwd")
     q, k, vv, _ = make_inputs(v, (1, 64, 64, 2, 2), 1)
     with pytest.raises(RuntimeError, match="window"):
-        _ext.ops().fwd_window(q, k, vv, 0.1, -2, 0, 0)
+        _ext.ops().fwd_window(q, k, vv, 0.1, -2, 0, 0.0, 0)
 
 
 # ---------------------------------------------------------------- backward
@@ -197,7 +197,7 @@ def test_schedule_built_for_another_window_is_refused():
     flat = torch.from_numpy(get_kernel_metadata("fa3", g, torch.cuda.get_device_properties(0).multi_processor_count)
                             .as_int32_array())
     with pytest.raises(RuntimeError, match="window"):
-        _ext.ops().bwd(dout, q, k, vv, out, lse, flat.cuda(), flat, 0.1, 64, 0, True)
+        _ext.ops().bwd(dout, q, k, vv, out, lse, flat.cuda(), flat, 0.1, 64, 0, 0.0, True)
 
 
 # ---------------------------------------------------------------- determinism

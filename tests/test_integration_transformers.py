@@ -319,6 +319,22 @@ def test_gemma3_local_and_global_layers_match_eager(recorder):
     assert windows == [(7, 0), (-1, -1)] and all(kw["causal"] for _, _, _, kw in recorder.calls)
 
 
+def test_gemma2_softcap_and_sliding_window_match_eager(recorder):
+    # Gemma 2: attention logits capped (attn_logit_softcapping), local and global layers.
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    def make():
+        return Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, sliding_window=8, max_position_embeddings=256,
+            attn_logit_softcapping=2.0, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+            attn_implementation="eager"))
+
+    _compare_with_eager(make, 72, seqlen=24)
+    assert [kw["softcap"] for _, _, _, kw in recorder.calls] == [2.0, 2.0]
+    assert [kw["window_size"] for _, _, _, kw in recorder.calls] == [(7, 0), (-1, -1)]
+
+
 def test_sliding_window_cached_decoding_matches_a_full_forward():
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -381,7 +397,7 @@ def test_fp32_model_is_refused_with_the_fix():
 
 def test_other_refusals():
     q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
-    for kw, match in (({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(4)}, "s_aux"),
+    for kw, match in (({"s_aux": torch.zeros(4)}, "s_aux"),
                       ({"cu_seqlens_q": torch.tensor([0, 8])}, "cu_seq_lens_q/k")):
         with pytest.raises(dt.UnsupportedAttention, match=match):
             dt.attention_forward(torch.nn.Module(), q, q, q, None, **kw)

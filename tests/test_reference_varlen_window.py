@@ -10,6 +10,7 @@ key give out 0 and lse -inf. Gradients come from fp64 autograd through it.
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -401,6 +402,10 @@ def test_seqused_equal_to_the_lengths_is_accepted():
     (dict(window_size=(-2, 4)), ValueError, "ints >= -1"),
     (dict(window_size=(1.5, 4)), ValueError, "ints >= -1"),
     (dict(window_size=(True, 4)), ValueError, "ints >= -1"),
+    (dict(window_size=torch.tensor([1.0, 4.0])), ValueError, "ints >= -1"),
+    (dict(window_size=torch.tensor([True, False])), ValueError, "ints >= -1"),
+    (dict(window_size=torch.tensor([-2, 4])), ValueError, "ints >= -1"),
+    (dict(window_size=torch.tensor([1, 2, 3])), ValueError, "window_size must be a pair"),
     (dict(softcap=-3.0), ValueError, "softcap must be a finite number >= 0"),
     (dict(softcap=float("inf")), ValueError, "softcap must be a finite number >= 0"),
     (dict(softcap=float("nan")), ValueError, "softcap must be a finite number >= 0"),
@@ -411,21 +416,6 @@ def test_window_and_softcap_errors(kwargs, exc, match):
     q = k = v = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(exc, match=match):
         dash_fa3.flash_attn_func(q, k, v, **kwargs)
-
-
-def test_cuda_op_implementations_refuse():
-    # What the CUDA dispatch of the general ops raises, checked here without a GPU.
-    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match=r"packed variable-length batches \(cu_seqlens\), softcap=2.0.*issue 17"):
-        ops._fwd_general_cuda(q, q, q, cu([3]), cu([3]), 3, 3, 0.125, -1, -1, 2.0, 0)
-    with pytest.raises(NotImplementedError, match=r"packed variable-length batches \(cu_seqlens\), softcap=2.0.*issue 17"):
-        ops._bwd_general_cuda(q, q, q, q, q, q, cu([3]), cu([3]), 3, 3, 0.125, -1, -1, 2.0, False, "auto", 0)
-    with pytest.raises(NotImplementedError, match=r"sliding windows \(window_size=\(4, 0\)\), softcap=2.0.*issue 17"):
-        ops._bwd_general_cuda(q, q, q, q, q, q, None, None, 0, 0, 0.125, 4, 0, 2.0, False, "auto", 0)
-
-
-def test_kernels_serve():
-    assert ops.kernels_serve(0.0) and not ops.kernels_serve(1.0)
 
 
 def test_host_offsets_are_read_once_per_tensor_version():
@@ -470,3 +460,13 @@ def test_window_skips_key_blocks_outside_it():
     L = reference._Layout(x, x, None, False, torch.float32, 4, (3, 2), 0.0)
     blocks = [(j0, j1) for j0, j1, _ in L.key_blocks(40, 44)]
     assert blocks[0][0] == 37 and blocks[-1][1] == 46 and sum(j1 - j0 for j0, j1 in blocks) == 9
+
+
+def test_window_size_may_be_an_integer_tensor_or_numpy_ints():
+    """FA3's own varlen test passes window_size as a 2-entry integer tensor."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 9, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    want = dash_fa3.flash_attn_func(q, k, v, window_size=(3, 1))
+    assert torch.equal(dash_fa3.flash_attn_func(q, k, v, window_size=torch.tensor([3, 1])), want)
+    assert torch.equal(dash_fa3.flash_attn_func(q, k, v, window_size=np.array([3, 1])), want)
+    assert torch.equal(dash_fa3.flash_attn_func(q, k, v, window_size=[np.int64(3), torch.tensor(1)]), want)

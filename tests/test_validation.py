@@ -117,7 +117,7 @@ def test_non_hopper_gpu_is_refused(monkeypatch, uncached_checks):
 
 def test_variant_not_built_names_the_rebuild(monkeypatch, uncached_checks):
     built = ("hdim128-bf16-causal", "hdim128-bf16-full")
-    monkeypatch.setattr(_ext, "built_variants", lambda direction, packed=False: built)
+    monkeypatch.setattr(_ext, "built_variants", lambda direction, packed=False, softcap=False: built)
     with pytest.raises(ValueError, match=r"hdim64-fp16-full was not compiled.*DASH_FA3_VARIANTS=hdim64"):
         validation.check_built(dash_fa3.variants.Variant(64, "fp16", "full").name)
     validation.check_built(dash_fa3.variants.Variant(128, "bf16", "full").name)

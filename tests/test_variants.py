@@ -55,33 +55,44 @@ def test_variant_name_roundtrip():
 
 
 def test_checked_in_instantiations_match_generator():
-    """csrc/instantiations/ holds exactly one generated file per known (direction, variant, layout)."""
-    triples = build_config.instantiations(variants.ALL_VARIANTS)
+    """csrc/instantiations/ holds exactly one generated file per known (direction, variant, layout, softcap)."""
+    insts = build_config.instantiations(variants.ALL_VARIANTS)
     on_disk = {f for f in os.listdir(build_config.INSTANTIATIONS) if f.endswith(".cu")}
-    assert on_disk == {build_config.instantiation_name(d, v, layout) for d, v, layout in triples}
-    for d, v, layout in triples:
-        path = build_config.INSTANTIATIONS / build_config.instantiation_name(d, v, layout)
-        assert path.read_text() == build_config.instantiation_source(d, v, layout)
-        assert f"/*kPacked=*/{'true' if layout == 'packed' else 'false'}>" in path.read_text()
-    # every variant has a forward in each layout; the backward exists for BWD_HEADDIMS
+    assert on_disk == {build_config.instantiation_name(*inst) for inst in insts}
+    assert len(on_disk) == len(insts)
+    for d, v, layout, softcap in insts:
+        text = (build_config.INSTANTIATIONS / build_config.instantiation_name(d, v, layout, softcap)).read_text()
+        assert text == build_config.instantiation_source(d, v, layout, softcap)
+        packed = "true" if layout == "packed" else "false"
+        assert f"/*kPacked=*/{packed}, /*kSoftcap=*/{'true' if softcap else 'false'}>" in text
+    # every variant has a forward in each family; the backward exists for BWD_HEADDIMS
     for layout in variants.LAYOUTS:
-        assert sum(d == "fwd" and lay == layout for d, _, lay in triples) == len(variants.ALL_VARIANTS)
-        assert {v.hdim for d, v, lay in triples if d == "bwd" and lay == layout} == set(variants.BWD_HEADDIMS)
+        for softcap in (False, True):
+            family = [(d, v) for d, v, lay, cap in insts if (lay, cap) == (layout, softcap)]
+            assert sum(d == "fwd" for d, _ in family) == len(variants.ALL_VARIANTS)
+            assert {v.hdim for d, v in family if d == "bwd"} == set(variants.BWD_HEADDIMS)
 
 
 def test_build_sources_follow_selection():
     sel = variants.select("hdim128-bf16-causal")
     table = build_config.variant_table_source(sel)
-    # fwd and bwd, dense and packed
+    # fwd and bwd, dense and packed, plain scores
     assert table.count('"hdim128-bf16-causal"') == 4 and "hdim64" not in table
+    assert 'X(128, kBF16, kCausal, true, false, "hdim128-bf16-causal")' in table and ", true, \"" not in table
     table = build_config.variant_table_source(variants.select("hdim256-bf16-full"))
-    assert "DASH_FA3_FOR_EACH_BWD_VARIANT(X)" in table and table.count('"hdim256-bf16-full"') == 4
-    # A dense-only build: the packed tables are declared, and empty.
+    assert "DASH_FA3_FOR_EACH_BWD_KERNEL(X)" in table and table.count('"hdim256-bf16-full"') == 4
+    # softcap kernels too: each entry twice
+    table = build_config.variant_table_source(sel, variants.LAYOUTS, (False, True))
+    assert table.count('"hdim128-bf16-causal"') == 8
+    assert 'X(128, kBF16, kCausal, false, true, "hdim128-bf16-causal")' in table
     table = build_config.variant_table_source(sel, ("dense",))
-    assert table.count('"hdim128-bf16-causal"') == 2
+    assert table.count('"hdim128-bf16-causal"') == 2 and "true" not in table
+    only = build_config.variant_table_source(sel, ("packed",), (True,))
+    assert only.count('kCausal, true, true, "hdim128-bf16-causal"') == 2
+    # A build without variants still declares both (empty) tables.
+    empty = build_config.variant_table_source(())
     for d in build_config.DIRECTIONS:
-        macro = build_config.table_macro(d, "packed")
-        assert f"#define {macro}(X) \\\n\n" in table, macro
+        assert f"#define {build_config.table_macro(d)}(X) \\\n\n" in empty
     for src in build_config.COMMON_SOURCES:
         assert os.path.isfile(os.path.join(ROOT, src)), src
 
@@ -97,9 +108,29 @@ def test_layouts_select(monkeypatch, tmp_path):
     monkeypatch.setenv(variants.LAYOUT_ENV, "dense")
     assert variants.select_layouts() == ("dense",)
     monkeypatch.setattr(build_config, "GENERATED", tmp_path)  # leave the checkout's build/generated alone
+    monkeypatch.delenv(variants.SOFTCAP_ENV, raising=False)
     sources = build_config.prepare(variants.select("hdim128-bf16-causal"))
     assert [s for s in sources if "instantiations" in s] == [
         "csrc/instantiations/fwd_hdim128_bf16_causal.cu", "csrc/instantiations/bwd_hdim128_bf16_causal.cu"]
+    monkeypatch.setenv(variants.SOFTCAP_ENV, "1")
+    sources = build_config.prepare(variants.select("hdim128-bf16-causal"))
+    assert [s for s in sources if "instantiations" in s] == [
+        "csrc/instantiations/fwd_hdim128_bf16_causal.cu", "csrc/instantiations/bwd_hdim128_bf16_causal.cu",
+        "csrc/instantiations/fwd_hdim128_bf16_causal_softcap.cu",
+        "csrc/instantiations/bwd_hdim128_bf16_causal_softcap.cu"]
+    assert "X(128, kBF16, kCausal, false, true" in (tmp_path / "variant_table.h").read_text()
+
+
+def test_softcap_axis_select(monkeypatch):
+    assert variants.select_softcap("0") == (False,) and variants.select_softcap("") == (False,)
+    assert variants.select_softcap(" 1 ") == (False, True)
+    for bad in ("2", "yes", "true", "-1"):
+        with pytest.raises(ValueError, match=variants.SOFTCAP_ENV):
+            variants.select_softcap(bad)
+    monkeypatch.delenv(variants.SOFTCAP_ENV, raising=False)
+    assert variants.select_softcap() == (False,)
+    monkeypatch.setenv(variants.SOFTCAP_ENV, "1")
+    assert variants.select_softcap() == (False, True)
 
 
 @pytest.mark.skipif(not _ext.available(), reason=f"extension not loaded: {_ext.ext_error()}")
@@ -112,3 +143,8 @@ def test_built_variants_are_declared():
     packed = _ext.built_variants("fwd", packed=True)
     assert set(packed) <= {v.name for v in variants.ALL_VARIANTS}
     assert set(_ext.built_variants("bwd", packed=True)) == {n for n in packed if variants.Variant.parse(n).has_bwd}
+    for layout_packed in (False, True):
+        softcap = _ext.built_variants("fwd", layout_packed, True)
+        assert set(softcap) <= set(_ext.built_variants("fwd", layout_packed))
+        assert set(_ext.built_variants("bwd", layout_packed, True)) == {
+            n for n in softcap if variants.Variant.parse(n).has_bwd}

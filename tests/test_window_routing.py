@@ -39,7 +39,7 @@ def fake_ext(monkeypatch):
     fake = FakeOps()
     built = tuple(v.name for v in variants.ALL_VARIANTS if v.has_bwd)
     monkeypatch.setattr(ops._ext, "ops", lambda: fake)
-    monkeypatch.setattr(ops._ext, "built_variants", lambda direction, packed=False: built)
+    monkeypatch.setattr(ops._ext, "built_variants", lambda direction, packed=False, softcap=False: built)
     monkeypatch.setattr(ops._ext, "num_sms", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     ops._bwd_plan.cache_clear()
@@ -57,7 +57,7 @@ def test_fwd_general_cuda_runs_the_window_kernel(fake_ext):
     q, k, v = qkv()
     ops._fwd_general_cuda(q, k, v, None, None, 0, 0, 0.125, 64, 0, 0.0, 3)
     name, args = fake_ext.calls[-1]
-    assert name == "fwd_window" and args[3:] == (0.125, 64, 0, 3)
+    assert name == "fwd_window" and args[3:] == (0.125, 64, 0, 0.0, 3)
 
 
 @pytest.mark.parametrize("window", [(64, 0), (0, 0), (100, -1), (-1, 50), (30, 20)])
@@ -69,8 +69,8 @@ def test_bwd_general_cuda_builds_a_local_schedule(fake_ext, window, deterministi
     ops._bwd_general_cuda(out, q, k, v, out, lse, None, None, 0, 0, 0.125, *window, 0.0, deterministic, "auto", 0)
     name, args = fake_ext.calls[-1]
     assert name == "bwd"
-    flat, header, scale, left, right, det = args[6], args[7], args[8], args[9], args[10], args[11]
-    assert (scale, left, right, det) == (0.125, *window, deterministic)
+    flat, header, scale, left, right, softcap, det = args[6:13]
+    assert (scale, left, right, softcap, det) == (0.125, *window, 0.0, deterministic)
     h = header.numpy()
     assert h[M.H_MASK] == M.MASK_LOCAL and (h[M.H_WINDOW_LEFT], h[M.H_WINDOW_RIGHT]) == window
     assert (h[M.H_SEQLEN_Q], h[M.H_SEQLEN_K], h[M.H_BLOCK_M], h[M.H_BLOCK_N]) == (300, 500, 64, 128)
@@ -89,13 +89,6 @@ def test_plain_bwd_passes_the_fixed_windows(fake_ext):
         assert h[M.H_MASK] == (M.MASK_CAUSAL if causal else M.MASK_FULL)
 
 
-def test_softcap_and_varlen_still_refuse_on_cuda(fake_ext):
-    q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match="softcap"):
-        ops._fwd_general_cuda(q, k, v, None, None, 0, 0, 0.125, 64, 0, 30.0, 0)
-    assert not fake_ext.calls
-
-
 @pytest.mark.parametrize("hdim", [192, 256])
 def test_wide_head_dims_take_the_head_dim_split_tiles(fake_ext, hdim):
     q, k, v = qkv(d=hdim)
@@ -109,10 +102,40 @@ def test_wide_head_dims_take_the_head_dim_split_tiles(fake_ext, hdim):
 
 def test_a_backward_variant_missing_from_the_build_is_an_error(fake_ext, monkeypatch):
     # No reference fallback on the GPU: the error says what was built and how to build the rest.
-    monkeypatch.setattr(ops._ext, "built_variants", lambda direction, packed=False: ("hdim128-bf16-causal",))
+    monkeypatch.setattr(ops._ext, "built_variants", lambda direction, packed=False, softcap=False: ("hdim128-bf16-causal",))
     q, k, v = qkv(d=256)
     out = torch.zeros_like(q)
     with pytest.raises(RuntimeError, match=r"no backward kernel for hdim256-bf16-causal .*built: "
                                            r"hdim128-bf16-causal.*DASH_FA3_VARIANTS=hdim256"):
         ops._bwd_cuda(out, q, k, v, out, torch.zeros(2, 4, 300), 0.125, True, True, "auto", 0)
+    assert fake_ext.calls == []
+
+
+def test_softcap_runs_the_softcap_kernels(fake_ext, monkeypatch):
+    asked = []
+
+    def built(direction, packed=False, softcap=False):
+        asked.append((direction, packed, softcap))
+        return ("hdim128-bf16-causal",) if softcap else ()
+
+    monkeypatch.setattr(ops._ext, "built_variants", built)
+    q, k, v = qkv()
+    out = torch.zeros_like(q)
+    ops._fwd_general_cuda(q, k, v, None, None, 0, 0, 0.125, -1, 0, 30.0, 0)
+    assert fake_ext.calls[-1] == ("fwd_window", (q, k, v, 0.125, -1, 0, 30.0, 0))
+    ops._bwd_general_cuda(out, q, k, v, out, torch.zeros(2, 4, 300), None, None, 0, 0, 0.125, -1, 0, 30.0, True,
+                          "auto", 0)
+    name, args = fake_ext.calls[-1]
+    assert name == "bwd" and args[8:13] == (0.125, -1, 0, 30.0, True)
+    assert asked == [("bwd", False, True)]
+
+
+def test_a_softcap_build_missing_is_an_error_naming_the_switch(fake_ext, monkeypatch):
+    monkeypatch.setattr(ops._ext, "built_variants",
+                        lambda direction, packed=False, softcap=False: () if softcap else ("hdim128-bf16-causal",))
+    q, k, v = qkv()
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match=r"no softcap backward kernel for hdim128-bf16-causal .*DASH_FA3_SOFTCAP=1"):
+        ops._bwd_general_cuda(out, q, k, v, out, torch.zeros(2, 4, 300), None, None, 0, 0, 0.125, -1, 0, 30.0,
+                              True, "auto", 0)
     assert fake_ext.calls == []

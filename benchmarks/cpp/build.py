@@ -56,9 +56,10 @@ def main(argv=None) -> int:
     (out / "obj").mkdir(parents=True, exist_ok=True)
     selected = build_config.variants.select()
     build_config.write_instantiations()
-    build_config.write_generated(out, selected)
+    # The harnesses run the dense, plain kernels.
+    build_config.write_generated(out, selected, ("dense",), (False,))
     includes = [str(out), str(build_config.CSRC), build_config.cutlass_locator.include_dir()]
-    pairs = [v for d, v in build_config.instantiations(selected) if d == args.direction]
+    pairs = [v for d, v, _, _ in build_config.instantiations(selected, ("dense",), (False,)) if d == args.direction]
     if not pairs:
         sys.exit(f"no {args.direction} variant selected by {build_config.variants.ENV_VAR}")
     sources = [build_config.INSTANTIATIONS / build_config.instantiation_name(args.direction, v) for v in pairs]

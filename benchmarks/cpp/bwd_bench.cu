@@ -55,12 +55,12 @@ static dash_fa3::MaskKind mask_of(bool causal) {
 }
 
 static bool dispatch_bwd(int hdim, DType dtype, bool causal, const dash_fa3::BwdParams& p, cudaStream_t st) {
-#define DASH_BWD_VARIANT(H, T, M, NAME)                                          \
-  if (hdim == H && dtype == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) { \
-    dash_fa3::run_bwd<H, DType::T, dash_fa3::MaskKind::M>(p, st);                 \
+#define DASH_BWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME)                                      \
+  if (!PACKED && !SOFTCAP && hdim == H && dtype == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) { \
+    dash_fa3::run_bwd<H, DType::T, dash_fa3::MaskKind::M, false, false>(p, st);                 \
     return true;                                                                  \
   }
-  DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_BWD_VARIANT)
+  DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_BWD_VARIANT)
 #undef DASH_BWD_VARIANT
   return false;
 }
@@ -379,7 +379,7 @@ struct Problem {
     p.schedule = sched_dev; p.schedule_header_host = sched_host.data();
     p.batch = g.b; p.seqlen_q = g.sq; p.seqlen_k = g.sk; p.seqlen_q_rounded = sq_rounded;
     p.heads = g.h; p.heads_kv = g.hkv; p.headdim = g.d;
-    p.softmax_scale = g.scale; p.softmax_scale_log2 = g.scale * 1.4426950408889634f;
+    p.softmax_scale = g.scale;
     p.deterministic = det;
     if (!dispatch_bwd(g.d, dtype, g.causal, p, stream))
       throw std::runtime_error("variant not built: hdim " + std::to_string(g.d));
@@ -532,15 +532,15 @@ static void bench_case(Dims g, DType dt) {
 
 static std::vector<int> built_hdims() {
   std::vector<int> h;
-#define DASH_BWD_VARIANT(H, T, M, NAME) if (std::find(h.begin(), h.end(), H) == h.end()) h.push_back(H);
-  DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_BWD_VARIANT)
+#define DASH_BWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME) if (std::find(h.begin(), h.end(), H) == h.end()) h.push_back(H);
+  DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_BWD_VARIANT)
 #undef DASH_BWD_VARIANT
   return h;
 }
 static bool built(int hdim, DType dt, bool causal) {
-#define DASH_BWD_VARIANT(H, T, M, NAME) \
+#define DASH_BWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME) \
   if (hdim == H && dt == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) return true;
-  DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_BWD_VARIANT)
+  DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_BWD_VARIANT)
 #undef DASH_BWD_VARIANT
   return false;
 }

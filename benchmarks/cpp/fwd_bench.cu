@@ -43,12 +43,12 @@ using dash_fa3::DType;
 static bool dispatch_fwd(int hdim, DType dtype, bool causal, const dash_fa3::FwdParams& p,
                          cudaStream_t stream) {
   dash_fa3::MaskKind const mask = causal ? dash_fa3::MaskKind::kCausal : dash_fa3::MaskKind::kFull;
-#define DASH_FWD_VARIANT(H, T, M, NAME)                                  \
-  if (hdim == H && dtype == DType::T && mask == dash_fa3::MaskKind::M) { \
-    dash_fa3::run_fwd<H, DType::T, dash_fa3::MaskKind::M>(p, stream);    \
+#define DASH_FWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME)                              \
+  if (!PACKED && !SOFTCAP && hdim == H && dtype == DType::T && mask == dash_fa3::MaskKind::M) { \
+    dash_fa3::run_fwd<H, DType::T, dash_fa3::MaskKind::M, false, false>(p, stream);    \
     return true;                                                         \
   }
-  DASH_FA3_FOR_EACH_FWD_VARIANT(DASH_FWD_VARIANT)
+  DASH_FA3_FOR_EACH_FWD_KERNEL(DASH_FWD_VARIANT)
 #undef DASH_FWD_VARIANT
   return false;
 }
@@ -245,7 +245,7 @@ static Result run_one(const Config& c) {
   p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr; p.lse = lse;
   p.q_stride = q.st; p.k_stride = k.st; p.v_stride = v.st; p.o_stride = o.st;
   p.batch = c.batch; p.seqlen_q = c.seqlen_q; p.seqlen_k = sk; p.heads = c.heads; p.heads_kv = hkv;
-  p.headdim = d; p.softmax_scale = scale; p.softmax_scale_log2 = scale * 1.4426950408889634f;
+  p.headdim = d; p.softmax_scale = scale;
   p.num_sms = num_sms; p.packed_order = nullptr;
 
   Result r;

@@ -82,9 +82,11 @@ def _packed(fa3: FA3, docs) -> tuple:
     return tuple(docs)
 
 
-def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None, window=(-1, -1), docs=None):
+def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None, window=(-1, -1), docs=None,
+            softcap: float = 0.0):
     """(out, lse) from FA3's forward op, called as flash_attn_func calls it; ``window`` is FA3's
-    (left, right) window_size (needs a build with --features local). ``docs``: packed documents
+    (left, right) window_size (needs a build with --features local), ``softcap`` its softcap
+    (> 0 needs --features softcap). ``docs``: packed documents
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of (total, heads, d) tensors, called
     as flash_attn_varlen_func calls it."""
     if softmax_scale is None:
@@ -103,16 +105,17 @@ def forward(fa3: FA3, q, k, v, causal: bool, softmax_scale: float | None = None,
         None, None, None,   # q_descale, k_descale, v_descale
         softmax_scale,
         causal=causal, window_size_left=window[0], window_size_right=window[1], attention_chunk=0,
-        softcap=0.0, num_splits=1, pack_gqa=None, sm_margin=0,
+        softcap=softcap, num_splits=1, pack_gqa=None, sm_margin=0,
     )
     return out, lse
 
 
 def backward(fa3: FA3, dout, q, k, v, out, lse, causal: bool, deterministic: bool,
-             softmax_scale: float | None = None, dq=None, dk=None, dv=None, window=(-1, -1), docs=None):
+             softmax_scale: float | None = None, dq=None, dk=None, dv=None, window=(-1, -1), docs=None,
+             softcap: float = 0.0):
     """(dq, dk, dv) from FA3's backward op as its autograd calls it: into dq/dk/dv
-    when given (preallocated), else into fresh empty_like tensors, as FA3 does. ``docs`` as
-    for forward."""
+    when given (preallocated), else into fresh empty_like tensors, as FA3 does. ``docs`` and
+    ``softcap`` as for forward."""
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     cu_q, cu_k, max_q, max_k = _packed(fa3, docs)
@@ -126,7 +129,7 @@ def backward(fa3: FA3, dout, q, k, v, out, lse, causal: bool, deterministic: boo
         dq, dk, dv,
         softmax_scale, causal,
         window[0], window[1],   # window_size left, right
-        0.0,                # softcap
+        softcap,
         deterministic,
         0,                  # sm_margin
     )

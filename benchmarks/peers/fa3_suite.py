@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 TESTS = {"output": "test_flash_attn_output", "varlen_output": "test_flash_attn_varlen_output"}
 COPIED = ("test_flash_attn.py", "test_util.py", "padding.py")
 # Features dash_fa3 does not offer, by FA3's switch names.
-NOT_OFFERED = ("FP8", "SPLIT", "PACKGQA", "SOFTCAP", "PAGEDKV", "APPENDKV")
+NOT_OFFERED = ("FP8", "SPLIT", "PACKGQA", "PAGEDKV", "APPENDKV")
 HDIMS = (64, 96, 128, 192, 256)
 
 # The test functions' loop lists that name unsupported values (see the docstring).
@@ -59,9 +59,13 @@ def rewrite_test_source(text: str) -> str:
     return text
 
 
-def disable_switches(built_variants) -> dict[str, str]:
-    """FLASH_ATTENTION_DISABLE_* for what dash_fa3 does not offer or this build lacks."""
+def disable_switches(built_variants, softcap_variants=()) -> dict[str, str]:
+    """FLASH_ATTENTION_DISABLE_* for what dash_fa3 does not offer or this build lacks;
+    softcap stays in the tests when ``softcap_variants`` (built with DASH_FA3_SOFTCAP=1) has
+    every one of ``built_variants``."""
     env = {f"FLASH_ATTENTION_DISABLE_{name}": "TRUE" for name in NOT_OFFERED}
+    if not set(built_variants) <= set(softcap_variants):
+        env["FLASH_ATTENTION_DISABLE_SOFTCAP"] = "TRUE"
     names = set(built_variants)
     for hdim in HDIMS:
         if not any(v.startswith(f"hdim{hdim}-") for v in names):
@@ -95,7 +99,8 @@ def main(argv=None) -> int:
     from dash_fa3 import _ext  # noqa: E402  (needs the built extension)
 
     built = sorted(set(_ext.built_variants("fwd")) & set(_ext.built_variants("fwd", packed=True)))
-    env = dict(os.environ, **disable_switches(built))
+    softcap = set(_ext.built_variants("fwd", softcap=True)) & set(_ext.built_variants("fwd", True, True))
+    env = dict(os.environ, **disable_switches(built, softcap))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory(prefix="dash_fa3_fa3_suite_") as tmp:
         for name in COPIED:

@@ -16,10 +16,11 @@ namespace dash_fa3 {
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        double softmax_scale, bool causal, int64_t sm_margin);
 // The same with a window (left, right; -1 unbounded; FA3's window_size with
-// causal folded in): the full or causal kernel for (-1, -1) / (-1, 0), else the local one.
+// causal folded in): the full or causal kernel for (-1, -1) / (-1, 0), else the
+// local one; and a softcap (> 0: the softcap kernels, common/softcap.h; 0: none).
 std::tuple<at::Tensor, at::Tensor> fwd_window(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               double softmax_scale, int64_t window_left, int64_t window_right,
-                                              int64_t sm_margin);
+                                              double softcap, int64_t sm_margin);
 
 // The forward over packed documents (FA3's varlen layout, common/seqlen_info.h):
 // q (total_q, heads, d), k and v (total_k, heads_kv, d), cu_seqlens int32
@@ -29,16 +30,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_window(const at::Tensor& q, const at::Ten
 std::tuple<at::Tensor, at::Tensor> fwd_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                               int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-                                              int64_t window_left, int64_t window_right, int64_t sm_margin);
+                                              int64_t window_left, int64_t window_right, double softcap,
+                                              int64_t sm_margin);
 
 // The whole backward (preprocess, main kernel, postprocess): (dq, dk, dv).
-// The window picks the mask kind as in fwd_window; the schedule must have been
-// built for that kind and window.
+// The window picks the mask kind and softcap the kernels as in fwd_window; the
+// schedule must have been built for that kind and window.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                    const at::Tensor& schedule, const at::Tensor& schedule_header,
                                                    double softmax_scale, int64_t window_left, int64_t window_right,
-                                                   bool deterministic);
+                                                   double softcap, bool deterministic);
 
 // The backward over packed documents: dout, q, out (total_q, heads, d), k, v
 // (total_k, heads_kv, d), lse (heads, total_q); the schedule built for the
@@ -47,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, const at::Tensor& schedule, const at::Tensor& schedule_header, double softmax_scale,
-    int64_t window_left, int64_t window_right, bool deterministic);
+    int64_t window_left, int64_t window_right, double softcap, bool deterministic);
 
 // The preprocess and postprocess steps alone (tests, benchmarks). The
 // postprocess reads dq_accum as the main kernel leaves it: each
@@ -57,14 +59,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(
 at::Tensor bwd_postprocess(const at::Tensor& dq_accum, int64_t seqlen_q, double softmax_scale,
                            at::ScalarType dtype);
 
-std::vector<std::string> built_fwd_variants();
-std::vector<std::string> built_bwd_variants();
-// The same for the packed-document (varlen) kernels (DASH_FA3_LAYOUTS).
-std::vector<std::string> built_packed_fwd_variants();
-std::vector<std::string> built_packed_bwd_variants();
+// The variants compiled in one kernel family: dense or packed documents
+// (DASH_FA3_LAYOUTS), plain or softcapped scores (DASH_FA3_SOFTCAP).
+std::vector<std::string> built_fwd_variants(bool packed, bool softcap);
+std::vector<std::string> built_bwd_variants(bool packed, bool softcap);
 
 // Shared input checks (csrc/api/checks.cpp).
 DType dtype_of(const at::Tensor& t, const char* name);
+// softcap: finite and >= 0 (0: none).
+void check_softcap(double softcap);
 TensorStrides bshd_strides(const at::Tensor& t, const char* name);
 
 // q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_kv, d): one

@@ -10,32 +10,33 @@ TORCH_LIBRARY(dash_fa3_C, m) {
   // The forward with a window (left, right), -1 unbounded; dash_fa3::fwd_general runs it.
   m.def(
       "fwd_window(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right,"
-      " int sm_margin) -> (Tensor, Tensor)");
+      " float softcap, int sm_margin) -> (Tensor, Tensor)");
   // The forward over packed documents (FA3's varlen layout); dash_fa3::fwd_general runs it.
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q,"
-      " int max_seqlen_k, float softmax_scale, int window_left, int window_right, int sm_margin)"
+      " int max_seqlen_k, float softmax_scale, int window_left, int window_right, float softcap, int sm_margin)"
       " -> (Tensor, Tensor)");
   // The whole backward in one call; schedule is dash_fa3.schedule's flat int32
   // metadata on the device, schedule_header its first entries on the host
   // (checked before launch); the window picks the mask kind as in fwd_window.
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor schedule,"
-      " Tensor schedule_header, float softmax_scale, int window_left, int window_right, bool deterministic)"
+      " Tensor schedule_header, float softmax_scale, int window_left, int window_right, float softcap,"
+      " bool deterministic)"
       " -> (Tensor, Tensor, Tensor)");
   // The backward over packed documents; dash_fa3::bwd_general runs it.
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q,"
       " Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor schedule, Tensor schedule_header,"
-      " float softmax_scale, int window_left, int window_right, bool deterministic) -> (Tensor, Tensor, Tensor)");
+      " float softmax_scale, int window_left, int window_right, float softcap, bool deterministic)"
+      " -> (Tensor, Tensor, Tensor)");
   m.def(
       "bwd_preprocess(Tensor out, Tensor dout, Tensor lse, int block_m)"
       " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("bwd_postprocess(Tensor dq_accum, int seqlen_q, float softmax_scale, ScalarType dtype) -> Tensor");
-  m.def("built_fwd_variants() -> str[]", &dash_fa3::built_fwd_variants);
-  m.def("built_bwd_variants() -> str[]", &dash_fa3::built_bwd_variants);
-  m.def("built_packed_fwd_variants() -> str[]", &dash_fa3::built_packed_fwd_variants);
-  m.def("built_packed_bwd_variants() -> str[]", &dash_fa3::built_packed_bwd_variants);
+  // The variant names of one kernel family (packed documents, softcap).
+  m.def("built_fwd_variants(bool packed, bool softcap) -> str[]", &dash_fa3::built_fwd_variants);
+  m.def("built_bwd_variants(bool packed, bool softcap) -> str[]", &dash_fa3::built_bwd_variants);
 }
 
 TORCH_LIBRARY_IMPL(dash_fa3_C, CUDA, m) {

@@ -18,28 +18,25 @@
 #include "schedules/schedule_metadata.h"
 #include "variant_table.h"
 
-#ifndef DASH_FA3_FOR_EACH_BWD_VARIANT
-#error "variant_table.h must define DASH_FA3_FOR_EACH_BWD_VARIANT(X) (tools/build_config.py)"
+#ifndef DASH_FA3_FOR_EACH_BWD_KERNEL
+#error "variant_table.h must define DASH_FA3_FOR_EACH_BWD_KERNEL(X) (tools/build_config.py)"
 #endif
 
 namespace dash_fa3 {
 namespace {
 
-#define DASH_FA3_BWD_ENTRY(HDIM, DTYPE, MASK, NAME) \
-  KernelVariant<BwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_bwd<HDIM, DType::DTYPE, MaskKind::MASK, false>},
-#define DASH_FA3_BWD_PACKED_ENTRY(HDIM, DTYPE, MASK, NAME) \
-  KernelVariant<BwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_bwd<HDIM, DType::DTYPE, MaskKind::MASK, true>},
-// Vectors, not arrays: a build may select no variant of a direction or layout.
-const std::vector<KernelVariant<BwdParams>> kBwdVariants = {DASH_FA3_FOR_EACH_BWD_VARIANT(DASH_FA3_BWD_ENTRY)};
-const std::vector<KernelVariant<BwdParams>> kBwdPackedVariants = {
-    DASH_FA3_FOR_EACH_BWD_PACKED_VARIANT(DASH_FA3_BWD_PACKED_ENTRY)};
+#define DASH_FA3_BWD_ENTRY(HDIM, DTYPE, MASK, PACKED, SOFTCAP, NAME)                        \
+  KernelVariant<BwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP, NAME,                \
+                           &run_bwd<HDIM, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP>},
+// A vector, not an array: a build may select no variant of a direction.
+const std::vector<KernelVariant<BwdParams>> kBwdKernels = {DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_FA3_BWD_ENTRY)};
 #undef DASH_FA3_BWD_ENTRY
-#undef DASH_FA3_BWD_PACKED_ENTRY
 
 }  // namespace
 
-std::vector<std::string> built_bwd_variants() { return variant_names(kBwdVariants); }
-std::vector<std::string> built_packed_bwd_variants() { return variant_names(kBwdPackedVariants); }
+std::vector<std::string> built_bwd_variants(bool packed, bool softcap) {
+  return variant_names(kBwdKernels, packed, softcap);
+}
 
 namespace {
 
@@ -53,7 +50,8 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& schedule, const at::Tensor& schedule_header,
-    double softmax_scale, int64_t window_left, int64_t window_right, bool deterministic, const PackedDocs* packed) {
+    double softmax_scale, int64_t window_left, int64_t window_right, double softcap, bool deterministic,
+    const PackedDocs* packed) {
   const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const at::Tensor dout = kernel_view(dout_in), out = kernel_view(out_in);
   const QkvShape sh = check_qkv(q, k, v);
@@ -66,8 +64,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
               msg("dash_fa3: window (", window_left, ", ", window_right, ") entries must be in [-1, 2^30) "
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
-  const auto& chosen = packed ? find_variant(kBwdPackedVariants, "packed backward", sh.hdim, sh.dtype, mask, true)
-                              : find_variant(kBwdVariants, "backward", sh.hdim, sh.dtype, mask);
+  check_softcap(softcap);
+  const auto& chosen = find_variant(kBwdKernels, "backward", sh.hdim, sh.dtype, mask, packed != nullptr, softcap > 0);
   const int64_t seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads, heads_kv = sh.heads_kv,
                 hdim = sh.hdim;
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));
@@ -137,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   p.heads_kv = static_cast<int>(heads_kv);
   p.headdim = static_cast<int>(hdim);
   p.softmax_scale = static_cast<float>(softmax_scale);
-  p.softmax_scale_log2 = static_cast<float>(softmax_scale) * kLog2e;
+  p.softcap = static_cast<float>(softcap);
   p.window_left = static_cast<int>(window_left);
   p.window_right = static_cast<int>(window_right);
   p.deterministic = deterministic;
@@ -158,23 +156,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const
                                                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                    const at::Tensor& schedule, const at::Tensor& schedule_header,
                                                    double softmax_scale, int64_t window_left, int64_t window_right,
-                                                   bool deterministic) {
+                                                   double softcap, bool deterministic) {
   return bwd_dispatch(dout, q, k, v, out, lse, schedule, schedule_header, softmax_scale, window_left, window_right,
-                      deterministic, nullptr);
+                      softcap, deterministic, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, const at::Tensor& schedule, const at::Tensor& schedule_header, double softmax_scale,
-    int64_t window_left, int64_t window_right, bool deterministic) {
+    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && dout.dim() == 3 && out.dim() == 3 && lse.dim() == 2,
               "dash_fa3: packed dout, q, out must be (total_q, heads, d), k, v (total_k, heads_kv, d), lse "
               "(heads, total_q)");
   const PackedDocs packed{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   auto [dq, dk, dv] = bwd_dispatch(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                    out.unsqueeze(0), lse.unsqueeze(0), schedule, schedule_header, softmax_scale,
-                                   window_left, window_right, deterministic, &packed);
+                                   window_left, window_right, softcap, deterministic, &packed);
   return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)};
 }
 

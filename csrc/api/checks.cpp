@@ -5,10 +5,16 @@
 
 #include <array>
 #include <atomic>
+#include <cmath>
 
 #include "common/cuda_check.h"
 
 namespace dash_fa3 {
+
+void check_softcap(double softcap) {
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0,
+              msg("dash_fa3: softcap must be a finite number >= 0 (0: none), got ", softcap));
+}
 
 DType dtype_of(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {

@@ -16,21 +16,18 @@
 namespace dash_fa3 {
 namespace {
 
-#define DASH_FA3_FWD_ENTRY(HDIM, DTYPE, MASK, NAME) \
-  KernelVariant<FwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_fwd<HDIM, DType::DTYPE, MaskKind::MASK, false>},
-#define DASH_FA3_FWD_PACKED_ENTRY(HDIM, DTYPE, MASK, NAME) \
-  KernelVariant<FwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, NAME, &run_fwd<HDIM, DType::DTYPE, MaskKind::MASK, true>},
-// Vectors, not arrays: a build may select no variant of a direction or layout.
-const std::vector<KernelVariant<FwdParams>> kFwdVariants = {DASH_FA3_FOR_EACH_FWD_VARIANT(DASH_FA3_FWD_ENTRY)};
-const std::vector<KernelVariant<FwdParams>> kFwdPackedVariants = {
-    DASH_FA3_FOR_EACH_FWD_PACKED_VARIANT(DASH_FA3_FWD_PACKED_ENTRY)};
+#define DASH_FA3_FWD_ENTRY(HDIM, DTYPE, MASK, PACKED, SOFTCAP, NAME)                        \
+  KernelVariant<FwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP, NAME,                \
+                           &run_fwd<HDIM, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP>},
+// A vector, not an array: a build may select no variant of a direction.
+const std::vector<KernelVariant<FwdParams>> kFwdKernels = {DASH_FA3_FOR_EACH_FWD_KERNEL(DASH_FA3_FWD_ENTRY)};
 #undef DASH_FA3_FWD_ENTRY
-#undef DASH_FA3_FWD_PACKED_ENTRY
 
 }  // namespace
 
-std::vector<std::string> built_fwd_variants() { return variant_names(kFwdVariants); }
-std::vector<std::string> built_packed_fwd_variants() { return variant_names(kFwdPackedVariants); }
+std::vector<std::string> built_fwd_variants(bool packed, bool softcap) {
+  return variant_names(kFwdKernels, packed, softcap);
+}
 
 namespace {
 
@@ -38,7 +35,8 @@ namespace {
 // mask kind (mask_kind_of: full, causal or local), the shape and dtype the rest.
 // Packed calls pass (1, total, heads, d) views of their (total, heads, d) tensors.
 std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                const at::Tensor& v_in, double softmax_scale, int64_t window_left,
+                                                const at::Tensor& v_in, double softmax_scale, double softcap,
+                                                int64_t window_left,
                                                 int64_t window_right, int64_t sm_margin, const PackedDocs* packed) {
   const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const QkvShape sh = check_qkv(q, k, v);
@@ -50,8 +48,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
               msg("dash_fa3: window (", window_left, ", ", window_right, ") entries must be in [-1, 2^30) "
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
-  const auto& chosen = packed ? find_variant(kFwdPackedVariants, "packed forward", sh.hdim, sh.dtype, mask, true)
-                              : find_variant(kFwdVariants, "forward", sh.hdim, sh.dtype, mask);
+  check_softcap(softcap);
+  const auto& chosen = find_variant(kFwdKernels, "forward", sh.hdim, sh.dtype, mask, packed != nullptr, softcap > 0);
   const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, heads = sh.heads, hdim = sh.hdim;
 
   c10::cuda::CUDAGuard guard(q.device());
@@ -86,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
   p.heads_kv = static_cast<int>(sh.heads_kv);
   p.headdim = static_cast<int>(hdim);
   p.softmax_scale = static_cast<float>(softmax_scale);
-  p.softmax_scale_log2 = static_cast<float>(softmax_scale) * kLog2e;
+  p.softcap = static_cast<float>(softcap);
   p.window_left = static_cast<int>(window_left);
   p.window_right = static_cast<int>(window_right);
   p.num_sms = static_cast<int>(num_sms);
@@ -103,24 +101,25 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
 
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        double softmax_scale, bool causal, int64_t sm_margin) {
-  return fwd_dispatch(q, k, v, softmax_scale, -1, causal ? 0 : -1, sm_margin, nullptr);
+  return fwd_dispatch(q, k, v, softmax_scale, 0.0, -1, causal ? 0 : -1, sm_margin, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_window(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               double softmax_scale, int64_t window_left, int64_t window_right,
-                                              int64_t sm_margin) {
-  return fwd_dispatch(q, k, v, softmax_scale, window_left, window_right, sm_margin, nullptr);
+                                              double softcap, int64_t sm_margin) {
+  return fwd_dispatch(q, k, v, softmax_scale, softcap, window_left, window_right, sm_margin, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                               int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-                                              int64_t window_left, int64_t window_right, int64_t sm_margin) {
+                                              int64_t window_left, int64_t window_right, double softcap,
+                                              int64_t sm_margin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
               "dash_fa3: packed q, k, v must be (total_tokens, heads, headdim)");
   const PackedDocs packed{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  auto [out, lse] = fwd_dispatch(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
-                                 window_right, sm_margin, &packed);
+  auto [out, lse] = fwd_dispatch(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, softcap,
+                                 window_left, window_right, sm_margin, &packed);
   return {out.squeeze(0), lse};
 }
 

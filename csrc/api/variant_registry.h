@@ -18,39 +18,42 @@ struct KernelVariant {
   int hdim;
   DType dtype;
   MaskKind mask;
+  bool packed;   // the packed-document instantiation (DASH_FA3_LAYOUTS)
+  bool softcap;  // the softcap instantiation (DASH_FA3_SOFTCAP)
   const char* name;
   void (*launch)(const Params&, cudaStream_t);
 };
 
+// The names of the table's kernels of one family (layout, softcap).
 template <class Params>
-std::vector<std::string> variant_names(const std::vector<KernelVariant<Params>>& table) {
+std::vector<std::string> variant_names(const std::vector<KernelVariant<Params>>& table, bool packed, bool softcap) {
   std::vector<std::string> names;
-  for (const auto& v : table) names.emplace_back(v.name);
+  for (const auto& v : table) {
+    if (v.packed == packed && v.softcap == softcap) names.emplace_back(v.name);
+  }
   return names;
 }
 
-template <class Params>
-std::string variant_list(const std::vector<KernelVariant<Params>>& table) {
-  std::string list;
-  for (const auto& v : table) list += (list.empty() ? "" : ", ") + std::string(v.name);
-  return list;
-}
-
-// The variant for (hdim, dtype, mask); a TORCH_CHECK error naming what was built otherwise.
-// direction names the table in that error ("forward", "packed backward", ...);
-// packed: the table of packed-document kernels (DASH_FA3_LAYOUTS may leave it out).
+// The kernel for (hdim, dtype, mask) in the family (packed, softcap); a
+// TORCH_CHECK error naming what this family was built with otherwise, and the
+// build switches that add the missing kernel. direction: "forward" or "backward".
 template <class Params>
 const KernelVariant<Params>& find_variant(const std::vector<KernelVariant<Params>>& table, const char* direction,
-                                          int64_t hdim, DType dtype, MaskKind mask, bool packed = false) {
+                                          int64_t hdim, DType dtype, MaskKind mask, bool packed, bool softcap) {
   const KernelVariant<Params>* found = nullptr;
   for (const auto& v : table) {
-    if (v.hdim == hdim && v.dtype == dtype && v.mask == mask) found = &v;
+    if (v.hdim == hdim && v.dtype == dtype && v.mask == mask && v.packed == packed && v.softcap == softcap) found = &v;
   }
-  TORCH_CHECK(found != nullptr, msg("dash_fa3: no ", direction, " kernel for hdim", hdim, "-",
-                                    dtype == DType::kBF16 ? "bf16" : "fp16", "-", mask_kind_name(mask),
-                                    " in this build (built: ", table.empty() ? std::string("none") : variant_list(table),
-                                    "); rebuild with DASH_FA3_VARIANTS naming it",
-                                    packed ? " and DASH_FA3_LAYOUTS unset or naming packed" : ""));
+  if (found == nullptr) {
+    std::string built;
+    for (const auto& name : variant_names(table, packed, softcap)) built += (built.empty() ? "" : ", ") + name;
+    TORCH_CHECK(false, msg("dash_fa3: no ", packed ? "packed " : "", softcap ? "softcap " : "", direction,
+                           " kernel for hdim", hdim, "-", dtype == DType::kBF16 ? "bf16" : "fp16", "-",
+                           mask_kind_name(mask), " in this build (built: ", built.empty() ? std::string("none") : built,
+                           "); rebuild with DASH_FA3_VARIANTS naming it",
+                           packed ? ", DASH_FA3_LAYOUTS unset or naming packed" : "",
+                           softcap ? ", DASH_FA3_SOFTCAP=1" : ""));
+  }
   return *found;
 }
 

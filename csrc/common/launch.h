@@ -11,8 +11,9 @@
 namespace dash_fa3 {
 
 // kPacked: the instantiation for packed documents (FwdParams::cu_seqlens_q
-// given); the dense one carries no per-document code.
-template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
+// given); the dense one carries no per-document code. kSoftcap: the one for
+// softcap > 0 (common/softcap.h); the others carry no tanh.
+template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 
 // Before a packed forward (run_fwd<..., true> launches it).
@@ -27,8 +28,8 @@ namespace dash_fa3 {
 
 // Backward main kernel (csrc/kernels/bwd/bwd_launch.cuh). Its tiles are
 // bwd_block_m(headdim) x bwd_block_n(headdim) (kernel_contract.h); block_m is
-// also the preprocess's rounding of seqlen_q. kPacked as for run_fwd.
-template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
+// also the preprocess's rounding of seqlen_q. kPacked and kSoftcap as for run_fwd.
+template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace dash_fa3

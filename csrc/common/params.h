@@ -53,8 +53,10 @@ struct FwdParams {
   int heads_kv;  // heads % heads_kv == 0 (GQA/MQA)
   int headdim;
 
-  float softmax_scale;       // applied to QK^T
-  float softmax_scale_log2;  // softmax_scale * log2(e): scores go through exp2
+  float softmax_scale;  // applied to QK^T (the launcher derives the kernels' exp2 scales)
+  // > 0: scores softcap * tanh(softmax_scale * QK^T / softcap) (common/softcap.h),
+  // run by the softcap instantiations only; 0: none.
+  float softcap;
 
   // The window, -1 = unbounded (common/block_range.h). Read by the local
   // kernels only; the full and causal kernels have theirs built in.
@@ -217,7 +219,7 @@ struct BwdParams {
   int headdim;
 
   float softmax_scale;
-  float softmax_scale_log2;
+  float softcap;  // as in FwdParams
   // The window, -1 = unbounded, as in FwdParams (local kernels only; the
   // schedule's header must carry the same).
   int window_left;

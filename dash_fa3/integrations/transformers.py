@@ -46,7 +46,7 @@ checked (on the GPU asynchronously: the error comes from a later attention call
 of the same or the next forward, not the first one), except while
 torch.compile traces), bidirectional sliding windows, chunked or other custom mask patterns, a 4D mask handed
 in by the caller, a static (pre-allocated) KV cache whose keys run past the
-last query, dropout > 0, softcap, attention sinks, position bias, and fp32
+last query, dropout > 0, attention sinks, position bias, and fp32
 models (dash_fa3 computes in bf16/fp16: load the model with
 ``dtype=torch.bfloat16``).
 """
@@ -312,7 +312,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         )
     if dropout:
         raise _refuse(f"attention dropout (p={dropout}); set config.attention_dropout = 0 or use model.eval()")
-    for name in ("softcap", "s_aux", "sinks", "position_bias"):
+    for name in ("s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise _refuse(f"{name}={kwargs[name]!r}")
     for name in ("cu_seqlens_q", "cu_seqlens_k"):
@@ -347,6 +347,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if not causal:
             raise _refuse(f"a bidirectional sliding window (sliding_window={sliding_window}, is_causal=False)")
         window = (sliding_window - 1, 0)  # keys q - sliding_window < kv <= q
+    # Gemma 2's logit cap (config.attn_logit_softcapping): on CUDA tensors the softcap kernels
+    # (a DASH_FA3_SOFTCAP=1 build; without them flash_attn_func raises, naming the switch).
+    softcap = kwargs.get("softcap") or 0.0
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
         deterministic = resolve_deterministic(_defaults["deterministic"])
@@ -358,10 +361,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         batch, seqlen = q.shape[:2]
         q, k, v = (t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v))
         out = flash_attn_varlen_func(q, k, v, *documents, softmax_scale=scaling, causal=causal, window_size=window,
-                                     deterministic=deterministic, schedule=schedule)
+                                     softcap=softcap, deterministic=deterministic, schedule=schedule)
         return out.view(batch, seqlen, *out.shape[1:]), None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
+    out = flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap,
                           deterministic=deterministic, schedule=schedule)
     return out, None
 

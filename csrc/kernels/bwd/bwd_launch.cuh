@@ -29,10 +29,12 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/constants.h"
 #include "common/cuda_check.h"
 #include "common/dtype.h"
 #include "common/launch.h"
 #include "common/params.h"
+#include "common/softcap.h"
 #include "kernels/bwd/bwd_epilogue.h"
 #include "kernels/bwd/bwd_kernel.h"
 #include "kernels/bwd/bwd_traits.h"
@@ -145,7 +147,8 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.heads_kv = a.heads_kv;
   p.batch = a.batch;
   p.softmax_scale = a.softmax_scale;
-  p.softmax_scale_log2 = a.softmax_scale_log2;
+  p.score_scale_log2 = softmax_score_scale(a.softmax_scale, a.softcap) * kLog2e;
+  p.softcap_prescale = softcap_prescale(a.softmax_scale, a.softcap);
   // An unbounded side as a bound that hides nothing (as the forward: same block
   // ranges and element masks as -1, so the decode of the schedule, built with
   // -1, agrees). Packed, the longest document's lengths bound every document's.
@@ -157,14 +160,16 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
 
 }  // namespace bwd
 
-template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
+template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kMask, kPacked>;
+  using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap>;
   using bwd::require;
   require(params.headdim == kHeadDim, "headdim does not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
   require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
   require(params.heads % params.heads_kv == 0, "heads must be a multiple of heads_kv");
+  require((params.softcap > 0.f) == kSoftcap,
+          kSoftcap ? "the softcap instantiation needs softcap > 0" : "softcap > 0 needs the softcap instantiation");
   require(!Traits::kLocal || (params.window_left >= -1 && params.window_right >= -1),
           "window_left and window_right must be >= -1 (-1: unbounded)");
   require(!(Traits::kFixedSteps && params.deterministic),

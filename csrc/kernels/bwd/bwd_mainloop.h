@@ -9,6 +9,8 @@
 //   dP^T = V dO^T        (SS WGMMA)    P is computed while dP still runs
 //   P^T  = exp2(S^T * scale_log2 - lse_log2[m])   (masked entries -> 0)
 //   dS^T = P^T * (dP^T - dPsum[m])
+//   (softcap: S^T <- tanh(S^T * prescale) first, and dS^T times 1 - tanh^2;
+//   common/softcap.h)
 //   dV  += P^T dO        (RS WGMMA, P^T from registers)
 //   dS^T -> sdS          (shared memory, for the dQ GEMM of both warpgroups)
 //   dQ   = dS K          (SS WGMMA, after both warpgroups wrote sdS: kDsReady)
@@ -31,6 +33,7 @@
 #include "common/dq_accum_layout.h"
 #include "common/gemm_sm90.h"
 #include "common/named_barriers.h"
+#include "common/softcap.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
 
@@ -51,6 +54,7 @@ struct BwdMainloop {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr bool kCausal = Traits::kCausal;
   static constexpr bool kLocal = Traits::kLocal;
+  static constexpr bool kSoftcap = Traits::kSoftcap;
   static constexpr int kMmaThreads = Traits::kNumMmaThreads;
 
   using FragSdP = decltype(partition_fragment_C(typename Traits::TiledMmaSdP{},
@@ -211,7 +215,7 @@ struct BwdMainloop {
     // (window sides that are unbounded come as bounds that hide nothing).
     int const hi_shift = causal_shift + (kLocal ? p.window_right : 0);
     int const lo_shift = kLocal ? causal_shift - p.window_left : 0;
-    float const scale_log2 = p.softmax_scale_log2;
+    float const scale_log2 = p.score_scale_log2;
     // The task's Q-tile order, read from the row once (the ranks are the dQ writer's business).
     schedule::StepOrder const order = schedule::StepOrder::of(row);
 
@@ -250,6 +254,11 @@ struct BwdMainloop {
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
       warpgroup_wait<1>();  // S^T is ready; dP^T may still run
       warpgroup_fence_operand(tSrS);
+      // Softcap: the scores become t = tanh(S^T * prescale) while dP^T still runs.
+      if constexpr (kSoftcap) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanh_approx(tSrS(i) * p.softcap_prescale); }
+      }
 
       // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
       // above the causal diagonal (or outside the window) are 0; only tiles that
@@ -262,27 +271,44 @@ struct BwdMainloop {
           return lse[get<1>(tScS(i))];
         }
       };
-      if (need_mask) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) {
-          int const n = n0 + get<0>(tScS(i));
-          int const m = get<1>(tScS(i));
-          bool const masked = n >= geo.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
-                              (kLocal && n < m0 + m + lo_shift);
-          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
+      auto exp_scores = [&] {
+        if (need_mask) {
+          CUTE_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) {
+            int const n = n0 + get<0>(tScS(i));
+            int const m = get<1>(tScS(i));
+            bool const masked = n >= geo.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
+                                (kLocal && n < m0 + m + lo_shift);
+            tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
+          }
+        } else {
+          CUTE_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) {
+            tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
+          }
         }
-      } else {
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) {
-          tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
-        }
-      }
+      };
+      if constexpr (!kSoftcap) { exp_scores(); }  // overlaps the dP^T GEMM
       warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
       float const* dpsum = smem.dpsum[read_do.index()];
-      CUTE_UNROLL
-      for (int i = 0; i < size(tdPrdP); ++i) {
-        tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
+      if constexpr (kSoftcap) {
+        // dS^T = P^T * ((dP^T - dPsum) * (1 - t^2)): the derivative is folded
+        // into dP^T while t is still in S^T's registers, so it needs none of its
+        // own (an fp32 or fp16 copy of it spilled at hdim 128), and P^T follows.
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdPrdP); ++i) {
+          float const t = tSrS(i);
+          tdPrdP(i) = (tdPrdP(i) - dpsum[get<1>(tScS(i))]) * fmaf(-t, t, 1.f);
+        }
+        exp_scores();
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdPrdP); ++i) { tdPrdP(i) *= tSrS(i); }
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdPrdP); ++i) {
+          tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
+        }
       }
       FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       if constexpr (!kSplitHeadDim) {

@@ -92,7 +92,7 @@ enum class BwdBarrier : uint32_t {
 #define DASH_FA3_BWD_FIXED_STEPS 0
 #endif
 
-template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_>
+template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -104,6 +104,8 @@ struct BwdTraits {
   // come from cu_seqlens. The dense instantiation reads the call's lengths
   // from the kernel parameters and has no per-document code.
   static constexpr bool kPacked = kPacked_;
+  // Softcapped scores (common/softcap.h): tanh before P, dS times 1 - tanh^2.
+  static constexpr bool kSoftcap = kSoftcap_;
 
   // Tile shape per head dim, from dash_fa3/schedule/contract.py (as FA3's
   // Hopper backward at hdim 64/128): kBlockN KV rows, kBlockM Q rows per step.
@@ -356,7 +358,9 @@ struct BwdTraits {
     int32_t const* tasks;
     schedule::RankParams rank;
     int seqlen_q, seqlen_k, seqlen_q_rounded, heads, heads_kv, batch;
-    float softmax_scale, softmax_scale_log2;
+    float softmax_scale;     // dK's (and, in the postprocess, dQ's) factor
+    float score_scale_log2;  // P = exp2(scores * score_scale_log2 - lse_log2) (common/softcap.h)
+    float softcap_prescale;  // kSoftcap: scores are tanh(QK^T * softcap_prescale)
     int deterministic;
     // kLocal: the window, an unbounded side as a bound that hides nothing
     // (left: seqlen_k, right: seqlen_q; same block ranges, see make_bwd_params).

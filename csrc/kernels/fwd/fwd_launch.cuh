@@ -29,10 +29,12 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/constants.h"
 #include "common/cuda_check.h"
 #include "common/dtype.h"
 #include "common/launch.h"
 #include "common/params.h"
+#include "common/softcap.h"
 #include "kernels/fwd/fwd_kernel.h"
 #include "kernels/fwd/fwd_tile_scheduler.h"
 #include "kernels/fwd/fwd_traits.h"
@@ -96,8 +98,9 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   p.heads = a.heads;
   p.batch = a.batch;
   p.q_heads_per_kv_head = a.heads / a.heads_kv;
-  p.softmax_scale = a.softmax_scale;
-  p.softmax_scale_log2 = a.softmax_scale_log2;
+  p.score_scale = softmax_score_scale(a.softmax_scale, a.softcap);
+  p.score_scale_log2 = p.score_scale * kLog2e;
+  p.softcap_prescale = softcap_prescale(a.softmax_scale, a.softcap);
   // An unbounded side as a bound that hides nothing: a left bound >= seqlen_k - 1
   // and a right bound >= seqlen_q - 1 give the same block ranges and element
   // masks as -1 (common/block_range.h; tests/test_schedule_geometry.py checks
@@ -121,15 +124,17 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
 
 }  // namespace fwd
 
-template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked>
+template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
-  using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked>;
+  using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap>;
   using fwd::require;
   require(params.headdim == kHeadDim, "headdim does not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
   require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
   require(params.heads % params.heads_kv == 0, "heads must be a multiple of heads_kv");
   require(params.softmax_scale > 0.f, "softmax_scale must be > 0");
+  require((params.softcap > 0.f) == kSoftcap,
+          kSoftcap ? "the softcap instantiation needs softcap > 0" : "softcap > 0 needs the softcap instantiation");
   require(fwd::aligned16(params.q) && fwd::aligned16(params.k) && fwd::aligned16(params.v) &&
               fwd::aligned16(params.o),
           "q, k, v, o must be 16-byte aligned");

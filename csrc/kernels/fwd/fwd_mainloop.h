@@ -25,6 +25,7 @@
 #include "common/gemm_sm90.h"
 #include "common/mask.h"
 #include "common/named_barriers.h"
+#include "common/softcap.h"
 #include "common/softmax.h"
 #include "kernels/fwd/fwd_traits.h"
 
@@ -44,6 +45,7 @@ struct FwdMainloop {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr bool kCausal = Traits::kCausal;
   static constexpr bool kLocal = Traits::kLocal;
+  static constexpr bool kSoftcap = Traits::kSoftcap;
   static constexpr int kTurnThreads = 2 * Traits::kThreadsPerWarpgroup;
   static_assert(Traits::kNumMmaWarpgroups == 2, "the ping-pong turn barriers assume two MMA warpgroups");
 
@@ -112,9 +114,17 @@ struct FwdMainloop {
     using LayoutP = decltype(accumulator_as_a_operand(typename FragS::layout_type{}));
     Tensor tOrP = make_tensor<Element>(LayoutP{});
 
-    RowSoftmax softmax(p.softmax_scale_log2);
+    RowSoftmax softmax(p.score_scale_log2);
     float o_scale[2];
     int const row0 = m_block * kBlockM;
+    // Softcap: every score becomes tanh(score * prescale) before the mask, which
+    // writes -inf over it (common/softcap.h).
+    auto cap = [&](auto& tSrS) {
+      if constexpr (kSoftcap) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanh_approx(tSrS(i) * p.softcap_prescale); }
+      }
+    };
     auto mask = [&](auto& tSrS, int n) {
       if constexpr (kLocal) {
         apply_attention_mask<false, true>(tSrS, tScS, row0, n * kBlockN, seqlen_q, seqlen_k, p.window_left,
@@ -133,6 +143,7 @@ struct FwdMainloop {
       consumer_wait(pipeline_k, read_state);
       warpgroup_gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
       pipeline_k.consumer_release(read_state);
+      cap(tSrS);
       mask(tSrS, n);
       softmax.template update<true, true>(tSrS, o_scale);
       convert_fragment(make_tensor(tSrS.data(), LayoutP{}), tOrP);
@@ -157,6 +168,7 @@ struct FwdMainloop {
       warpgroup_wait<1>();  // S_n is ready; the PV GEMM may still run
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(read_state);
+      cap(tSrS);
       if constexpr (kMasked) { mask(tSrS, n); }
       softmax.template update<false, kMasked>(tSrS, o_scale);
       warpgroup_wait<0>();  // PV retired: tOrP may be overwritten, V released
@@ -199,7 +211,7 @@ struct FwdMainloop {
     pipeline_v.consumer_release(read_state);
     ++read_state;
 
-    softmax.finalize(p.softmax_scale, o_scale, lse);
+    softmax.finalize(p.score_scale, o_scale, lse);
     scale_rows(tOrO, o_scale);
   }
 };

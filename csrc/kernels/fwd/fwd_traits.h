@@ -73,7 +73,7 @@ template <bool kDiagonal> struct FwdTileConfig<256, kDiagonal> {
   static constexpr int kBlockN = 80, kStages = 2, kQStages = 1;
 };
 
-template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_>
+template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -85,6 +85,8 @@ struct FwdTraits {
   // come from cu_seqlens. The dense instantiation reads the call's lengths
   // from the kernel parameters and has no per-document code.
   static constexpr bool kPacked = kPacked_;
+  // Softcapped scores (common/softcap.h): a tanh per score before the mask.
+  static constexpr bool kSoftcap = kSoftcap_;
   using TileConfig = FwdTileConfig<kHeadDim, kCausal || kLocal>;
 
   static constexpr int kNumMmaWarpgroups = 2;
@@ -188,7 +190,10 @@ struct FwdTraits {
     int* packed_order;  // packed: the documents' order and the tile counter (common/packed_order.h)
     int seqlen_q, seqlen_k, heads, batch;
     int q_heads_per_kv_head;
-    float softmax_scale, softmax_scale_log2;
+    // The softmax's scale of the scores it sees (common/softcap.h: softmax_scale,
+    // or softcap with kSoftcap), plain and times log2(e).
+    float score_scale, score_scale_log2;
+    float softcap_prescale;  // kSoftcap: scores are tanh(QK^T * softcap_prescale)
     // Tile scheduler.
     int num_m_blocks;
     int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h;
