@@ -10,7 +10,7 @@ caps the scores of every configuration (ours: a build with ``DASH_FA3_SOFTCAP=1`
 softcap``); the window -1,0 is causal attention (FA3 then runs its causal kernel).
 
     python benchmarks/bench_window.py --seqlen 16384 --hdim 128 --window 4096,0 --commit <sha>
-    python benchmarks/bench_window.py --seqlen 8192 --hdim 128 --window -1,0 --softcap 30 --commit <sha>
+    python benchmarks/bench_window.py --seqlen 8192 --hdim 128 --window=-1,0 --softcap 30 --commit <sha>
 """
 
 from __future__ import annotations
