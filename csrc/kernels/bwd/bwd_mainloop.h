@@ -271,7 +271,9 @@ struct BwdMainloop {
           return lse[get<1>(tScS(i))];
         }
       };
-      auto exp_scores = [&] {
+      // The plain kernels keep this code as it was before softcap existed: a
+      // lambda shared with the softcap path below made ptxas spill (hdim 64 local).
+      if constexpr (!kSoftcap) {
         if (need_mask) {
           CUTE_UNROLL
           for (int i = 0; i < size(tSrS); ++i) {
@@ -287,23 +289,28 @@ struct BwdMainloop {
             tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
           }
         }
-      };
-      if constexpr (!kSoftcap) { exp_scores(); }  // overlaps the dP^T GEMM
+      }
       warpgroup_wait<0>();  // dP^T is ready
       warpgroup_fence_operand(tdPrdP);
       float const* dpsum = smem.dpsum[read_do.index()];
       if constexpr (kSoftcap) {
         // dS^T = P^T * ((dP^T - dPsum) * (1 - t^2)): the derivative is folded
         // into dP^T while t is still in S^T's registers, so it needs none of its
-        // own (an fp32 or fp16 copy of it spilled at hdim 128), and P^T follows.
+        // own (an fp32 or fp16 copy of it spilled at hdim 128), then P^T as above.
         CUTE_UNROLL
         for (int i = 0; i < size(tdPrdP); ++i) {
           float const t = tSrS(i);
           tdPrdP(i) = (tdPrdP(i) - dpsum[get<1>(tScS(i))]) * fmaf(-t, t, 1.f);
         }
-        exp_scores();
         CUTE_UNROLL
-        for (int i = 0; i < size(tdPrdP); ++i) { tdPrdP(i) *= tSrS(i); }
+        for (int i = 0; i < size(tSrS); ++i) {
+          int const n = n0 + get<0>(tScS(i));
+          int const m = get<1>(tScS(i));
+          bool const masked = need_mask && (n >= geo.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
+                                            (kLocal && n < m0 + m + lo_shift));
+          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
+          tdPrdP(i) *= tSrS(i);
+        }
       } else {
         CUTE_UNROLL
         for (int i = 0; i < size(tdPrdP); ++i) {
