@@ -1,8 +1,8 @@
 // MMA (consumer) role of the forward kernel: per tile, S = Q K^T with WGMMA
 // from shared memory, fp32 online softmax, and O += P V with P from registers.
 //
-// Each of the two MMA warpgroups owns 64 rows of the 128-row query tile and
-// walks the same key blocks, from the last block down.
+// Each MMA warpgroup (two, or three at hdim 64) owns 64 rows of the query tile
+// and walks the same key blocks, from the last block down.
 //
 // Intra-warpgroup overlap: in step n the warpgroup issues S_n = Q K[n]^T and
 // then O += P_{n+1} V[n+1] back to back without waiting, waits for S_n only,
@@ -14,9 +14,9 @@
 // (hdim 128 causal, kernel time) and does not fit next to kBlockN = 176; see
 // docs/fwd_kernel.md.
 //
-// Ping-pong: the two warpgroups take turns issuing their GEMMs of one step
-// (kMmaTurn0/kMmaTurn1), so the tensor cores run one warpgroup's GEMMs while
-// the other one does its softmax.
+// Ping-pong: the warpgroups take turns, round robin, issuing their GEMMs of one
+// step (kMmaTurn0..2), so the tensor cores run one warpgroup's GEMMs while the
+// others do their softmax.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -46,14 +46,15 @@ struct FwdMainloop {
   static constexpr bool kCausal = Traits::kCausal;
   static constexpr bool kLocal = Traits::kLocal;
   static constexpr bool kSoftcap = Traits::kSoftcap;
+  // A turn barrier counts the warpgroup that waits and the one that passes.
   static constexpr int kTurnThreads = 2 * Traits::kThreadsPerWarpgroup;
-  static_assert(Traits::kNumMmaWarpgroups == 2, "the ping-pong turn barriers assume two MMA warpgroups");
+  static constexpr int kWarpgroups = Traits::kNumMmaWarpgroups;
 
   // Output accumulator type of one thread.
   using FragO = decltype(partition_fragment_C(typename Traits::TiledMmaPV{},
                                               Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
-  // mma_tid: thread index among the MMA threads, [0, 256).
+  // mma_tid: thread index among the MMA threads, [0, 128 * kWarpgroups).
   CUTE_DEVICE static int warpgroup(int mma_tid) {
     return __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0);
   }
@@ -61,18 +62,19 @@ struct FwdMainloop {
   // Called once by every MMA thread before the first tile.
   CUTE_DEVICE static void init(int mma_tid) {
     // kMmaTurn0: warpgroup 0 has the first turn; this arrival stands in for
-    // warpgroup 1's "your turn" that warpgroup 0's first wait needs.
+    // the last warpgroup's "your turn" that warpgroup 0's first wait needs.
     if (warpgroup(mma_tid) == 0) { named_barrier_arrive(FwdBarrier::kMmaTurn0, kTurnThreads); }
   }
 
-  // Waits for this warpgroup's turn to issue GEMMs (kMmaTurn<w>: warpgroup w
-  // waits, the other warpgroup arrives when it has issued its own).
-  CUTE_DEVICE static void wait_turn(int wg) {
-    named_barrier_sync(wg == 0 ? FwdBarrier::kMmaTurn0 : FwdBarrier::kMmaTurn1, kTurnThreads);
+  CUTE_DEVICE static FwdBarrier turn_barrier(int wg) {
+    return static_cast<FwdBarrier>(static_cast<int>(FwdBarrier::kMmaTurn0) + wg);
   }
-  // Hands the turn to the other warpgroup.
+  // Waits for this warpgroup's turn to issue GEMMs (kMmaTurn<w>: warpgroup w
+  // waits, warpgroup w - 1 (round robin) arrives when it has issued its own).
+  CUTE_DEVICE static void wait_turn(int wg) { named_barrier_sync(turn_barrier(wg), kTurnThreads); }
+  // Hands the turn to the next warpgroup.
   CUTE_DEVICE static void pass_turn(int wg) {
-    named_barrier_arrive(wg == 0 ? FwdBarrier::kMmaTurn1 : FwdBarrier::kMmaTurn0, kTurnThreads);
+    named_barrier_arrive(turn_barrier(wg + 1 == kWarpgroups ? 0 : wg + 1), kTurnThreads);
   }
 
   template <class Pipeline, class State>

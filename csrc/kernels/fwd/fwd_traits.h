@@ -26,28 +26,35 @@ using namespace cute;
 
 // Warp roles. Warpgroup 0 is the producer (only its first warp works; the
 // other three exit after giving their registers back); warpgroups 1.. are
-// the MMA consumers, each owning 64 rows of the 128-row query tile.
+// the MMA consumers, each owning 64 rows of the query tile (two or three of
+// them: FwdTileConfig::kMmaWarpgroups).
 enum class WarpRole : int { kProducer = 0, kMma = 1 };
 
 // Named barriers of the forward kernel (hardware ids: common/named_barriers.h).
 // (Q, K and V hand-offs between the producer and the MMA warpgroups use the
 // mbarriers of their TMA pipelines, not named barriers.)
 enum class FwdBarrier : uint32_t {
-  // Ping-pong turn tokens: warpgroup w (0 or 1) waits on kMmaTurn0 + w before
-  // issuing its GEMMs of one step, then passes the turn to the other one.
+  // Turn tokens: MMA warpgroup w waits on kMmaTurn0 + w before issuing its
+  // GEMMs of one step, then passes the turn to warpgroup w + 1 (round robin;
+  // kMmaTurn2 only with three MMA warpgroups).
   kMmaTurn0 = 0,
   kMmaTurn1 = 1,
+  kMmaTurn2 = 2,
   // Packed documents' unit hand-off (fwd_tile_scheduler.h): the producer warp
   // arrives on kTileFull once it has written a round's unit to shared memory,
   // the MMA threads on kTileEmpty once they have read it.
-  kTileFull = 2,
-  kTileEmpty = 3,
+  kTileFull = 3,
+  kTileEmpty = 4,
   kCount,
 };
 
-// Tile shape per head dim (16-bit inputs). kBlockM is fixed at 128 (two MMA
-// warpgroups x 64 rows). kBlockN is as large as registers (S accumulator
-// kBlockN/2 + P kBlockN/4 + O accumulator kHeadDim/2 per thread, under 240)
+// Tile shape per head dim (16-bit inputs). kBlockM is 64 rows per MMA
+// warpgroup: two (128 rows, 240 registers each) or, at hdim 64, three (192
+// rows, 160 registers each; FA3's choice too): at d = 64 the softmax's exp2
+// (MUFU) work is as large as the tensor-core work, and a third warpgroup
+// gives the tensor cores a second one to run while two do their softmax.
+// kBlockN is as large as registers (S accumulator
+// kBlockN/2 + P kBlockN/4 + O accumulator kHeadDim/2 per thread, under the budget)
 // and shared memory (kQStages x Q + kStages x (K + V) under 227 KiB) allow.
 // Masks with a diagonal (causal, local) keep kBlockN = kBlockM at hdim <= 128
 // so a diagonal costs a single masked block per Q tile (a window with both
@@ -57,20 +64,21 @@ enum class FwdBarrier : uint32_t {
 template <int kHeadDim, bool kDiagonal>
 struct FwdTileConfig;
 template <bool kDiagonal> struct FwdTileConfig<64, kDiagonal> {
-  static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
+  static constexpr int kMmaWarpgroups = 3, kBlockN = 128, kStages = 2, kQStages = 2;
 };
 template <bool kDiagonal> struct FwdTileConfig<96, kDiagonal> {
-  static constexpr int kBlockN = 128, kStages = 2, kQStages = 2;
+  static constexpr int kMmaWarpgroups = 2, kBlockN = 128, kStages = 2, kQStages = 2;
 };
 template <bool kDiagonal> struct FwdTileConfig<128, kDiagonal> {
   // Full: 128 x 176 with one Q stage measured faster than 128 x 160 with two.
-  static constexpr int kBlockN = kDiagonal ? 128 : 176, kStages = 2, kQStages = kDiagonal ? 2 : 1;
+  static constexpr int kMmaWarpgroups = 2, kBlockN = kDiagonal ? 128 : 176, kStages = 2,
+                       kQStages = kDiagonal ? 2 : 1;
 };
 template <bool kDiagonal> struct FwdTileConfig<192, kDiagonal> {
-  static constexpr int kBlockN = 112, kStages = 2, kQStages = 1;
+  static constexpr int kMmaWarpgroups = 2, kBlockN = 112, kStages = 2, kQStages = 1;
 };
 template <bool kDiagonal> struct FwdTileConfig<256, kDiagonal> {
-  static constexpr int kBlockN = 80, kStages = 2, kQStages = 1;
+  static constexpr int kMmaWarpgroups = 2, kBlockN = 80, kStages = 2, kQStages = 1;
 };
 
 template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_>
@@ -89,7 +97,8 @@ struct FwdTraits {
   static constexpr bool kSoftcap = kSoftcap_;
   using TileConfig = FwdTileConfig<kHeadDim, kCausal || kLocal>;
 
-  static constexpr int kNumMmaWarpgroups = 2;
+  static constexpr int kNumMmaWarpgroups = TileConfig::kMmaWarpgroups;
+  static_assert(kNumMmaWarpgroups == 2 || kNumMmaWarpgroups == 3, "two or three MMA warpgroups");
   static constexpr int kBlockM = 64 * kNumMmaWarpgroups;
   static constexpr int kBlockN = TileConfig::kBlockN;
   static constexpr int kStages = TileConfig::kStages;
@@ -100,9 +109,11 @@ struct FwdTraits {
   static constexpr int kNumMmaThreads = kNumMmaWarpgroups * kThreadsPerWarpgroup;
   static constexpr int kNumProducerThreads = 32;  // one warp issues all TMA loads
   static constexpr int kNumThreads = kThreadsPerWarpgroup + kNumMmaThreads;
-  // setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 <= 64K registers.
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kMmaRegisters = 240;
+  // setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512, 128 x 32 + 384 x 160 = 65536 <= 64K registers.
+  static constexpr int kProducerRegisters = kNumMmaWarpgroups == 2 ? 24 : 32;
+  static constexpr int kMmaRegisters = kNumMmaWarpgroups == 2 ? 240 : 160;
+  static_assert(kThreadsPerWarpgroup * (kProducerRegisters + kNumMmaWarpgroups * kMmaRegisters) <= 65536,
+                "register budget of one CTA");
 
   // GEMM shapes: S = Q K^T is (kBlockM, kBlockN, kHeadDim); O += P V is
   // (kBlockM, kHeadDim, kBlockN) with P from registers and V MN-major.
@@ -150,7 +161,7 @@ struct FwdTraits {
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
 
   // Q, K and V each have a TMA pipeline: full barriers complete on the TMA
-  // transaction bytes, empty barriers when all 256 MMA threads released.
+  // transaction bytes, empty barriers when all MMA threads released.
   using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelineStateQ = typename PipelineQ::PipelineState;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
