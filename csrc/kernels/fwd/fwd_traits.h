@@ -49,10 +49,15 @@ enum class FwdBarrier : uint32_t {
 };
 
 // Tile shape per head dim (16-bit inputs). kBlockM is 64 rows per MMA
-// warpgroup: two (128 rows, 240 registers each) or, at hdim 64, three (192
-// rows, 160 registers each; FA3's choice too): at d = 64 the softmax's exp2
-// (MUFU) work is as large as the tensor-core work, and a third warpgroup
-// gives the tensor cores a second one to run while two do their softmax.
+// warpgroup: two (128 rows, 240 registers each) or, at hdim 64 without a
+// diagonal, three (192 rows, 160 registers each; FA3 uses 192 rows at hdim 64
+// for every mask): at d = 64 the softmax's exp2 (MUFU) work is as large as the
+// tensor-core work, and a third warpgroup gives the tensor cores another one
+// to run while two do their softmax. Full, H100, 2026-11-23 (d076657 against
+// two warpgroups, same session): 1.09-1.20x from 2k up, 0.99-1.02x at 512-1k.
+// Causal with three: 1.04-1.12x from 4k up but 0.81-0.95x at 512-2k (a
+// 192-row tile crosses the diagonal in two key blocks), and the local kernels
+// spill at 160 registers; the masks with a diagonal keep two.
 // kBlockN is as large as registers (S accumulator
 // kBlockN/2 + P kBlockN/4 + O accumulator kHeadDim/2 per thread, under the budget)
 // and shared memory (kQStages x Q + kStages x (K + V) under 227 KiB) allow.
@@ -64,7 +69,7 @@ enum class FwdBarrier : uint32_t {
 template <int kHeadDim, bool kDiagonal>
 struct FwdTileConfig;
 template <bool kDiagonal> struct FwdTileConfig<64, kDiagonal> {
-  static constexpr int kMmaWarpgroups = 3, kBlockN = 128, kStages = 2, kQStages = 2;
+  static constexpr int kMmaWarpgroups = kDiagonal ? 2 : 3, kBlockN = 128, kStages = 2, kQStages = 2;
 };
 template <bool kDiagonal> struct FwdTileConfig<96, kDiagonal> {
   static constexpr int kMmaWarpgroups = 2, kBlockN = 128, kStages = 2, kQStages = 2;
