@@ -131,6 +131,7 @@ def test_local_kernel_with_windows_wider_than_the_sequence(v):
 def test_windows_that_mask_nothing_more_run_the_fixed_kernels():
     v = variants.Variant(128, "bf16", "causal")
     require_built(v, "fwd")
+    require_built(variants.Variant(128, "bf16", "full"), "fwd")
     q, k, vv, _ = make_inputs(v, (1, 200, 200, 2, 2), 1)
     assert torch.equal(dash_fa3.flash_attn_func(q, k, vv, window_size=(-1, 0)),
                        dash_fa3.flash_attn_func(q, k, vv, causal=True))

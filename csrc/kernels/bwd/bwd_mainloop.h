@@ -27,6 +27,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include <cuda_fp16.h>
+
 #include <cmath>
 #include <type_traits>
 
@@ -80,6 +82,7 @@ struct BwdMainloop {
   // warpgroup one 64 x kBlockM atom, accumulator ((2, 2, kBlockM / 8), 1, 1).
   // (Head-dim split: 8 registers, 32 Q rows of a 64 x 32 atom; not worth a second path.)
   static constexpr bool kLseEarly = kBlockM == 64 && !kSplitHeadDim;
+  static constexpr int kSdPRegs = decltype(size(typename FragSdP::layout_type{}))::value;
   static_assert(!kLseEarly || (decltype(size<0, 0>(typename FragSdP::layout_type{}))::value == 2 &&
                                 decltype(size<0, 1>(typename FragSdP::layout_type{}))::value == 2 &&
                                 decltype(size<0, 2>(typename FragSdP::layout_type{}))::value == kBlockM / 8 &&
@@ -254,12 +257,6 @@ struct BwdMainloop {
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
       warpgroup_wait<1>();  // S^T is ready; dP^T may still run
       warpgroup_fence_operand(tSrS);
-      // Softcap: the scores become t = tanh(S^T * prescale) while dP^T still runs.
-      if constexpr (kSoftcap) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanh_approx(tSrS(i) * p.softcap_prescale); }
-      }
-
       // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
       // above the causal diagonal (or outside the window) are 0; only tiles that
       // hold such entries pay for the test.
@@ -271,9 +268,48 @@ struct BwdMainloop {
           return lse[get<1>(tScS(i))];
         }
       };
-      // The plain kernels keep this code as it was before softcap existed: a
-      // lambda shared with the softcap path below made ptxas spill (hdim 64 local).
-      if constexpr (!kSoftcap) {
+      // Softcap: t = tanh(S^T * prescale), P^T = exp2(t * scale_log2 - lse_log2)
+      // and 1 - t^2, while dP^T still runs. P^T and 1 - t^2 wait for dP^T as
+      // fp16 pairs, in the registers S^T held: an fp32 copy of 1 - t^2 next to
+      // S^T and dP^T spilled (hdim 128: 96/204 bytes; fp16 1 - t^2 beside fp32
+      // P^T: 28/40, hdim 64: 184/208), and computing the exp2 after the dP^T
+      // wait cost the overlap (nd backward 0.81x FA3's at hdim 128 causal 8k).
+      // Both are rounded to 16 bits for their GEMMs anyway (P^T for dV, dS^T).
+      __half2 p_h[kSoftcap ? kSdPRegs / 2 : 1];
+      __half2 dtanh[kSoftcap ? kSdPRegs / 2 : 1];
+      auto softcap_probs = [&](auto masked_at) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); i += 2) {
+          float const t0 = tanh_approx(tSrS(i) * p.softcap_prescale);
+          float const t1 = tanh_approx(tSrS(i + 1) * p.softcap_prescale);
+          dtanh[i / 2] = __floats2half2_rn(fmaf(-t0, t0, 1.f), fmaf(-t1, t1, 1.f));
+          float const p0 = masked_at(i) ? 0.f : exp2f(fmaf(t0, scale_log2, -lse_of(i)));
+          float const p1 = masked_at(i + 1) ? 0.f : exp2f(fmaf(t1, scale_log2, -lse_of(i + 1)));
+          p_h[i / 2] = __floats2half2_rn(p0, p1);
+        }
+      };
+      if constexpr (kSoftcap) {
+        if (need_mask) {
+          softcap_probs([&](int i) {
+            int const n = n0 + get<0>(tScS(i));
+            int const m = get<1>(tScS(i));
+            return n >= geo.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
+                   (kLocal && n < m0 + m + lo_shift);
+          });
+        } else {
+          softcap_probs([](int) { return false; });
+        }
+        warpgroup_wait<0>();  // dP^T is ready
+        warpgroup_fence_operand(tdPrdP);
+        float const* dpsum = smem.dpsum[read_do.index()];
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdPrdP); ++i) {
+          bool const lo = i % 2 == 0;
+          tSrS(i) = lo ? __low2float(p_h[i / 2]) : __high2float(p_h[i / 2]);
+          float const d = lo ? __low2float(dtanh[i / 2]) : __high2float(dtanh[i / 2]);
+          tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]) * d;
+        }
+      } else {
         if (need_mask) {
           CUTE_UNROLL
           for (int i = 0; i < size(tSrS); ++i) {
@@ -289,29 +325,9 @@ struct BwdMainloop {
             tSrS(i) = exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
           }
         }
-      }
-      warpgroup_wait<0>();  // dP^T is ready
-      warpgroup_fence_operand(tdPrdP);
-      float const* dpsum = smem.dpsum[read_do.index()];
-      if constexpr (kSoftcap) {
-        // dS^T = P^T * ((dP^T - dPsum) * (1 - t^2)): the derivative is folded
-        // into dP^T while t is still in S^T's registers, so it needs none of its
-        // own (an fp32 or fp16 copy of it spilled at hdim 128), then P^T as above.
-        CUTE_UNROLL
-        for (int i = 0; i < size(tdPrdP); ++i) {
-          float const t = tSrS(i);
-          tdPrdP(i) = (tdPrdP(i) - dpsum[get<1>(tScS(i))]) * fmaf(-t, t, 1.f);
-        }
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) {
-          int const n = n0 + get<0>(tScS(i));
-          int const m = get<1>(tScS(i));
-          bool const masked = need_mask && (n >= geo.seqlen_k || ((kCausal || kLocal) && n > m0 + m + hi_shift) ||
-                                            (kLocal && n < m0 + m + lo_shift));
-          tSrS(i) = masked ? 0.f : exp2f(fmaf(tSrS(i), scale_log2, -lse_of(i)));
-          tdPrdP(i) *= tSrS(i);
-        }
-      } else {
+        warpgroup_wait<0>();  // dP^T is ready
+        warpgroup_fence_operand(tdPrdP);
+        float const* dpsum = smem.dpsum[read_do.index()];
         CUTE_UNROLL
         for (int i = 0; i < size(tdPrdP); ++i) {
           tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
