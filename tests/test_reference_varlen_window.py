@@ -433,12 +433,16 @@ def test_host_offsets_are_read_once_per_tensor_version():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("call", ["softcap", "window_softcap", "varlen_softcap"])
-def test_cuda_tensors_raise_not_implemented(call):
-    # (Windows on CUDA run the kernels: tests/test_gpu_window.py; packed documents:
-    # tests/test_gpu_varlen.py.)
+def test_cuda_softcap_without_its_kernels_names_the_build_switch(call):
+    # A build with the softcap kernels runs these (tests/test_gpu_softcap.py); one without
+    # them raises before any kernel runs, naming DASH_FA3_SOFTCAP=1, and never falls back.
+    from dash_fa3 import _ext
+
+    if _ext.built_variants("fwd", False, True) or _ext.built_variants("fwd", True, True):
+        pytest.skip("this build has softcap kernels")
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     cu_s = torch.tensor([0, 7, 16], device="cuda", dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="issue 17"):
+    with pytest.raises(ValueError, match="softcap forward kernel .*DASH_FA3_SOFTCAP=1"):
         if call == "window_softcap":
             dash_fa3.flash_attn_func(q, q, q, window_size=(4, 0), softcap=30.0)
         elif call == "softcap":

@@ -122,7 +122,48 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   return p;
 }
 
+// Launches the forward of Traits on checked parameters (run_fwd).
+template <class Traits>
+void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  typename Traits::Params p = make_fwd_params<Traits>(params);
+
+  int num_sms = params.num_sms;
+  if (num_sms <= 0) {
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute(multiProcessorCount)");
+  }
+  int const grid = p.num_units < num_sms ? p.num_units : num_sms;
+
+  if constexpr (Traits::kPacked) {
+    FwdPackedOrderParams order{};
+    order.cu_seqlens_q = params.cu_seqlens_q;
+    order.cu_seqlens_k = params.cu_seqlens_k;
+    order.batch = params.batch;
+    order.heads = params.heads;
+    order.block_m = Traits::kBlockM;
+    order.block_n = Traits::kBlockN;
+    order.causal_pairs = Traits::kCausal;
+    order.order = params.packed_order;
+    run_fwd_packed_order(order, stream);
+  }
+
+  auto kernel = fwd_kernel<Traits>;
+  constexpr int kSmemBytes = Traits::kSharedStorageBytes;
+  set_max_dynamic_smem_once<fwd_kernel<Traits>>(
+      kSmemBytes, "cudaFuncSetAttribute(fwd_kernel, max dynamic shared memory)");
+  kernel<<<grid, Traits::kNumThreads, kSmemBytes, stream>>>(p);
+  check_cuda(cudaGetLastError(), "fwd_kernel launch");
+}
+
 }  // namespace fwd
+
+// Dense causal attention at hdim 64 runs three MMA warpgroups (192-row tiles)
+// from this many query rows on, two below: measured on an H100 (2026-11-23,
+// docs/fwd_kernel.md) three were 1.04-1.12x two from 4k rows, 0.81-0.95x at
+// 512-2k, where a 192-row tile's two diagonal blocks weigh more.
+constexpr int kCausalThreeWarpgroupsFrom = 4096;
 
 template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
@@ -154,36 +195,13 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   require(!Traits::kLocal || (params.window_left >= -1 && params.window_right >= -1),
           "window_left and window_right must be >= -1 (-1: unbounded)");
 
-  typename Traits::Params p = fwd::make_fwd_params<Traits>(params);
-
-  int num_sms = params.num_sms;
-  if (num_sms <= 0) {
-    int device = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
-               "cudaDeviceGetAttribute(multiProcessorCount)");
+  if constexpr (kHeadDim == 64 && kMask == MaskKind::kCausal && !kPacked) {
+    if (params.seqlen_q >= kCausalThreeWarpgroupsFrom) {
+      fwd::launch_fwd<fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap, 3>>(params, stream);
+      return;
+    }
   }
-  int const grid = p.num_units < num_sms ? p.num_units : num_sms;
-
-  if constexpr (kPacked) {
-    FwdPackedOrderParams order{};
-    order.cu_seqlens_q = params.cu_seqlens_q;
-    order.cu_seqlens_k = params.cu_seqlens_k;
-    order.batch = params.batch;
-    order.heads = params.heads;
-    order.block_m = Traits::kBlockM;
-    order.block_n = Traits::kBlockN;
-    order.causal_pairs = Traits::kCausal;
-    order.order = params.packed_order;
-    run_fwd_packed_order(order, stream);
-  }
-
-  auto kernel = fwd::fwd_kernel<Traits>;
-  constexpr int kSmemBytes = Traits::kSharedStorageBytes;
-  set_max_dynamic_smem_once<fwd::fwd_kernel<Traits>>(
-      kSmemBytes, "cudaFuncSetAttribute(fwd_kernel, max dynamic shared memory)");
-  kernel<<<grid, Traits::kNumThreads, kSmemBytes, stream>>>(p);
-  check_cuda(cudaGetLastError(), "fwd_kernel launch");
+  fwd::launch_fwd<Traits>(params, stream);
 }
 
 }  // namespace dash_fa3

@@ -57,7 +57,8 @@ enum class FwdBarrier : uint32_t {
 // two warpgroups, same session): 1.09-1.20x from 2k up, 0.99-1.02x at 512-1k.
 // Causal with three: 1.04-1.12x from 4k up but 0.81-0.95x at 512-2k (a
 // 192-row tile crosses the diagonal in two key blocks), and the local kernels
-// spill at 160 registers; the masks with a diagonal keep two.
+// spill at 160 registers; the masks with a diagonal keep two, and dense causal
+// switches to three from kCausalThreeWarpgroupsFrom query rows on (fwd_launch.cuh).
 // kBlockN is as large as registers (S accumulator
 // kBlockN/2 + P kBlockN/4 + O accumulator kHeadDim/2 per thread, under the budget)
 // and shared memory (kQStages x Q + kStages x (K + V) under 227 KiB) allow.
@@ -86,7 +87,9 @@ template <bool kDiagonal> struct FwdTileConfig<256, kDiagonal> {
   static constexpr int kMmaWarpgroups = 2, kBlockN = 80, kStages = 2, kQStages = 1;
 };
 
-template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_>
+// kMmaWarpgroups_: 0 takes FwdTileConfig's; 2 or 3 overrides it (run_fwd's
+// second tile for long causal sequences at hdim 64, fwd_launch.cuh).
+template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_, int kMmaWarpgroups_ = 0>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -102,7 +105,7 @@ struct FwdTraits {
   static constexpr bool kSoftcap = kSoftcap_;
   using TileConfig = FwdTileConfig<kHeadDim, kCausal || kLocal>;
 
-  static constexpr int kNumMmaWarpgroups = TileConfig::kMmaWarpgroups;
+  static constexpr int kNumMmaWarpgroups = kMmaWarpgroups_ == 0 ? TileConfig::kMmaWarpgroups : kMmaWarpgroups_;
   static_assert(kNumMmaWarpgroups == 2 || kNumMmaWarpgroups == 3, "two or three MMA warpgroups");
   static constexpr int kBlockM = 64 * kNumMmaWarpgroups;
   static constexpr int kBlockN = TileConfig::kBlockN;
