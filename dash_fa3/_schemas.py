@@ -1,7 +1,7 @@
 """The schemas of the public ops ``dash_fa3::fwd`` and ``dash_fa3::bwd``, and of
 ``dash_fa3::fwd_general`` / ``bwd_general`` (sliding windows, softcap, packed
-variable-length batches; the fp32 reference on CPU; on CUDA the kernels for
-windows and packed documents without softcap, dash_fa3/ops.py).
+variable-length batches; the fp32 reference on CPU; on CUDA the kernels,
+softcap in DASH_FA3_SOFTCAP=1 builds, dash_fa3/ops.py).
 
 They are defined in Python so the CPU reference can serve them on machines
 without the compiled extension; the extension registers its CUDA kernel for
