@@ -320,19 +320,24 @@ def test_gemma3_local_and_global_layers_match_eager(recorder):
 
 
 def test_gemma2_softcap_and_sliding_window_match_eager(recorder):
-    # Gemma 2: attention logits capped (attn_logit_softcapping), local and global layers.
+    # Gemma 2: attention logits capped (attn_logit_softcapping), local and global layers. A tiny
+    # random model's scores are small: a cap of 0.05 makes it bite (dropping it fails the logits).
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     def make():
         return Gemma2ForCausalLM(Gemma2Config(
             vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, sliding_window=8, max_position_embeddings=256,
-            attn_logit_softcapping=2.0, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=0.05, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
             attn_implementation="eager"))
 
     _compare_with_eager(make, 72, seqlen=24)
-    assert [kw["softcap"] for _, _, _, kw in recorder.calls] == [2.0, 2.0]
+    assert [kw["softcap"] for _, _, _, kw in recorder.calls] == [0.05, 0.05]
     assert [kw["window_size"] for _, _, _, kw in recorder.calls] == [(7, 0), (-1, -1)]
+    # Packed documents (the varlen path) keep the cap and the window inside each document.
+    positions = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]),
+                             torch.cat([torch.arange(3), torch.arange(21)])])
+    _compare_with_eager(make, 73, seqlen=24, position_ids=positions, use_cache=False)
 
 
 def test_sliding_window_cached_decoding_matches_a_full_forward():
