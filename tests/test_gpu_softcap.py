@@ -55,7 +55,7 @@ def lowp_grads(q, k, v, dout, scale, window, causal, softcap):
 @pytest.mark.parametrize("softcap", CAPS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", MASKS, ids=mask_id)
-@pytest.mark.parametrize("hdim", [64, 128])
+@pytest.mark.parametrize("hdim", variants.HEADDIMS)
 def test_forward_matches_reference(hdim, mask, shape, softcap):
     window, causal, kind = mask
     v = variant_of(hdim, kind)
@@ -78,7 +78,7 @@ def test_forward_matches_reference(hdim, mask, shape, softcap):
 @pytest.mark.parametrize("softcap", CAPS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", MASKS, ids=mask_id)
-@pytest.mark.parametrize("hdim", [64, 128])
+@pytest.mark.parametrize("hdim", variants.HEADDIMS)
 def test_gradients_match_reference(hdim, mask, shape, softcap, deterministic):
     window, causal, kind = mask
     v = variant_of(hdim, kind)
