@@ -51,6 +51,7 @@ LAYOUT_ENV = "DASH_FA3_LAYOUTS"
 # own instantiations of every selected variant and layout, built on request only
 # (``DASH_FA3_SOFTCAP=1``): they double the build, and the plain kernels so carry
 # no tanh. False stands for the plain kernels, True for the softcap ones.
+SOFTCAP_AXIS: tuple[bool, ...] = (False, True)
 SOFTCAP_ENV = "DASH_FA3_SOFTCAP"
 
 
@@ -140,9 +141,9 @@ def select_softcap(value: str | None = None) -> tuple[bool, ...]:
         value = os.environ.get(SOFTCAP_ENV, "")
     value = value.strip()
     if value in ("", "0"):
-        return (False,)
+        return SOFTCAP_AXIS[:1]
     if value == "1":
-        return (False, True)
+        return SOFTCAP_AXIS
     raise ValueError(f"{SOFTCAP_ENV}={value!r}: 1 builds the softcap kernels too, 0 (or unset) does not")
 
 

@@ -235,11 +235,6 @@ def instantiated(direction: str, v) -> bool:
     return direction == "fwd" or v.has_bwd
 
 
-# The kernel families every variant may be compiled in: (layout, softcap) pairs,
-# variants.LAYOUTS x the softcap axis (variants.select_softcap).
-SOFTCAP_AXIS = (False, True)
-
-
 def instantiation_name(direction: str, v, layout: str = "dense", softcap: bool = False) -> str:
     suffix = ("" if layout == "dense" else f"_{layout}") + ("_softcap" if softcap else "")
     return f"{direction}_hdim{v.hdim}_{v.dtype}_{v.mask}{suffix}.cu"
@@ -261,8 +256,10 @@ def instantiation_source(direction: str, v, layout: str = "dense", softcap: bool
     )
 
 
-def instantiations(selected, layouts=variants.LAYOUTS, softcaps=SOFTCAP_AXIS) -> list[tuple[str, object, str, bool]]:
-    """(direction, variant, layout, softcap) compiled for ``selected`` in ``layouts`` x ``softcaps``."""
+def instantiations(selected, layouts=variants.LAYOUTS,
+                   softcaps=variants.SOFTCAP_AXIS) -> list[tuple[str, object, str, bool]]:
+    """(direction, variant, layout, softcap) compiled for ``selected`` in ``layouts`` x ``softcaps``
+    (the kernel families: variants.LAYOUTS x variants.SOFTCAP_AXIS)."""
     return [(d, v, layout, softcap) for softcap in softcaps for layout in layouts for d in DIRECTIONS
             for v in selected if instantiated(d, v)]
 
