@@ -85,10 +85,11 @@ def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False, soft
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap, deterministic, schedule, sm_margin,
+def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule, sm_margin,
               device):
     """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
-    (-1, 0) causal) and softcap (> 0: the softcap kernels) runs, built once per shape: (schedule on the device, its header on
+    (-1, 0) causal) runs, on the softcap kernels if ``softcap``, built once per shape (the
+    cap's value is the C++ op's argument, not the plan's): (schedule on the device, its header on
     the host, the C++ op). A variant this build lacks is an error that says how to build it:
     nothing falls back to a slow path."""
     from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
@@ -96,7 +97,7 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap, deter
 
     batch, seqlen_q, heads, hdim = q_shape
     mask = variants.mask_of_window(window_left, window_right)
-    total = _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, softcap=softcap > 0)
+    total = _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, softcap=softcap)
     block_m, block_n = bwd_block_sizes(hdim)
     geometry = Geometry(batch=batch, heads=heads, heads_kv=k_shape[2], seqlen_q=seqlen_q, seqlen_k=k_shape[1],
                         block_m=block_m, block_n=block_n, mask=mask, window_left=window_left,
@@ -110,8 +111,8 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap, deter
 def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, deterministic,
                      schedule, sm_margin):
     """The backward kernels for a window (full and causal included) and a softcap (0: none)."""
-    schedule_flat, schedule_header, run = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right, softcap,
-                                                    deterministic, schedule, sm_margin, q.device)
+    schedule_flat, schedule_header, run = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right,
+                                                    softcap > 0, deterministic, schedule, sm_margin, q.device)
     return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, window_left, window_right,
                softcap, deterministic)
 
@@ -200,14 +201,15 @@ def remember_host_offsets(cu: torch.Tensor, values) -> None:
 
 
 def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
-                 softcap, deterministic, schedule, sm_margin):
-    """(schedule on the device, its header on the host) of a backward over packed documents."""
+                 softcap: bool, deterministic, schedule, sm_margin):
+    """(schedule on the device, its header on the host) of a backward over packed documents, on
+    the softcap kernels if ``softcap``."""
     from .schedule import bwd_block_sizes
     from .schedule.varlen import resolve_varlen_schedule, varlen_metadata_cached
 
     hdim = q.shape[-1]
     mask = variants.mask_of_window(window_left, window_right)
-    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device, packed=True, softcap=softcap > 0)
+    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device, packed=True, softcap=softcap)
     cq, ck = host_offsets(cu_seqlens_q), host_offsets(cu_seqlens_k)
     # The checks flash_attn_varlen_func makes on CPU tensors, now that the values are on the host.
     validation.check_offsets("cu_seqlens_q", cq, q.shape[0], max_seqlen_q)
@@ -239,8 +241,8 @@ def _bwd_general_cuda(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
         if q.shape[0] == 0 or k.shape[0] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         schedule_flat, schedule_header = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                      window_left, window_right, softcap, deterministic, schedule,
-                                                      sm_margin)
+                                                      window_left, window_right, softcap > 0, deterministic,
+                                                      schedule, sm_margin)
         return _ext.ops().bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, schedule_flat, schedule_header, softmax_scale, window_left,
                                      window_right, softcap, deterministic)
