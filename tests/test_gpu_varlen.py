@@ -46,8 +46,9 @@ def packed_inputs(v, lq, lk, heads, heads_kv, seed):
     return q, k, vv
 
 
-def lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal):
-    """The 16-bit baseline, one document at a time, in FA3's varlen layout."""
+def lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal, softcap=0.0):
+    """The 16-bit baseline, one document at a time, in FA3's varlen layout (scores capped by
+    ``softcap`` > 0 as attention_lowp does)."""
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
     cq, ck = cu_q.tolist(), cu_k.tolist()
@@ -55,7 +56,7 @@ def lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
         if q1 == q0 or k1 == k0:
             continue
-        o, l = attention_lowp(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, window)
+        o, l = attention_lowp(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, window, softcap)
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse
@@ -152,10 +153,10 @@ def test_varlen_forward_without_tokens():
 
 # ---------------------------------------------------------------- backward
 
-def lowp_grads_per_doc(q, k, v, dout, cu_q, cu_k, scale, window, causal):
+def lowp_grads_per_doc(q, k, v, dout, cu_q, cu_k, scale, window, causal, softcap=0.0):
     """Gradients of the 16-bit baseline, one document at a time."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out, _ = lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal)
+    out, _ = lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal, softcap)
     return torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
 
 
