@@ -67,7 +67,7 @@ def test_checked_in_instantiations_match_generator():
         assert f"/*kPacked=*/{packed}, /*kSoftcap=*/{'true' if softcap else 'false'}>" in text
     # every variant has a forward in each family; the backward exists for BWD_HEADDIMS
     for layout in variants.LAYOUTS:
-        for softcap in (False, True):
+        for softcap in variants.SOFTCAP_AXIS:
             family = [(d, v) for d, v, lay, cap in insts if (lay, cap) == (layout, softcap)]
             assert sum(d == "fwd" for d, _ in family) == len(variants.ALL_VARIANTS)
             assert {v.hdim for d, v in family if d == "bwd"} == set(variants.BWD_HEADDIMS)
