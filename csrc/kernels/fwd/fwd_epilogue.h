@@ -1,19 +1,33 @@
-// Epilogue role of the forward kernel: each MMA thread writes its rows of O
-// (converted to the input type) and the LSE of its two rows.
+// Epilogue role of the forward kernel: each MMA warpgroup writes its 64 rows
+// of O (converted to the input type) and each thread the LSE of its two rows.
 //
-// O goes straight from registers to global memory: each thread stores pairs
-// of adjacent elements (4 bytes), and the four threads of a quad cover 16
-// contiguous bytes of a row. Rows past the problem's seqlen_q are not written
-// (with packed documents they belong to the next document). The epilogue
-// needs no shared memory, so it never waits for the producer and the next
-// tile's loads run underneath it.
+// Dense batches at hdim <= 128 (Traits::kTmaEpilogue): O goes into a 64-row
+// slot of shared memory with stmatrix and leaves with one TMA store per
+// warpgroup, which runs while the warpgroup starts its next tile. Why: written
+// straight from registers (a 4-byte store per register pair, the four threads
+// of a quad covering 16 contiguous bytes of a row) the epilogue cost about as
+// much as a key-block step per tile, which weighs most at short lengths where a
+// tile has few steps (docs/fwd_kernel.md).
+// Slot hand-offs: with a slot per warpgroup, the warpgroup's issuing thread
+// waits until the copy engine has read its previous store before the
+// warpgroup writes the slot again; with one slot for two warpgroups (hdim 128,
+// 128 x 176 tiles) they take turns on it in warpgroup order (kOutputTurn0/1),
+// the issuing warp passing the turn once its store has been read.
+//
+// Packed documents and hdim >= 192 (no room in shared memory) store from
+// registers, rows past the problem's seqlen_q not written (with packed
+// documents they belong to the next document); so do tiles whose rows attend
+// no key (store_empty), whatever the build.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include <cmath>
 
+#include <cutlass/arch/barrier.h>
+
 #include "common/gemm_sm90.h"
+#include "common/named_barriers.h"
 #include "kernels/fwd/fwd_mainloop.h"
 #include "kernels/fwd/fwd_tile_scheduler.h"
 #include "kernels/fwd/fwd_traits.h"
@@ -28,8 +42,114 @@ struct FwdEpilogue {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
 
-  CUTE_DEVICE static void store(Params const& p, FragO const& tOrO, float const (&lse)[2],
-                                FwdTile const& t, SeqlenInfo const& sl, int mma_tid) {
+  static constexpr int kWarpgroupThreads = Traits::kThreadsPerWarpgroup;
+  static constexpr int kSlots = Traits::kOutputSlots;
+  // A turn of the shared slot counts the warpgroup that waits and the warp that passes.
+  static constexpr int kOutputTurnThreads = kWarpgroupThreads + 32;
+
+  CUTE_DEVICE static FwdBarrier output_barrier(int wg) {
+    return static_cast<FwdBarrier>(static_cast<int>(FwdBarrier::kOutput0) + wg);
+  }
+  CUTE_DEVICE static FwdBarrier output_turn(int wg) {
+    return static_cast<FwdBarrier>(static_cast<int>(FwdBarrier::kOutputTurn0) + wg);
+  }
+  // Whether this thread issues its warpgroup's O stores (and alone waits for them).
+  CUTE_DEVICE static bool issues_store(int mma_tid) { return mma_tid % kWarpgroupThreads == 0; }
+
+  // Called once by every MMA thread before the first tile.
+  CUTE_DEVICE static void init(int wg, int mma_tid) {
+    if constexpr (kSlots == 1) {
+      // kOutputTurn0: warpgroup 0 has the slot first; this arrival of its first
+      // warp stands in for warpgroup 1's "slot read" that its first wait needs.
+      if (wg == 0 && mma_tid < 32) { named_barrier_arrive(FwdBarrier::kOutputTurn0, kOutputTurnThreads); }
+    }
+  }
+
+  // Called once by every MMA thread after the last tile: shared memory must
+  // outlive the copy engine's reads of it.
+  CUTE_DEVICE static void finish(int mma_tid) {
+    if constexpr (Traits::kTmaEpilogue) {
+      if (issues_store(mma_tid)) { tma_store_wait<0>(); }
+    }
+  }
+
+  // O and LSE of a tile whose mainloop ran.
+  CUTE_DEVICE static void store(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
+                                float const (&lse)[2], FwdTile const& t, SeqlenInfo const& sl, int wg, int mma_tid) {
+    if constexpr (Traits::kTmaEpilogue) {
+      store_tma(p, smem, tOrO, t, wg, mma_tid);
+      store_lse(p, tOrO, lse, t, sl, mma_tid);
+    } else {
+      store_direct(p, tOrO, lse, t, sl, mma_tid);
+    }
+  }
+
+  // This warpgroup's 64 rows of O through its slot and one TMA store.
+  CUTE_DEVICE static void store_tma(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
+                                    FwdTile const& t, int wg, int mma_tid) {
+    using MmaWg = typename Traits::TiledMmaPVWarpgroup;
+    using FragOWg = decltype(partition_fragment_C(MmaWg{}, Shape<_64, Int<kHeadDim>>{}));
+    static_assert(cosize_v<typename FragOWg::layout_type> == cosize_v<typename FragO::layout_type>,
+                  "a warpgroup's rows of O hold the same registers in both MMA views");
+    Tensor tOrOut = make_tensor<Element>(typename FragOWg::layout_type{});
+    convert_fragment(make_tensor(tOrO.data(), typename FragOWg::layout_type{}), tOrOut);
+
+    int const slot = kSlots == 1 ? 0 : wg;
+    Tensor sO = make_tensor(make_smem_ptr(smem.out.o.data()), typename Traits::SmemLayoutO{})(_, _, slot);
+    if constexpr (kSlots == 1) {
+      // kOutputTurn<wg>: the other warpgroup's store has read the shared slot.
+      named_barrier_sync(output_turn(wg), kOutputTurnThreads);
+    } else {
+      // This warpgroup's previous store has read its slot ...
+      if (issues_store(mma_tid)) { tma_store_wait<0>(); }
+      // kOutput<wg>: ... before any of its threads writes the slot again.
+      named_barrier_sync(output_barrier(wg), kWarpgroupThreads);
+    }
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, MmaWg{});
+    auto thr_r2s = r2s.get_thread_slice(mma_tid % kWarpgroupThreads);
+    copy(r2s, thr_r2s.retile_S(tOrOut), thr_r2s.partition_D(sO));
+    // The generic-proxy writes above are read by the TMA store (async proxy).
+    cutlass::arch::fence_view_async_shared();
+    // kOutput<wg>: every thread of the warpgroup has written its rows.
+    named_barrier_sync(output_barrier(wg), kWarpgroupThreads);
+    if (issues_store(mma_tid)) {
+      Tensor gO = local_tile(p.tma_o.get_tma_tensor(p.shape_q)(_, _, t.head, t.batch), Shape<_64, Int<kHeadDim>>{},
+                             make_coord(t.m_block * Traits::kNumMmaWarpgroups + wg, _0{}));
+      auto tma_o = p.tma_o.get_slice(_0{});
+      copy(p.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
+      tma_store_arrive();
+    }
+    if constexpr (kSlots == 1) {
+      if (mma_tid % kWarpgroupThreads < 32) {
+        if (issues_store(mma_tid)) { tma_store_wait<0>(); }
+        __syncwarp();
+        // kOutputTurn<other>: the shared slot has been read; the other warpgroup may write it.
+        named_barrier_arrive(output_turn(wg ^ 1), kOutputTurnThreads);
+      }
+    }
+  }
+
+  // The quad thread that holds column 0 writes the LSE of the two rows.
+  CUTE_DEVICE static void store_lse(Params const& p, FragO const& tOrO, float const (&lse)[2], FwdTile const& t,
+                                    SeqlenInfo const& sl, int mma_tid) {
+    typename Traits::TiledMmaPV mma_pv;
+    Tensor tOcO = mma_pv.get_thread_slice(mma_tid).partition_C(
+        make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    if (get<1>(tOcO(0)) == 0) {
+      float* lse_bh = p.lse + sl.tensor_batch * p.lse_batch_stride + t.head * p.lse_head_stride + sl.offset_q;
+      int const row0 = t.m_block * kBlockM;
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        int const row = row0 + get<0>(tOcO(2 * r));
+        if (row < sl.seqlen_q) { lse_bh[row] = lse[r]; }
+      }
+    }
+  }
+
+  // O from registers: pairs of adjacent elements (4 bytes), rows past the
+  // problem's seqlen_q not written.
+  CUTE_DEVICE static void store_direct(Params const& p, FragO const& tOrO, float const (&lse)[2],
+                                       FwdTile const& t, SeqlenInfo const& sl, int mma_tid) {
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(mma_tid);
     Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -54,15 +174,7 @@ struct FwdEpilogue {
         }
       }
     }
-    // The quad thread that holds column 0 writes the LSE of the two rows.
-    if (get<1>(tOcO(0)) == 0) {
-      float* lse_bh = p.lse + sl.tensor_batch * p.lse_batch_stride + t.head * p.lse_head_stride + sl.offset_q;
-      CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        int const row = row0 + get<0>(tOcO(2 * r));
-        if (row < sl.seqlen_q) { lse_bh[row] = lse[r]; }
-      }
-    }
+    store_lse(p, tOrO, lse, t, sl, mma_tid);
   }
 
   // A tile whose rows attend no key (causal with seqlen_q > seqlen_k):
@@ -71,7 +183,7 @@ struct FwdEpilogue {
     FragO zero;
     clear(zero);
     float const lse[2] = {-INFINITY, -INFINITY};
-    store(p, zero, lse, t, sl, mma_tid);
+    store_direct(p, zero, lse, t, sl, mma_tid);
   }
 };
 

@@ -2,7 +2,7 @@
 // roles. All work lives in the role files:
 //   fwd_producer.h        TMA loads of Q, K, V      (warpgroup 0, warp 0)
 //   fwd_mainloop.h        WGMMA + online softmax    (warpgroups 1 and 2)
-//   fwd_epilogue.h        O and LSE stores          (warpgroups 1 and 2)
+//   fwd_epilogue.h        O and LSE stores          (the MMA warpgroups)
 //   fwd_tile_scheduler.h  which tiles a CTA visits  (all roles)
 #pragma once
 
@@ -62,7 +62,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     using Mainloop = FwdMainloop<Traits>;
     using Epilogue = FwdEpilogue<Traits>;
     int const mma_tid = threadIdx.x - Traits::kThreadsPerWarpgroup;
+    int const wg = Mainloop::warpgroup(mma_tid);
     Mainloop::init(mma_tid);
+    Epilogue::init(wg, mma_tid);
     typename Traits::PipelineState read_state;
     typename Traits::PipelineStateQ q_state;
     using Scheduler = FwdTileScheduler<Traits>;
@@ -84,8 +86,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       Mainloop::run(p, smem, pipeline_q, pipeline_k, pipeline_v, q_state, read_state, t.m_block,
                     sl.seqlen_q, sl.seqlen_k, kv_blocks, mma_tid, tOrO, lse);
       // The rows again, rather than registers held through the mainloop.
-      Epilogue::store(p, tOrO, lse, t, Traits::seqlens(p, t.batch), mma_tid);
+      Epilogue::store(p, smem, tOrO, lse, t, Traits::seqlens(p, t.batch), wg, mma_tid);
     }
+    Epilogue::finish(mma_tid);
   }
 #endif
 }

@@ -3,7 +3,8 @@
 //
 // Requirements on the inputs (checked here, cheaply, with a clear error):
 //   - q, k, v, o 16-byte aligned; every stride (batch, row, head) a multiple of
-//     8 elements (TMA needs 16-byte aligned global strides); last dim contiguous;
+//     8 elements (TMA needs 16-byte aligned global strides; o's only where it
+//     leaves by TMA, else even); last dim contiguous;
 //   - headdim == kHeadDim, seqlen_q, seqlen_k >= 1, heads % heads_kv == 0,
 //     softmax_scale > 0; lse is (batch, heads, seqlen_q) contiguous fp32, or
 //     (heads, total_q) with packed documents (cu_seqlens_q/k, whose values the
@@ -80,6 +81,12 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
                           Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(typename Traits::SmemLayoutVt{}),
                           Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
+  if constexpr (Traits::kTmaEpilogue) {
+    auto gO = make_tensor(make_gmem_ptr(static_cast<Element*>(a.o)), shape_q,
+                          make_stride(a.o_stride.row, _1{}, a.o_stride.head, a.o_stride.batch));
+    p.tma_o = make_tma_copy(SM90_TMA_STORE{}, gO, take<0, 2>(typename Traits::SmemLayoutO{}),
+                            Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
+  }
   p.shape_q = shape_q;
   p.shape_k = shape_k;
   p.shape_vt = shape_vt;
@@ -184,6 +191,8 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
           "q, k, v strides (batch, row, head) must be multiples of 8 elements");
   require(params.o_stride.row % 2 == 0 && params.o_stride.head % 2 == 0 && params.o_stride.batch % 2 == 0,
           "o strides must be even (O is written in 4-byte pairs)");
+  require(!Traits::kTmaEpilogue || fwd::tma_strides_ok(params.o_stride),
+          "o strides (batch, row, head) must be multiples of 8 elements (O leaves by TMA)");
   require(params.lse != nullptr, "lse must be given");
   require((params.cu_seqlens_q != nullptr) == kPacked && (params.cu_seqlens_k != nullptr) == kPacked,
           kPacked ? "the packed instantiation needs cu_seqlens_q and cu_seqlens_k"

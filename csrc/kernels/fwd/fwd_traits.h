@@ -15,6 +15,8 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include <type_traits>
+
 #include "common/block_range.h"
 #include "common/gemm_sm90.h"
 #include "common/params.h"
@@ -45,6 +47,17 @@ enum class FwdBarrier : uint32_t {
   // the MMA threads on kTileEmpty once they have read it.
   kTileFull = 3,
   kTileEmpty = 4,
+  // The TMA epilogue (fwd_epilogue.h), per MMA warpgroup w (128 threads):
+  // kOutput<w> orders its threads' shared-memory writes of O around the
+  // store's issue.
+  kOutput0 = 5,
+  kOutput1 = 6,
+  kOutput2 = 7,
+  // One O slot shared by two warpgroups: warpgroup w syncs on kOutputTurn<w>
+  // before writing the slot; the other warpgroup's issuing warp arrives once
+  // the copy engine has read the slot.
+  kOutputTurn0 = 8,
+  kOutputTurn1 = 9,
   kCount,
 };
 
@@ -147,6 +160,35 @@ struct FwdTraits {
       gmma_smem_atom<GMMA::Major::MN, Element, kHeadDim>(),
       Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 
+  // O leaves through shared memory and a TMA store per 64-row warpgroup slice
+  // (fwd_epilogue.h): kOutputSlots 64-row buffers, one per MMA warpgroup where
+  // they fit next to Q, K and V, one shared in turn where only one does (hdim
+  // 128 without a diagonal: 128 x 176 tiles), none (O straight from
+  // registers) at hdim >= 192 and for packed documents, whose tiles' last rows
+  // belong to the next document (a TMA store clips at the tensor's end only).
+  static constexpr int kSmemQKVBytes =
+      (kQStages * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element));
+  static constexpr int kOutputSlotBytes = 64 * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemBarrierReserve = 1024;  // pipelines' mbarriers, padding
+  static constexpr bool output_slots_fit(int slots) {
+    return kSmemQKVBytes + slots * kOutputSlotBytes + kSmemBarrierReserve <= 227 * 1024;
+  }
+  static constexpr int kOutputSlots = kPacked                                   ? 0
+                                      : output_slots_fit(kNumMmaWarpgroups) ? kNumMmaWarpgroups
+                                      : output_slots_fit(1)                 ? 1
+                                                                            : 0;
+  static constexpr bool kTmaEpilogue = kOutputSlots > 0;
+  static_assert(kOutputSlots == 0 || kOutputSlots == kNumMmaWarpgroups || (kOutputSlots == 1 && kNumMmaWarpgroups == 2),
+                "O slots: one per warpgroup, or one shared by two (kOutputTurn0/1)");
+  using SmemLayoutO = decltype(tile_to_shape(
+      gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+      Shape<_64, Int<kHeadDim>, Int<kOutputSlots == 0 ? 1 : kOutputSlots>>{}));
+  // One warpgroup's PV GEMM: the register layout of its 64 rows of O, which
+  // the stmatrix copy into an O slot partitions.
+  using TiledMmaPVWarpgroup = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>()));
+
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -167,6 +209,12 @@ struct FwdTraits {
       SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStrideT{}),
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+  // O as (row, dim, head, batch), the shape of Q (shape_q); rows past
+  // seqlen_q are clipped by the copy engine.
+  using TmaO = decltype(make_tma_copy(
+      SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
+      take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{}, _1{}));
 
   // Q, K and V each have a TMA pipeline: full barriers complete on the TMA
   // transaction bytes, empty barriers when all MMA threads released.
@@ -175,11 +223,17 @@ struct FwdTraits {
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineKV::PipelineState;
 
-  // 128-byte swizzled TMA destinations must be 1024-byte aligned.
+  struct OutputBuffer {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutO>> o;
+  };
+  struct NoOutputBuffer {};
+
+  // 128-byte swizzled TMA destinations (and sources) must be 1024-byte aligned.
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    std::conditional_t<kTmaEpilogue, OutputBuffer, NoOutputBuffer> out;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
@@ -194,7 +248,8 @@ struct FwdTraits {
     TmaQ tma_q;
     TmaK tma_k;
     TmaV tma_v;
-    GmemShape shape_q;   // (seqlen_q, d, heads, batch)
+    TmaO tma_o;          // kTmaEpilogue only
+    GmemShape shape_q;   // (seqlen_q, d, heads, batch); also O's
     GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch)
     GmemShape shape_vt;  // (d, seqlen_k, heads_kv, batch)
     void* o;
