@@ -2,7 +2,9 @@
 128, full and causal masks and sliding windows (the local kernels; one of them
 hides the first KV tile from every query, a backward task without steps), both
 modes, MHA and GQA (4 query heads on 2 KV heads), 200 (or 100) query and 333
-key tokens (ragged tiles). Run on the GPU machine:
+key tokens (ragged tiles); then forward calls with more query tiles than the
+device has SMs, so that CTAs reuse their O slots (csrc/kernels/fwd/fwd_epilogue.h).
+Run on the GPU machine:
 
     compute-sanitizer --tool memcheck|racecheck|synccheck --error-exitcode 9 python tools/sanitize_small.py
 """
@@ -28,5 +30,13 @@ for d in (64, 128):
                 out = dash_fa3.flash_attn_func(q, k, v, deterministic=det, **mask)
                 out = out[0] if isinstance(out, tuple) else out
                 out.float().sum().backward()
+
+# 16 heads x 16 query tiles of 128 rows: about two tiles per CTA on 132 SMs.
+for d in (64, 128):
+    for causal in (False, True):
+        q = torch.randn(1, 2048, 16, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 1000, 16, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, 1000, 16, d, device="cuda", dtype=torch.bfloat16)
+        dash_fa3.flash_attn_func(q, k, v, causal=causal)
 torch.cuda.synchronize()
 print("sanitize_small: all calls ran")

@@ -12,7 +12,12 @@
 // waits until the copy engine has read its previous store before the
 // warpgroup writes the slot again; with one slot for two warpgroups (hdim 128,
 // 128 x 176 tiles) they take turns on it in warpgroup order (kOutputTurn0/1),
-// the issuing warp passing the turn once its store has been read.
+// the issuing warp passing the turn once its store has been read. That wait
+// sits on the second warpgroup's path (the read queues behind the next tile's
+// loads in the copy engine) and cost 2-3% from 4k keys on (H100, 2026-11-23,
+// docs/fwd_kernel.md), so the shared slot is used only below
+// kSharedOutputSlotBelowKeys keys (Params::output_by_tma), where each tile
+// has few key blocks and the register stores cost more.
 //
 // Packed documents and hdim >= 192 (no room in shared memory) store from
 // registers, rows past the problem's seqlen_q not written (with packed
@@ -56,12 +61,25 @@ struct FwdEpilogue {
   // Whether this thread issues its warpgroup's O stores (and alone waits for them).
   CUTE_DEVICE static bool issues_store(int mma_tid) { return mma_tid % kWarpgroupThreads == 0; }
 
+  // Whether this launch stores O through shared memory (uniform over the grid).
+  CUTE_DEVICE static bool by_tma(Params const& p) {
+    if constexpr (!Traits::kTmaEpilogue) {
+      return false;
+    } else if constexpr (kSlots == Traits::kNumMmaWarpgroups) {
+      return true;
+    } else {
+      return p.output_by_tma != 0;
+    }
+  }
+
   // Called once by every MMA thread before the first tile.
-  CUTE_DEVICE static void init(int wg, int mma_tid) {
+  CUTE_DEVICE static void init(Params const& p, int wg, int mma_tid) {
     if constexpr (kSlots == 1) {
       // kOutputTurn0: warpgroup 0 has the slot first; this arrival of its first
       // warp stands in for warpgroup 1's "slot read" that its first wait needs.
-      if (wg == 0 && mma_tid < 32) { named_barrier_arrive(FwdBarrier::kOutputTurn0, kOutputTurnThreads); }
+      if (by_tma(p) && wg == 0 && mma_tid < 32) {
+        named_barrier_arrive(FwdBarrier::kOutputTurn0, kOutputTurnThreads);
+      }
     }
   }
 
@@ -76,7 +94,7 @@ struct FwdEpilogue {
   // O and LSE of a tile whose mainloop ran.
   CUTE_DEVICE static void store(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
                                 float const (&lse)[2], FwdTile const& t, SeqlenInfo const& sl, int wg, int mma_tid) {
-    if constexpr (Traits::kTmaEpilogue) {
+    if (by_tma(p)) {
       store_tma(p, smem, tOrO, t, wg, mma_tid);
       store_lse(p, tOrO, lse, t, sl, mma_tid);
     } else {
@@ -87,6 +105,7 @@ struct FwdEpilogue {
   // This warpgroup's 64 rows of O through its slot and one TMA store.
   CUTE_DEVICE static void store_tma(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
                                     FwdTile const& t, int wg, int mma_tid) {
+    static_assert(Traits::kTmaEpilogue, "no O slots in this kernel's shared memory");
     using MmaWg = typename Traits::TiledMmaPVWarpgroup;
     using FragOWg = decltype(partition_fragment_C(MmaWg{}, Shape<_64, Int<kHeadDim>>{}));
     static_assert(cosize_v<typename FragOWg::layout_type> == cosize_v<typename FragO::layout_type>,

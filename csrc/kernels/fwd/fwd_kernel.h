@@ -64,7 +64,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     int const mma_tid = threadIdx.x - Traits::kThreadsPerWarpgroup;
     int const wg = Mainloop::warpgroup(mma_tid);
     Mainloop::init(mma_tid);
-    Epilogue::init(wg, mma_tid);
+    Epilogue::init(p, wg, mma_tid);
     typename Traits::PipelineState read_state;
     typename Traits::PipelineStateQ q_state;
     using Scheduler = FwdTileScheduler<Traits>;

@@ -54,6 +54,12 @@ inline bool tma_strides_ok(TensorStrides const& s) {
   return s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0;
 }
 
+// One O slot shared by two MMA warpgroups (FwdTraits::kOutputSlots == 1, hdim
+// 128 without a diagonal) is used below this many keys: measured on an H100
+// (2026-11-23, docs/fwd_kernel.md) 1.04-1.06x the register stores at 512-1k
+// keys, level at 2k, 0.97-0.98x from 4k on.
+constexpr int kSharedOutputSlotBelowKeys = 4096;
+
 // L2 bytes a section of (batch, head) pairs may fill with its K and V.
 constexpr int64_t kL2SectionBudgetBytes = 24ll << 20;
 
@@ -113,6 +119,8 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   // masks as -1 (common/block_range.h; tests/test_schedule_geometry.py checks
   // the ranges), and the device code then needs no -1 case. Packed, the
   // longest document's lengths bound every document's.
+  p.output_by_tma = Traits::kOutputSlots == Traits::kNumMmaWarpgroups ||
+                    (Traits::kOutputSlots == 1 && a.seqlen_k < kSharedOutputSlotBelowKeys);
   p.window_left = a.window_left < 0 ? a.seqlen_k : a.window_left;
   p.window_right = a.window_right < 0 ? a.seqlen_q : a.window_right;
   p.num_m_blocks = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;

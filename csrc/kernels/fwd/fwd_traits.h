@@ -268,6 +268,10 @@ struct FwdTraits {
     // or softcap with kSoftcap), plain and times log2(e).
     float score_scale, score_scale_log2;
     float softcap_prescale;  // kSoftcap: scores are tanh(QK^T * softcap_prescale)
+    // kOutputSlots == 1 (one O slot shared by two warpgroups): whether this
+    // launch uses it (fwd_epilogue.h); with a slot per warpgroup O always
+    // leaves by TMA, without slots never.
+    int output_by_tma;
     // Tile scheduler.
     int num_m_blocks;
     int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h;
