@@ -94,12 +94,14 @@ struct FwdEpilogue {
   // O and LSE of a tile whose mainloop ran.
   CUTE_DEVICE static void store(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
                                 float const (&lse)[2], FwdTile const& t, SeqlenInfo const& sl, int wg, int mma_tid) {
-    if (by_tma(p)) {
-      store_tma(p, smem, tOrO, t, wg, mma_tid);
-      store_lse(p, tOrO, lse, t, sl, mma_tid);
-    } else {
-      store_direct(p, tOrO, lse, t, sl, mma_tid);
+    if constexpr (Traits::kTmaEpilogue) {
+      if (by_tma(p)) {
+        store_tma(p, smem, tOrO, t, wg, mma_tid);
+        store_lse(p, tOrO, lse, t, sl, mma_tid);
+        return;
+      }
     }
+    store_direct(p, tOrO, lse, t, sl, mma_tid);
   }
 
   // This warpgroup's 64 rows of O through its slot and one TMA store.
