@@ -13,11 +13,10 @@
 // warpgroup writes the slot again; with one slot for two warpgroups (hdim 128,
 // 128 x 176 tiles) they take turns on it in warpgroup order (kOutputTurn0/1),
 // the issuing warp passing the turn once its store has been read. That wait
-// sits on the second warpgroup's path (the read queues behind the next tile's
-// loads in the copy engine) and cost 2-3% from 4k keys on (H100, 2026-11-23,
-// docs/fwd_kernel.md), so the shared slot is used only below
-// kSharedOutputSlotBelowKeys keys (Params::output_by_tma), where each tile
-// has few key blocks and the register stores cost more.
+// sits on the second warpgroup's path and cost 2-3% from 4k keys on (H100,
+// 2026-11-23, docs/fwd_kernel.md), so run_fwd launches the shared-slot kernel
+// only below kSharedOutputSlotBelowKeys keys, where a tile has few key blocks
+// and the register stores cost more, and a kernel without slots above.
 //
 // Packed documents and hdim >= 192 (no room in shared memory) store from
 // registers, rows past the problem's seqlen_q not written (with packed
@@ -61,25 +60,13 @@ struct FwdEpilogue {
   // Whether this thread issues its warpgroup's O stores (and alone waits for them).
   CUTE_DEVICE static bool issues_store(int mma_tid) { return mma_tid % kWarpgroupThreads == 0; }
 
-  // Whether this launch stores O through shared memory (uniform over the grid).
-  CUTE_DEVICE static bool by_tma(Params const& p) {
-    if constexpr (!Traits::kTmaEpilogue) {
-      return false;
-    } else if constexpr (kSlots == Traits::kNumMmaWarpgroups) {
-      return true;
-    } else {
-      return p.output_by_tma != 0;
-    }
-  }
-
   // Called once by every MMA thread before the first tile.
-  CUTE_DEVICE static void init(Params const& p, int wg, int mma_tid) {
+  CUTE_DEVICE static void init(int mma_tid) {
     if constexpr (kSlots == 1) {
+      int const wg = FwdMainloop<Traits>::warpgroup(mma_tid);
       // kOutputTurn0: warpgroup 0 has the slot first; this arrival of its first
       // warp stands in for warpgroup 1's "slot read" that its first wait needs.
-      if (by_tma(p) && wg == 0 && mma_tid < 32) {
-        named_barrier_arrive(FwdBarrier::kOutputTurn0, kOutputTurnThreads);
-      }
+      if (wg == 0 && mma_tid < 32) { named_barrier_arrive(FwdBarrier::kOutputTurn0, kOutputTurnThreads); }
     }
   }
 
@@ -93,21 +80,18 @@ struct FwdEpilogue {
 
   // O and LSE of a tile whose mainloop ran.
   CUTE_DEVICE static void store(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
-                                float const (&lse)[2], FwdTile const& t, SeqlenInfo const& sl, int wg, int mma_tid) {
+                                float const (&lse)[2], FwdTile const& t, SeqlenInfo const& sl, int mma_tid) {
     if constexpr (Traits::kTmaEpilogue) {
-      if (by_tma(p)) {
-        store_tma(p, smem, tOrO, t, wg, mma_tid);
-        store_lse(p, tOrO, lse, t, sl, mma_tid);
-        return;
-      }
+      store_tma(p, smem, tOrO, t, FwdMainloop<Traits>::warpgroup(mma_tid), mma_tid);
+      store_lse(p, output_coords(mma_tid), lse, t, sl);
+    } else {
+      store_direct(p, tOrO, lse, t, sl, mma_tid);
     }
-    store_direct(p, tOrO, lse, t, sl, mma_tid);
   }
 
   // This warpgroup's 64 rows of O through its slot and one TMA store.
   CUTE_DEVICE static void store_tma(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
                                     FwdTile const& t, int wg, int mma_tid) {
-    static_assert(Traits::kTmaEpilogue, "no O slots in this kernel's shared memory");
     using MmaWg = typename Traits::TiledMmaPVWarpgroup;
     using FragOWg = decltype(partition_fragment_C(MmaWg{}, Shape<_64, Int<kHeadDim>>{}));
     static_assert(cosize_v<typename FragOWg::layout_type> == cosize_v<typename FragO::layout_type>,
@@ -150,12 +134,11 @@ struct FwdEpilogue {
     }
   }
 
-  // The quad thread that holds column 0 writes the LSE of the two rows.
-  CUTE_DEVICE static void store_lse(Params const& p, FragO const& tOrO, float const (&lse)[2], FwdTile const& t,
-                                    SeqlenInfo const& sl, int mma_tid) {
-    typename Traits::TiledMmaPV mma_pv;
-    Tensor tOcO = mma_pv.get_thread_slice(mma_tid).partition_C(
-        make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // The quad thread that holds column 0 writes the LSE of the two rows;
+  // tOcO: this thread's (row, column) coordinates of O in the tile.
+  template <class CoordTensor>
+  CUTE_DEVICE static void store_lse(Params const& p, CoordTensor const& tOcO, float const (&lse)[2], FwdTile const& t,
+                                    SeqlenInfo const& sl) {
     if (get<1>(tOcO(0)) == 0) {
       float* lse_bh = p.lse + sl.tensor_batch * p.lse_batch_stride + t.head * p.lse_head_stride + sl.offset_q;
       int const row0 = t.m_block * kBlockM;
@@ -167,13 +150,17 @@ struct FwdEpilogue {
     }
   }
 
+  // This thread's (row, column) coordinates of O in the tile.
+  CUTE_DEVICE static auto output_coords(int mma_tid) {
+    typename Traits::TiledMmaPV mma_pv;
+    return mma_pv.get_thread_slice(mma_tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  }
+
   // O from registers: pairs of adjacent elements (4 bytes), rows past the
   // problem's seqlen_q not written.
   CUTE_DEVICE static void store_direct(Params const& p, FragO const& tOrO, float const (&lse)[2],
                                        FwdTile const& t, SeqlenInfo const& sl, int mma_tid) {
-    typename Traits::TiledMmaPV mma_pv;
-    auto thr_pv = mma_pv.get_thread_slice(mma_tid);
-    Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOcO = output_coords(mma_tid);
     Tensor tOrOut = make_tensor<Element>(typename FragO::layout_type{});
     convert_fragment(tOrO, tOrOut);
 
@@ -195,7 +182,7 @@ struct FwdEpilogue {
         }
       }
     }
-    store_lse(p, tOrO, lse, t, sl, mma_tid);
+    store_lse(p, tOcO, lse, t, sl);
   }
 
   // A tile whose rows attend no key (causal with seqlen_q > seqlen_k):

@@ -62,9 +62,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     using Mainloop = FwdMainloop<Traits>;
     using Epilogue = FwdEpilogue<Traits>;
     int const mma_tid = threadIdx.x - Traits::kThreadsPerWarpgroup;
-    int const wg = Mainloop::warpgroup(mma_tid);
     Mainloop::init(mma_tid);
-    Epilogue::init(p, wg, mma_tid);
+    Epilogue::init(mma_tid);
     typename Traits::PipelineState read_state;
     typename Traits::PipelineStateQ q_state;
     using Scheduler = FwdTileScheduler<Traits>;
@@ -86,7 +85,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       Mainloop::run(p, smem, pipeline_q, pipeline_k, pipeline_v, q_state, read_state, t.m_block,
                     sl.seqlen_q, sl.seqlen_k, kv_blocks, mma_tid, tOrO, lse);
       // The rows again, rather than registers held through the mainloop.
-      Epilogue::store(p, smem, tOrO, lse, t, Traits::seqlens(p, t.batch), wg, mma_tid);
+      Epilogue::store(p, smem, tOrO, lse, t, Traits::seqlens(p, t.batch), mma_tid);
     }
     Epilogue::finish(mma_tid);
   }

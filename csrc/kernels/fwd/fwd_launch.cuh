@@ -54,12 +54,6 @@ inline bool tma_strides_ok(TensorStrides const& s) {
   return s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0;
 }
 
-// One O slot shared by two MMA warpgroups (FwdTraits::kOutputSlots == 1, hdim
-// 128 without a diagonal) is used below this many keys: measured on an H100
-// (2026-11-23, docs/fwd_kernel.md) 1.04-1.06x the register stores at 512-1k
-// keys, level at 2k, 0.97-0.98x from 4k on.
-constexpr int kSharedOutputSlotBelowKeys = 4096;
-
 // L2 bytes a section of (batch, head) pairs may fill with its K and V.
 constexpr int64_t kL2SectionBudgetBytes = 24ll << 20;
 
@@ -119,8 +113,6 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   // masks as -1 (common/block_range.h; tests/test_schedule_geometry.py checks
   // the ranges), and the device code then needs no -1 case. Packed, the
   // longest document's lengths bound every document's.
-  p.output_by_tma = Traits::kOutputSlots == Traits::kNumMmaWarpgroups ||
-                    (Traits::kOutputSlots == 1 && a.seqlen_k < kSharedOutputSlotBelowKeys);
   p.window_left = a.window_left < 0 ? a.seqlen_k : a.window_left;
   p.window_right = a.window_right < 0 ? a.seqlen_q : a.window_right;
   p.num_m_blocks = (a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -180,6 +172,14 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 // 512-2k, where a 192-row tile's two diagonal blocks weigh more.
 constexpr int kCausalThreeWarpgroupsFrom = 4096;
 
+// A kernel whose two MMA warpgroups share one O slot (FwdTraits::kOutputSlots
+// == 1: hdim 128 without a diagonal) runs below this many keys, one that
+// stores O from registers from here on: measured on an H100 (2026-11-23,
+// docs/fwd_kernel.md) the shared slot was 1.04-1.06x the register stores at
+// 512-1k keys, level at 2k, 0.97-0.98x from 4k on. (A single kernel holding
+// both stores, picked per launch, ran the long lengths 3% slower still.)
+constexpr int kSharedOutputSlotBelowKeys = 4096;
+
 template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap>;
@@ -199,7 +199,7 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
           "q, k, v strides (batch, row, head) must be multiples of 8 elements");
   require(params.o_stride.row % 2 == 0 && params.o_stride.head % 2 == 0 && params.o_stride.batch % 2 == 0,
           "o strides must be even (O is written in 4-byte pairs)");
-  require(!Traits::kTmaEpilogue || fwd::tma_strides_ok(params.o_stride),
+  require(Traits::kOutputSlots == 0 || fwd::tma_strides_ok(params.o_stride),
           "o strides (batch, row, head) must be multiples of 8 elements (O leaves by TMA)");
   require(params.lse != nullptr, "lse must be given");
   require((params.cu_seqlens_q != nullptr) == kPacked && (params.cu_seqlens_k != nullptr) == kPacked,
@@ -215,6 +215,12 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   if constexpr (kHeadDim == 64 && kMask == MaskKind::kCausal && !kPacked) {
     if (params.seqlen_q >= kCausalThreeWarpgroupsFrom) {
       fwd::launch_fwd<fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap, 3>>(params, stream);
+      return;
+    }
+  }
+  if constexpr (Traits::kOutputSlots == 1) {
+    if (params.seqlen_k >= kSharedOutputSlotBelowKeys) {
+      fwd::launch_fwd<fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap, 0, true>>(params, stream);
       return;
     }
   }

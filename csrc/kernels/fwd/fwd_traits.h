@@ -102,7 +102,10 @@ template <bool kDiagonal> struct FwdTileConfig<256, kDiagonal> {
 
 // kMmaWarpgroups_: 0 takes FwdTileConfig's; 2 or 3 overrides it (run_fwd's
 // second tile for long causal sequences at hdim 64, fwd_launch.cuh).
-template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_, int kMmaWarpgroups_ = 0>
+// kOutputFromRegisters_: O leaves from registers even where an O slot fits
+// (run_fwd's second kernel for long full-mask sequences at hdim 128).
+template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_, int kMmaWarpgroups_ = 0,
+          bool kOutputFromRegisters_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -164,8 +167,9 @@ struct FwdTraits {
   // (fwd_epilogue.h): kOutputSlots 64-row buffers, one per MMA warpgroup where
   // they fit next to Q, K and V, one shared in turn where only one does (hdim
   // 128 without a diagonal: 128 x 176 tiles), none (O straight from
-  // registers) at hdim >= 192 and for packed documents, whose tiles' last rows
-  // belong to the next document (a TMA store clips at the tensor's end only).
+  // registers) at hdim >= 192, for packed documents, whose tiles' last rows
+  // belong to the next document (a TMA store clips at the tensor's end only),
+  // and with kOutputFromRegisters_.
   static constexpr int kSmemQKVBytes =
       (kQStages * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element));
   static constexpr int kOutputSlotBytes = 64 * kHeadDim * int(sizeof(Element));
@@ -173,7 +177,7 @@ struct FwdTraits {
   static constexpr bool output_slots_fit(int slots) {
     return kSmemQKVBytes + slots * kOutputSlotBytes + kSmemBarrierReserve <= 227 * 1024;
   }
-  static constexpr int kOutputSlots = kPacked                                   ? 0
+  static constexpr int kOutputSlots = (kPacked || kOutputFromRegisters_)       ? 0
                                       : output_slots_fit(kNumMmaWarpgroups) ? kNumMmaWarpgroups
                                       : output_slots_fit(1)                 ? 1
                                                                             : 0;
@@ -268,10 +272,6 @@ struct FwdTraits {
     // or softcap with kSoftcap), plain and times log2(e).
     float score_scale, score_scale_log2;
     float softcap_prescale;  // kSoftcap: scores are tanh(QK^T * softcap_prescale)
-    // kOutputSlots == 1 (one O slot shared by two warpgroups): whether this
-    // launch uses it (fwd_epilogue.h); with a slot per warpgroup O always
-    // leaves by TMA, without slots never.
-    int output_by_tma;
     // Tile scheduler.
     int num_m_blocks;
     int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h;
