@@ -18,10 +18,11 @@
 // only below kSharedOutputSlotBelowKeys keys, where a tile has few key blocks
 // and the register stores cost more, and a kernel without slots above.
 //
-// Packed documents and hdim >= 192 (no room in shared memory) store from
-// registers, rows past the problem's seqlen_q not written (with packed
-// documents they belong to the next document); so do tiles whose rows attend
-// no key (store_empty), whatever the build.
+// hdim >= 192 (no room in shared memory) stores from registers, rows past the
+// problem's seqlen_q not written; so do a packed document's tiles that reach
+// past its last row (those rows belong to the next document; both warpgroups
+// of such a tile store from registers, so the shared slot's turns stay in
+// step) and tiles whose rows attend no key (store_empty), whatever the build.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -32,6 +33,7 @@
 
 #include "common/gemm_sm90.h"
 #include "common/named_barriers.h"
+#include "common/problem_view.h"
 #include "kernels/fwd/fwd_mainloop.h"
 #include "kernels/fwd/fwd_tile_scheduler.h"
 #include "kernels/fwd/fwd_traits.h"
@@ -82,16 +84,18 @@ struct FwdEpilogue {
   CUTE_DEVICE static void store(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
                                 float const (&lse)[2], FwdTile const& t, SeqlenInfo const& sl, int mma_tid) {
     if constexpr (Traits::kTmaEpilogue) {
-      store_tma(p, smem, tOrO, t, FwdMainloop<Traits>::warpgroup(mma_tid), mma_tid);
-      store_lse(p, output_coords(mma_tid), lse, t, sl);
-    } else {
-      store_direct(p, tOrO, lse, t, sl, mma_tid);
+      if (!Traits::kPacked || (t.m_block + 1) * kBlockM <= sl.seqlen_q) {
+        store_tma(p, smem, tOrO, t, sl, FwdMainloop<Traits>::warpgroup(mma_tid), mma_tid);
+        store_lse(p, output_coords(mma_tid), lse, t, sl);
+        return;
+      }
     }
+    store_direct(p, tOrO, lse, t, sl, mma_tid);
   }
 
   // This warpgroup's 64 rows of O through its slot and one TMA store.
   CUTE_DEVICE static void store_tma(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
-                                    FwdTile const& t, int wg, int mma_tid) {
+                                    FwdTile const& t, SeqlenInfo const& sl, int wg, int mma_tid) {
     using MmaWg = typename Traits::TiledMmaPVWarpgroup;
     using FragOWg = decltype(partition_fragment_C(MmaWg{}, Shape<_64, Int<kHeadDim>>{}));
     static_assert(cosize_v<typename FragOWg::layout_type> == cosize_v<typename FragO::layout_type>,
@@ -118,8 +122,9 @@ struct FwdEpilogue {
     // kOutput<wg>: every thread of the warpgroup has written its rows.
     named_barrier_sync(output_barrier(wg), kWarpgroupThreads);
     if (issues_store(mma_tid)) {
-      Tensor gO = local_tile(p.tma_o.get_tma_tensor(p.shape_q)(_, _, t.head, t.batch), Shape<_64, Int<kHeadDim>>{},
-                             make_coord(t.m_block * Traits::kNumMmaWarpgroups + wg, _0{}));
+      Tensor gO = local_tile(
+          rows_from<Traits::kPacked>(p.tma_o.get_tma_tensor(p.shape_q)(_, _, t.head, sl.tensor_batch), sl.offset_q),
+          Shape<_64, Int<kHeadDim>>{}, make_coord(t.m_block * Traits::kNumMmaWarpgroups + wg, _0{}));
       auto tma_o = p.tma_o.get_slice(_0{});
       copy(p.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
       tma_store_arrive();

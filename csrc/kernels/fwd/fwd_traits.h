@@ -167,9 +167,9 @@ struct FwdTraits {
   // (fwd_epilogue.h): kOutputSlots 64-row buffers, one per MMA warpgroup where
   // they fit next to Q, K and V, one shared in turn where only one does (hdim
   // 128 without a diagonal: 128 x 176 tiles), none (O straight from
-  // registers) at hdim >= 192, for packed documents, whose tiles' last rows
-  // belong to the next document (a TMA store clips at the tensor's end only),
-  // and with kOutputFromRegisters_.
+  // registers) at hdim >= 192 and with kOutputFromRegisters_. (Packed
+  // documents store a document's last, partial tile from registers: a TMA
+  // store clips at the tensor's end, not at the document's.)
   static constexpr int kSmemQKVBytes =
       (kQStages * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element));
   static constexpr int kOutputSlotBytes = 64 * kHeadDim * int(sizeof(Element));
@@ -177,7 +177,7 @@ struct FwdTraits {
   static constexpr bool output_slots_fit(int slots) {
     return kSmemQKVBytes + slots * kOutputSlotBytes + kSmemBarrierReserve <= 227 * 1024;
   }
-  static constexpr int kOutputSlots = (kPacked || kOutputFromRegisters_)       ? 0
+  static constexpr int kOutputSlots = kOutputFromRegisters_                    ? 0
                                       : output_slots_fit(kNumMmaWarpgroups) ? kNumMmaWarpgroups
                                       : output_slots_fit(1)                 ? 1
                                                                             : 0;
