@@ -2,8 +2,9 @@
 128, full and causal masks and sliding windows (the local kernels; one of them
 hides the first KV tile from every query, a backward task without steps), both
 modes, MHA and GQA (4 query heads on 2 KV heads), 200 (or 100) query and 333
-key tokens (ragged tiles); then forward calls with more query tiles than the
-device has SMs, so that CTAs reuse their O slots (csrc/kernels/fwd/fwd_epilogue.h).
+key tokens (ragged tiles); then forward calls, dense and packed, with more query
+tiles than the device has SMs, so that CTAs reuse their O slots
+(csrc/kernels/fwd/fwd_epilogue.h).
 Run on the GPU machine:
 
     compute-sanitizer --tool memcheck|racecheck|synccheck --error-exitcode 9 python tools/sanitize_small.py
@@ -38,5 +39,9 @@ for d in (64, 128):
         k = torch.randn(1, 1000, 16, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(1, 1000, 16, d, device="cuda", dtype=torch.bfloat16)
         dash_fa3.flash_attn_func(q, k, v, causal=causal)
+        # Packed documents: whole tiles leave by TMA, each document's partial last tile from registers.
+        cu = torch.tensor([0, 700, 1000, 1900, 2048], dtype=torch.int32, device="cuda")
+        qp, kp, vp = (x[0] for x in (q, q, q))
+        dash_fa3.flash_attn_varlen_func(qp, kp, vp, cu, cu, 900, 900, causal=causal)
 torch.cuda.synchronize()
 print("sanitize_small: all calls ran")

@@ -1,7 +1,7 @@
 // Epilogue role of the forward kernel: each MMA warpgroup writes its 64 rows
 // of O (converted to the input type) and each thread the LSE of its two rows.
 //
-// Dense batches at hdim <= 128 (Traits::kTmaEpilogue): O goes into a 64-row
+// At hdim <= 128 (Traits::kTmaEpilogue): O goes into a 64-row
 // slot of shared memory with stmatrix and leaves with one TMA store per
 // warpgroup, which runs while the warpgroup starts its next tile. Why: written
 // straight from registers (a 4-byte store per register pair, the four threads
