@@ -40,6 +40,12 @@ def document_mix(tokens: int, shortest: int, longest: int, seed: int) -> list[in
     return lengths
 
 
+def cu_seqlens(lengths) -> torch.Tensor:
+    """The documents' offsets (FA3's ``cu_seqlens``: 0, then the running sums) as int32 on the GPU."""
+    return torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
+                        device="cuda")
+
+
 def causal_entries(lengths) -> int:
     """Score entries a causal mask keeps, summed over the documents (the FLOP count's pair count)."""
     return sum(n * (n + 1) // 2 for n in lengths)
@@ -72,8 +78,7 @@ def main(argv=None) -> int:
         return 2
     for seed in args.seeds:
         lengths = document_mix(args.tokens, args.shortest, args.longest, seed)
-        cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
-                          device="cuda")
+        cu = cu_seqlens(lengths)
         longest = max(lengths)
         g = torch.Generator(device="cuda").manual_seed(seed)
         q, k, v, dout = (torch.randn(args.tokens, heads, args.hdim, device="cuda", dtype=torch.bfloat16,

@@ -35,7 +35,7 @@ def main(tag: str) -> None:
             for seed in (0, 1, 2):
                 for lo, hi in ((64, 8192), (64, 1024)):
                     lengths = bench_varlen.document_mix(16384, lo, hi, seed)
-                    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+                    cu = bench_varlen.cu_seqlens(lengths)
                     n, longest = sum(lengths), max(lengths)
                     q, k, v = (torch.randn(n, h, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
@@ -44,7 +44,8 @@ def main(tag: str) -> None:
                                                                causal=mask == "causal")
 
                     ms = statistics.median(median_ms(call, warmup=3, iters=20, hide_host=True) for _ in range(3))
-                    entries = sum(x * (x + 1) // 2 if mask == "causal" else x * x for x in lengths)
+                    entries = (bench_varlen.causal_entries(lengths) if mask == "causal"
+                               else sum(x * x for x in lengths))
                     print(f"{tag} hdim {hdim} {mask} mix {lo}-{hi} seed {seed} docs {len(lengths)} "
                           f"longest {longest} {4 * h * hdim * entries / ms / 1e9:.0f} TFLOP/s", flush=True)
 

@@ -41,7 +41,6 @@ for d in (64, 128):
         dash_fa3.flash_attn_func(q, k, v, causal=causal)
         # Packed documents: whole tiles leave by TMA, each document's partial last tile from registers.
         cu = torch.tensor([0, 700, 1000, 1900, 2048], dtype=torch.int32, device="cuda")
-        qp, kp, vp = (x[0] for x in (q, q, q))
-        dash_fa3.flash_attn_varlen_func(qp, kp, vp, cu, cu, 900, 900, causal=causal)
+        dash_fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 900, 900, causal=causal)
 torch.cuda.synchronize()
 print("sanitize_small: all calls ran")

@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "common/block_range.h"
+#include "common/constants.h"
 #include "common/dq_accum_layout.h"
 #include "common/problem_view.h"
 #include "common/seqlen_info.h"
@@ -311,7 +312,7 @@ struct BwdTraits {
     std::conditional_t<kSplitHeadDim, PBuffer, NoPBuffer> pbuf;
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
-  static_assert(kSharedStorageBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
+  static_assert(kSharedStorageBytes <= kSm90SharedMemoryBytes, "shared memory budget of one SM90 CTA");
 
   // Kernel parameters (a __grid_constant__, so the TMA descriptors stay in
   // parameter space).

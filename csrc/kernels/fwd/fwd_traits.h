@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "common/block_range.h"
+#include "common/constants.h"
 #include "common/gemm_sm90.h"
 #include "common/params.h"
 #include "common/seqlen_info.h"
@@ -175,7 +176,7 @@ struct FwdTraits {
   static constexpr int kOutputSlotBytes = 64 * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBarrierReserve = 1024;  // pipelines' mbarriers, padding
   static constexpr bool output_slots_fit(int slots) {
-    return kSmemQKVBytes + slots * kOutputSlotBytes + kSmemBarrierReserve <= 227 * 1024;
+    return kSmemQKVBytes + slots * kOutputSlotBytes + kSmemBarrierReserve <= kSm90SharedMemoryBytes;
   }
   static constexpr int kOutputSlots = kOutputFromRegisters_                    ? 0
                                       : output_slots_fit(kNumMmaWarpgroups) ? kNumMmaWarpgroups
@@ -244,7 +245,7 @@ struct FwdTraits {
     int tile_unit;  // packed: the unit of the current round (fwd_tile_scheduler.h)
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
-  static_assert(kSharedStorageBytes <= 227 * 1024, "shared memory budget of one SM90 CTA");
+  static_assert(kSharedStorageBytes <= kSm90SharedMemoryBytes, "shared memory budget of one SM90 CTA");
 
   // Kernel parameters (passed as a __grid_constant__ so the TMA descriptors
   // stay in parameter space).
