@@ -24,7 +24,10 @@
 // documents differ in cost, so they are handed out as CTAs finish: CTA c
 // takes unit c first, then, once per round, the producer warp takes the next
 // unit off the call's counter and hands it to the MMA threads through shared
-// memory (kTileFull / kTileEmpty), a greedy over units in descending cost.
+// memory (the mbarriers tile_full / tile_empty), a greedy over units in
+// descending cost. Mbarriers rather than named barriers: an mbarrier arrive
+// releases the arriving thread's earlier reads, which compute-sanitizer's
+// racecheck did not grant the named-barrier version of this hand-off.
 //
 // A CTA visits slots k = 0, 1, 2, ...: slot k is half k % kTilesPerUnit of
 // the unit of round k / kTilesPerUnit.
@@ -39,7 +42,8 @@
 #include <cute/tensor.hpp>
 
 #include "common/block_range.h"
-#include "common/named_barriers.h"
+#include <cutlass/arch/barrier.h>
+
 #include "common/packed_order.h"
 #include "common/seqlen_info.h"
 #include "kernels/fwd/fwd_traits.h"
@@ -82,8 +86,18 @@ struct FwdTileScheduler {
   }
 
   static constexpr bool kDynamic = Traits::kPacked;
-  // The producer warp and every MMA thread meet at the unit hand-off.
-  static constexpr int kHandoffThreads = 32 + Traits::kNumMmaThreads;
+
+  // Dynamic: called by one thread before the CTA's __syncthreads. tile_full
+  // completes once per round (the producer warp's leader arrives after writing
+  // the unit), tile_empty once per round (every MMA thread arrives after its
+  // last read of the unit).
+  CUTE_DEVICE static void init_handoff(typename Traits::SharedStorage& smem) {
+    if constexpr (kDynamic) {
+      cutlass::arch::ClusterBarrier::init(&smem.tile_full, 1);
+      cutlass::arch::ClusterBarrier::init(&smem.tile_empty, Traits::kNumMmaThreads);
+      cutlass::arch::fence_barrier_init();
+    }
+  }
 
   // The unit of round `round` of this CTA: the static snake, or (dynamic) the
   // producer warp's: it takes the unit off the call's counter and writes it to
@@ -101,16 +115,18 @@ struct FwdTileScheduler {
           unit = int(gridDim.x) + atomicAdd(p.packed_order + packed_order_counter_index(p.batch), 1);
         }
         unit = __shfl_sync(0xffffffff, unit, 0);
-        // kTileEmpty: the MMA threads have read the previous round's unit for the last time.
-        named_barrier_sync(FwdBarrier::kTileEmpty, kHandoffThreads);
+        // tile_empty: the MMA threads have read the previous round's unit for the last time.
+        cutlass::arch::ClusterBarrier::wait(&smem.tile_empty, (round - 1) & 1);
       }
-      if (threadIdx.x % 32 == 0) { smem.tile_unit = unit; }
-      // kTileFull: this round's unit is in shared memory.
-      named_barrier_arrive(FwdBarrier::kTileFull, kHandoffThreads);
+      if (threadIdx.x % 32 == 0) {
+        smem.tile_unit = unit;
+        // tile_full: this round's unit is in shared memory.
+        cutlass::arch::ClusterBarrier::arrive(&smem.tile_full);
+      }
       if (unit >= packed_order_units(p.packed_order)) {
-        // kTileEmpty: the MMA threads' read of this last (past the end) unit,
-        // so that no arrival is left pending at exit.
-        named_barrier_sync(FwdBarrier::kTileEmpty, kHandoffThreads);
+        // tile_empty: the MMA threads' read of this last (past the end) unit,
+        // so that shared memory outlives it.
+        cutlass::arch::ClusterBarrier::wait(&smem.tile_empty, round & 1);
       }
       return unit;
     }
@@ -118,16 +134,17 @@ struct FwdTileScheduler {
 
   // Dynamic: the unit of slot k as an MMA thread reads it. The unit stays in
   // shared memory through its round (the producer warp writes the next one
-  // only after kTileEmpty), so it is read at every slot rather than held in a
+  // only after tile_empty), so it is read at every slot rather than held in a
   // register through the tile.
   CUTE_DEVICE static int mma_unit(Params const& p, typename Traits::SharedStorage& smem, int k) {
-    // kTileFull: the producer warp has written this round's unit.
-    if (k % kTilesPerUnit == 0) { named_barrier_sync(FwdBarrier::kTileFull, kHandoffThreads); }
+    int const round = k / kTilesPerUnit;
+    // tile_full: the producer warp has written this round's unit.
+    if (k % kTilesPerUnit == 0) { cutlass::arch::ClusterBarrier::wait(&smem.tile_full, round & 1); }
     int const unit = smem.tile_unit;
-    // kTileEmpty: this was the round's last read (its last slot, or a unit past
+    // tile_empty: this was the round's last read (its last slot, or a unit past
     // the end, which has no more); the producer warp may write the next one.
     if (k % kTilesPerUnit == kTilesPerUnit - 1 || unit >= packed_order_units(p.packed_order)) {
-      named_barrier_arrive(FwdBarrier::kTileEmpty, kHandoffThreads);
+      cutlass::arch::ClusterBarrier::arrive(&smem.tile_empty);
     }
     return unit;
   }

@@ -35,7 +35,8 @@ enum class WarpRole : int { kProducer = 0, kMma = 1 };
 
 // Named barriers of the forward kernel (hardware ids: common/named_barriers.h).
 // (Q, K and V hand-offs between the producer and the MMA warpgroups use the
-// mbarriers of their TMA pipelines, not named barriers.)
+// mbarriers of their TMA pipelines, the packed documents' unit hand-off the
+// mbarriers tile_full / tile_empty of SharedStorage, not named barriers.)
 enum class FwdBarrier : uint32_t {
   // Turn tokens: MMA warpgroup w waits on kMmaTurn0 + w before issuing its
   // GEMMs of one step, then passes the turn to warpgroup w + 1 (round robin;
@@ -43,22 +44,17 @@ enum class FwdBarrier : uint32_t {
   kMmaTurn0 = 0,
   kMmaTurn1 = 1,
   kMmaTurn2 = 2,
-  // Packed documents' unit hand-off (fwd_tile_scheduler.h): the producer warp
-  // arrives on kTileFull once it has written a round's unit to shared memory,
-  // the MMA threads on kTileEmpty once they have read it.
-  kTileFull = 3,
-  kTileEmpty = 4,
   // The TMA epilogue (fwd_epilogue.h), per MMA warpgroup w (128 threads):
   // kOutput<w> orders its threads' shared-memory writes of O around the
   // store's issue.
-  kOutput0 = 5,
-  kOutput1 = 6,
-  kOutput2 = 7,
+  kOutput0 = 3,
+  kOutput1 = 4,
+  kOutput2 = 5,
   // One O slot shared by two warpgroups: warpgroup w syncs on kOutputTurn<w>
   // before writing the slot; the other warpgroup's issuing warp arrives once
   // the copy engine has read the slot.
-  kOutputTurn0 = 8,
-  kOutputTurn1 = 9,
+  kOutputTurn0 = 6,
+  kOutputTurn1 = 7,
   kCount,
 };
 
@@ -242,7 +238,11 @@ struct FwdTraits {
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
-    int tile_unit;  // packed: the unit of the current round (fwd_tile_scheduler.h)
+    // Packed: the unit of the current round and its hand-off from the producer
+    // warp to the MMA threads (fwd_tile_scheduler.h).
+    int tile_unit;
+    alignas(8) uint64_t tile_full;
+    uint64_t tile_empty;
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
   static_assert(kSharedStorageBytes <= kSm90SharedMemoryBytes, "shared memory budget of one SM90 CTA");
