@@ -18,6 +18,10 @@
 //   dQ -> sdQ[step % 2], this warpgroup's half handed to the dQ writer
 //                        (dq_empty / dq_full) while the dK GEMM still runs; 128-bit stores of
 //                        register groups in fragment order (common/dq_accum_layout.h)
+// Traits::kDkBeforeDq (hdim 128): dK is issued right after dV, before sdS
+// and kDsReady, so the tensor cores hold dV and dK while the warpgroups meet;
+// dQ, the last GEMM, goes to sdQ once it retires and is handed over after the
+// next step's S^T and dP^T are issued.
 // Head-dim split: S^T and dP^T of Q rows [32w, 32w + 32) as above; then P^T
 // and dS^T -> sP, sdS; after kDsReady dV += P^T dO, dQ = dS K and dK += dS^T Q
 // for head-dim half w, all three from shared memory; the dQ hand-off as above.
@@ -76,12 +80,11 @@ struct BwdMainloop {
                 "dQ accumulator is not ((2, 2, A/8), 1, N/A)");
   static_assert(size(FragDq{}) == kDqWgCols / 2 && size(FragDq{}) % kDqFragGroup == 0,
                 "dQ accumulator: N/2 registers per thread, whole groups of 4");
-  // kBlockM = 64 (hdim 96/128): the LSE values of a step are loaded into
-  // registers before the S^T GEMM (16 registers; at kBlockM = 128 the 32 they
-  // would take make ptxas spill). The register order this assumes: per
+  // Traits::kLseEarly: this thread's LSE values of a step are loaded into
+  // registers before the S^T GEMM. The register order this assumes: per
   // warpgroup one 64 x kBlockM atom, accumulator ((2, 2, kBlockM / 8), 1, 1).
-  // (Head-dim split: 8 registers, 32 Q rows of a 64 x 32 atom; not worth a second path.)
-  static constexpr bool kLseEarly = kBlockM == 64 && !kSplitHeadDim;
+  static constexpr bool kLseEarly = Traits::kLseEarly;
+  static constexpr bool kDkBeforeDq = Traits::kDkBeforeDq;
   static constexpr int kSdPRegs = decltype(size(typename FragSdP::layout_type{}))::value;
   static_assert(!kLseEarly || (decltype(size<0, 0>(typename FragSdP::layout_type{}))::value == 2 &&
                                 decltype(size<0, 1>(typename FragSdP::layout_type{}))::value == 2 &&
@@ -222,6 +225,17 @@ struct BwdMainloop {
     // The task's Q-tile order, read from the row once (the ranks are the dQ writer's business).
     schedule::StepOrder const order = schedule::StepOrder::of(row);
 
+    // kDkBeforeDq: the sdQ set whose partial dQ this warpgroup stored but has
+    // not yet handed to the dQ writer (-1: none).
+    int dq_pending = -1;
+    auto hand_over_dq = [&](int stage) {
+      // sdQ is read by the bulk copy engine (async proxy).
+      cutlass::arch::fence_view_async_shared();
+      // Tell the dQ writer that this warpgroup's half of the sdQ buffer holds
+      // its partial dQ.
+      named_barrier_arrive(dq_full(stage, wg), Traits::kDqHandoffThreads);
+      dq_pending = -1;
+    };
     CUTE_NO_UNROLL
     for (int s = 0; s < n_steps; ++s) {
       bool need_mask = mask_every_step;
@@ -241,8 +255,8 @@ struct BwdMainloop {
       FragSdP tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       consumer_wait(pipeline_q, read_q);
       float const* lse = smem.lse[read_q.index()];
-      // kBlockM = 64: this thread's LSE values, loaded before the S^T GEMM so
-      // the exp2 below does not wait for shared memory after the GEMM wait.
+      // This thread's LSE values, loaded before the S^T GEMM so the exp2 below
+      // does not wait for shared memory after the GEMM wait.
       float lse_early[kLseEarly ? kBlockM / 4 : 1];
       if constexpr (kLseEarly) {
         CUTE_UNROLL
@@ -255,6 +269,7 @@ struct BwdMainloop {
       warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       consumer_wait(pipeline_do, read_do);
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
+      if (dq_pending >= 0) { hand_over_dq(dq_pending); }
       warpgroup_wait<1>();  // S^T is ready; dP^T may still run
       warpgroup_fence_operand(tSrS);
       // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
@@ -348,6 +363,9 @@ struct BwdMainloop {
         convert_fragment(make_tensor(tdPrdP.data(), LayoutA{}), tDrDs);
 
         warpgroup_gemm<false, -1>(mma_dkv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
+        if constexpr (kDkBeforeDq) {
+          warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+        }
 
         // dS^T -> sdS with stmatrix: each 8 x 8 block of the accumulator (8 KV
         // rows x 8 adjacent Q rows) is one matrix whose rows are 16 contiguous
@@ -362,7 +380,9 @@ struct BwdMainloop {
         // Wait until both warpgroups have written their KV rows of dS.
         named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
         warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
-        warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+        if constexpr (!kDkBeforeDq) {
+          warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+        }
       } else {
         // P^T and dS^T of this warpgroup's Q rows -> sP, sdS (stmatrix, as above).
         Tensor tPrP = make_tensor<Element>(typename FragSdP::layout_type{});
@@ -380,45 +400,66 @@ struct BwdMainloop {
         warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
         warpgroup_gemm<false, -1>(mma_dkv, tDrDst(_, _, _, ds_stage), tDrQt(_, _, _, read_q.index()), tdKrdK);
       }
-      warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
-      warpgroup_fence_operand(tQrDq);
-      // dO and dPsum of this stage are read (dP^T and dV retired): the producer
-      // may load the next dO while dK still runs.
-      pipeline_do.consumer_release(read_do);
-      ++read_do;
-
-      // Wait until the dQ writer has finished reading what it last took from
-      // this warpgroup's half of this sdQ buffer: this warpgroup's partial dQ
-      // of kStagesDq steps ago; with a shared half (d = 256) warpgroup 0
-      // waits for warpgroup 1's half of the previous step, warpgroup 1 for
-      // warpgroup 0's of this step.
-      named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
-      {
-        // One 128-bit store per group of 4 registers, in fragment order: a
-        // warp's stores of one group cover 512 contiguous bytes, so each is
-        // 4 wavefronts, the minimum (64-bit pair stores into the swizzled
-        // row-major tile were 2-way bank conflicts).
+      // One 128-bit store per group of 4 registers, in fragment order: a warp's
+      // stores of one group cover 512 contiguous bytes, so each is 4
+      // wavefronts, the minimum (64-bit pair stores into the swizzled row-major
+      // tile were 2-way bank conflicts).
+      auto store_dq = [&] {
         uint32_t const dst = sdq_thread + uint32_t(Traits::sdq_buffer(dq_stage)) * Traits::kDqBufferBytes;
         CUTE_UNROLL
         for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
           store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
                           tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
         }
+      };
+      if constexpr (kDkBeforeDq) {
+        warpgroup_wait<1>();  // dV and dK retired; dQ still runs
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        // dO, dPsum and Q of this step are read (dP^T, dV; S^T, dK): the
+        // producer may load the next ones while dQ still runs.
+        pipeline_do.consumer_release(read_do);
+        ++read_do;
+        pipeline_q.consumer_release(read_q);
+        ++read_q;
+        // Wait until the dQ writer has finished reading what it last took from
+        // this warpgroup's half of this sdQ buffer (its partial dQ of
+        // kStagesDq steps ago).
+        named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
+        warpgroup_wait<0>();  // dQ retired: sdS is read
+        warpgroup_fence_operand(tQrDq);
+        store_dq();
+        // The fence and dq_full come after the next step's S^T and dP^T are
+        // issued (or at the task's end), by when the stores have drained.
+        dq_pending = dq_stage;
+      } else {
+        warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
+        warpgroup_fence_operand(tQrDq);
+        // dO and dPsum of this stage are read (dP^T and dV retired): the producer
+        // may load the next dO while dK still runs.
+        pipeline_do.consumer_release(read_do);
+        ++read_do;
+
+        // Wait until the dQ writer has finished reading what it last took from
+        // this warpgroup's half of this sdQ buffer: this warpgroup's partial dQ
+        // of kStagesDq steps ago; with a shared half (d = 256) warpgroup 0
+        // waits for warpgroup 1's half of the previous step, warpgroup 1 for
+        // warpgroup 0's of this step.
+        named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
+        store_dq();
+        warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        // Fenced after the dK wait, by when the stores have drained, so the
+        // fence costs nothing.
+        hand_over_dq(dq_stage);
+        pipeline_q.consumer_release(read_q);
+        ++read_q;
       }
-      warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
-      warpgroup_fence_operand(tdVrdV);
-      warpgroup_fence_operand(tdKrdK);
-      // sdQ is read by the bulk copy engine (async proxy). Fenced after the dK
-      // wait, by when the stores have drained, so the fence costs nothing.
-      cutlass::arch::fence_view_async_shared();
-      // Tell the dQ writer that this warpgroup's half of the sdQ buffer holds
-      // this step's partial dQ.
-      named_barrier_arrive(dq_full(dq_stage, wg), Traits::kDqHandoffThreads);
-      pipeline_q.consumer_release(read_q);
-      ++read_q;
       ds_stage ^= 1;
       dq_stage ^= 1;
     }
+    if (dq_pending >= 0) { hand_over_dq(dq_pending); }
   }
 };
 

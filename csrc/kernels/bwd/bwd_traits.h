@@ -145,11 +145,38 @@ struct BwdTraits {
   static constexpr int kNumMmaThreads = kNumMmaWarpgroups * kThreadsPerWarpgroup;
   static constexpr int kNumThreads = kThreadsPerWarpgroup + kNumMmaThreads;
   static constexpr int kWarpThreads = 32;
-  // setmaxnreg budgets: 128 x 40 + 256 x 232 = 64512 <= 64K registers. The
-  // producer and the dQ writer decode schedule steps and hold TMA
-  // coordinates: 24 registers made them spill.
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kMmaRegisters = 232;
+  // Whether the MMA threads load a step's LSE values into registers before the
+  // S^T GEMM (bwd_mainloop.h), so the exp2 after the GEMM wait does not wait
+  // for shared memory: kBlockM / 4 registers per thread. Row split only. At
+  // kBlockM = 128 (hdim 64) the 32 registers fit only in the wide budget below
+  // and not next to softcap's or the packed window's extra state (ptxas,
+  // CUDA 13.0: 152/120 bytes of spills at 232 registers; 48/48 with softcap,
+  // 16/32 packed local at 240). Measured at hdim 64 (H100, 2026-11-24, against
+  // LSE reads after the wait): +3-4% non-deterministic at 8k, +3% full 1k.
+  static constexpr bool kLseEarly =
+      !kSplitHeadDim && (kBlockM == 64 || (!kSoftcap && !(kLocal && kPacked)));
+  // The row split's GEMM order in a step (bwd_mainloop.h). hdim 128: dV, dK,
+  // then sdS, kDsReady and dQ, and dQ's hand-off to the writer (fence,
+  // dq_full) deferred until the next step's S^T and dP^T are issued. Other
+  // head dims: dV, sdS, kDsReady, dQ, dK, dQ handed over while dK runs.
+  // Measured (H100, 2026-11-24, alternating builds, TFLOP/s against the
+  // second order): hdim 128 non-deterministic +1-4% (-1.5% at causal 1k),
+  // deterministic spt +2-3% from 2k on; hdim 64 -2 to -4%. hdim 96 (also
+  // kBlockM = 64) compiles either way without spills and was not measured.
+  static constexpr bool kDkBeforeDq = !kSplitHeadDim && kHeadDim == 128;
+  // setmaxnreg budgets: 128 x producer + 256 x MMA must fit the launch's
+  // allocation, 384 threads x 168 (65536 / 384 rounded down to the allocation
+  // granularity of 8): an increase beyond it never completes and the kernel hangs.
+  // Wide (24/240) where the early LSE values of a 128-row step need it; else
+  // 40/232 (24/240 alone moved the hdim-128 backward by -1.5% to +2%, H100,
+  // 2026-11-24, so it stays where it was measured best).
+  static constexpr bool kWideMmaRegisters = kLseEarly && kBlockM == 128;
+  static constexpr int kProducerRegisters = kWideMmaRegisters ? 24 : 40;
+  static constexpr int kMmaRegisters = kWideMmaRegisters ? 240 : 232;
+  static constexpr int kLaunchRegisters = 65536 / kNumThreads / 8 * 8;
+  static_assert(kProducerRegisters * kThreadsPerWarpgroup + kMmaRegisters * kNumMmaThreads <=
+                    kLaunchRegisters * kNumThreads,
+                "setmaxnreg budgets exceed the launch's register allocation");
   // What the schedule as data costs (DESIGN.md wants it within noise): with
   // DASH_FA3_BWD_FIXED_STEPS=1 the dQ writers read each task's Q-tile order
   // once, as the producer and the MMA warps always do, instead of decoding
