@@ -29,6 +29,9 @@ struct BwdProducer {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  // Steps of a task whose Q and dO can be loaded before its K and V: one per
+  // stage of the shallower of the two pipelines.
+  static constexpr int kPreloadSteps = Traits::kStagesQ < Traits::kStagesDo ? Traits::kStagesQ : Traits::kStagesDo;
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
@@ -106,15 +109,6 @@ struct BwdProducer {
       Tensor tVgV = tma_v.partition_S(gV);
       int64_t const stat_offset = Traits::stat_row(p, b, h);
 
-      // Wait until both MMA warpgroups are done with the previous task's K
-      // and V (they arrive once at start-up too), then load this task's.
-      named_barrier_sync(BwdBarrier::kKvEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
-      if (leader) {
-        smem.kv_full.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
-        copy(p.tma_k.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK);
-        copy(p.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
-        prefetch_next_kv(p, task, tasks.end);
-      }
       // Loads Q tile q's rows of one Q-shaped tensor (Q or dO) and its per-row
       // statistic (LSE or dPsum) into the next stage of `pipeline`. Q and dO
       // of one tile are read by every KV tile of the head: keep them in L2.
@@ -131,14 +125,29 @@ struct BwdProducer {
       };
       // The task's Q-tile order, read from the row once.
       schedule::StepOrder const order = schedule::StepOrder::of(row);
-      for (int s = 0; s < n_steps; ++s) {
+      auto load_step = [&](int s) {
         int const q = order.q_tile(s);
         // dO first: the MMA warpgroups free a dO stage in the middle of a step
         // (when dV retires) and a Q stage only at its end, so loading dO first
         // lets it start half a step earlier instead of queueing behind Q.
         load_stage(pipeline_do, write_do, p.tma_do, tdOgdO, tdOsdO, p.dpsum, smem.dpsum, q);
         load_stage(pipeline_q, write_q, p.tma_q, tQgQ, tQsQ, p.lse_log2, smem.lse, q);
+      };
+      // The first steps' Q and dO go out before the wait for sK/sV: their
+      // stages are free once the previous task's steps are done, so these
+      // loads overlap the previous task's epilogue instead of queueing behind it.
+      int const preload = n_steps < kPreloadSteps ? n_steps : kPreloadSteps;
+      for (int s = 0; s < preload; ++s) { load_step(s); }
+      // Wait until both MMA warpgroups are done with the previous task's K
+      // and V (they arrive once at start-up too), then load this task's.
+      named_barrier_sync(BwdBarrier::kKvEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
+      if (leader) {
+        smem.kv_full.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
+        copy(p.tma_k.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK);
+        copy(p.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
+        prefetch_next_kv(p, task, tasks.end);
       }
+      for (int s = preload; s < n_steps; ++s) { load_step(s); }
     }
   }
 };
