@@ -541,7 +541,7 @@ def main(argv=None) -> int:
         names = nondeterministic(names)
     names = [n for n in names if n not in args.skip]
     cols = columns(args.direction, args.schedules)
-    fa3_desc = (f"FA3 {fa3_commit[:12]}" + ("" if fa3_commit == fa3_peer.build_fa3.PINNED_COMMIT else " (not the pinned commit)")
+    fa3_desc = (f"FA3 {fa3_commit[:12]}" + ("" if fa3_peer.build_fa3.is_pinned(fa3_commit) else " (not the pinned commit)")
                 + f" (hdims {','.join(map(str, fa3.info.get('hdims', [])))})") if fa3 is not None else "FA3 n/a"
     title = (f"{device}, {date}, dash_fa3 {commit}, {fa3_desc}, cuDNN {torch.backends.cudnn.version()}, "
              f"torch {torch.__version__}")

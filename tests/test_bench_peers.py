@@ -292,6 +292,16 @@ def test_commit_mismatch_warns(capsys, tmp_path):
     assert "not the pinned" in err and build_fa3.PINNED_COMMIT in err
 
 
+def test_abbreviated_pinned_commit_counts_as_pinned():
+    pinned = build_fa3.PINNED_COMMIT
+    assert build_fa3.is_pinned(pinned) and build_fa3.is_pinned(pinned[:8]) and build_fa3.is_pinned(pinned[:7].upper())
+    assert not build_fa3.is_pinned(pinned[:6])        # too short to name a commit
+    assert not build_fa3.is_pinned("deadbeef") and not build_fa3.is_pinned("unknown")
+    assert not build_fa3.is_pinned(pinned[:7] + "z")  # not hex
+    other = ("1" if pinned[0] != "1" else "2") + pinned[1:]
+    assert not build_fa3.is_pinned(other)
+
+
 def test_commit_sources(tmp_path):
     assert build_fa3.checkout_commit(_fake_checkout(tmp_path / "none")) == "unknown"
     assert build_fa3.checkout_commit(_fake_checkout(tmp_path / "file", commit="cafe01")) == "cafe01"

@@ -113,6 +113,13 @@ def checkout_commit(src: Path) -> str:
     return "unknown"
 
 
+def is_pinned(commit: str) -> bool:
+    """Whether `commit` names PINNED_COMMIT: the full hash, or an abbreviation of
+    at least 7 hex digits (what a COMMIT file beside an exported tree may hold)."""
+    c = commit.strip().lower()
+    return len(c) >= 7 and all(ch in "0123456789abcdef" for ch in c) and PINNED_COMMIT.startswith(c)
+
+
 def check_checkout(src: Path) -> None:
     if not src.is_dir():
         raise BuildError(f"FA3 checkout not found: {src} (pass --src PATH, the flash-attention repo root holding hopper/)")
@@ -245,7 +252,7 @@ def describe(p: dict) -> str:
 
 def warnings_for(p: dict) -> list[str]:
     out = []
-    if p["commit"] != p["pinned_commit"]:
+    if not is_pinned(p["commit"]):
         out.append(f"warning: FA3 checkout is at {p['commit']}, not the pinned {p['pinned_commit']}; "
                    "figures may not compare with earlier runs")
     major_minor = tuple(int(x) for x in p["nvcc_version"].split(".")) if p["nvcc_version"] != "unknown" else None
