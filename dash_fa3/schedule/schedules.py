@@ -73,10 +73,14 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     Deterministic, ``auto`` is the best measured deterministic schedule on the
     bench grid (H100, 2026-11-22, commit a99797c, the side-by-side grid of
     benchmarks/RESULTS.md): causal: ``symmetric_shift`` from 32 KV tiles on
-    (4k tokens), ``spt`` below; full: ``shift`` for 5..64 KV tiles with square
+    (4k tokens), ``spt`` below, and ``spt`` again from 64 KV tiles (8k tokens)
+    with head dim 64's square 128 x 128 tiles (H100, 2026-11-24, afcc41a:
+    8k 493 against 487 TFLOP/s, 16k 528 against 518; ba57b3b, 2026-11-23:
+    486 / 485 and 519 / 512); full: ``shift`` for 5..64 KV tiles with square
     tiles (head dim 64) and 5..128 with head dim 128's 64x128 tiles, else
-    ``fa3``. That pick is within 1% of the best schedule at 23 of the 24 grid
-    points and 4% behind at head dim 64 causal 1k. A table of grid points
+    ``fa3``. On the afcc41a grid (benchmarks/RESULTS.md) that pick's schedule
+    is within 2.0% of the best one at all 24 points (the furthest: head dim
+    128 full 16k, ``shift`` 603 against ``spt`` 615). A table of grid points
     still: shapes off the grid get its nearest rule (the schedule issue asks
     for a calibrated model instead).
     Head dims 192 and 256 (64 x 64 tiles, the head-dim-split kernels; H100,
@@ -104,7 +108,9 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
             from .model.calibration import best_schedule  # lazy: the contract does not need the model
             return best_schedule(g, num_sms or 132, headdim)
         if g.causal:
-            return "symmetric_shift" if g.n_kv >= 32 and g.block_n > 64 else "spt"
+            square = g.block_m == g.block_n == 128  # head dim 64
+            sym = g.n_kv >= 32 and g.block_n > 64 and not (square and g.n_kv >= 64)
+            return "symmetric_shift" if sym else "spt"
         shift_max_kv = 64 if g.block_m == g.block_n == 128 else 128
         return "shift" if 4 < g.n_kv <= shift_max_kv else "fa3"
     if name not in SCHEDULES:
