@@ -1,0 +1,164 @@
+"""Deterministic `auto` against every schedule on shapes off the bench grid (issue 15).
+
+    python benchmarks/bench_auto.py [--rounds 3] [--iters 10] [--json out.json] [--shapes 0,3,5]
+    python benchmarks/bench_auto.py --dry-run        # CPU: build and validate, print the picks
+
+Per shape (SHAPES: other lengths, batch and head counts, GQA and MQA, ragged
+lengths, seqlen_q != seqlen_k; bf16), ours only: the non-deterministic backward
+(`auto`, i.e. `lpt`) and the deterministic backward with every schedule,
+interleaved in rounds (rotated order), each timing the median of CUDA-event
+samples of GPU time (`dash_fa3._timing.median_ms`, host time hidden); figures
+are medians over rounds. Printed per shape: the best deterministic schedule,
+the schedules `auto` resolves to under the `table` and `model` policies
+(`resolve_schedule_name`) with their distance to the best, and the best
+deterministic / non-deterministic. The issue's bar: `auto` within 2% of the
+best schedule on at least 12 off-grid shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dash_fa3.schedule import SCHEDULES, Geometry, build_schedule, resolve_schedule_name  # noqa: E402
+
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal): none is a grid point
+# (the grid: 16k tokens, hidden 2048, MHA, seqlen_q == seqlen_k).
+SHAPES = [
+    (2, 3072, 3072, 24, 8, 128, True),     # GQA 3
+    (1, 12288, 12288, 16, 16, 64, False),
+    (4, 1536, 1536, 32, 4, 64, True),      # GQA 8
+    (2, 2048, 6144, 16, 16, 128, False),   # seqlen_q < seqlen_k
+    (1, 4096, 8192, 16, 16, 128, True),    # causal, bottom-right aligned
+    (8, 640, 640, 16, 16, 128, True),      # ragged last tiles
+    (3, 5000, 5000, 8, 8, 128, True),
+    (16, 1024, 1024, 8, 2, 64, False),     # GQA 4
+    (1, 32768, 32768, 8, 8, 128, True),    # longer than the grid
+    (1, 24576, 24576, 12, 12, 64, True),
+    (6, 2560, 2560, 20, 4, 128, False),    # GQA 5
+    (2, 7168, 7168, 16, 16, 64, True),
+    (32, 256, 256, 16, 16, 128, True),     # shorter than the grid
+    (1, 16384, 16384, 4, 1, 128, True),    # MQA, few heads
+]
+
+
+def label(shape) -> str:
+    b, sq, sk, h, hkv, d, causal = shape
+    return f"b{b} {sq}x{sk} h{h}/{hkv} d{d} {'causal' if causal else 'full'}"
+
+
+def geometry_of(shape) -> Geometry:
+    b, sq, sk, h, hkv, d, causal = shape
+    return Geometry.from_shape(batch=b, heads=h, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, headdim=d, causal=causal)
+
+
+def picks(shape, num_sms: int) -> dict[str, str]:
+    g, d = geometry_of(shape), shape[5]
+    return {policy: resolve_schedule_name("auto", g, num_sms=num_sms, headdim=d, policy=policy)
+            for policy in ("table", "model")}
+
+
+def dry_run(shapes, num_sms: int) -> None:
+    for shape in shapes:
+        g = geometry_of(shape)
+        for name in SCHEDULES:
+            build_schedule(name, g, num_sms)  # raises ScheduleError if a check fails
+        p = picks(shape, num_sms)
+        print(f"{label(shape)}: {g.n_q} Q x {g.n_kv} KV tiles, {g.num_steps} steps; "
+              f"auto: table {p['table']}, model {p['model']}")
+
+
+def bwd_flops(shape) -> float:
+    from dash_fa3._timing import attention_flops
+    b, sq, sk, h, _, d, causal = shape
+    return attention_flops(b, h, sq, sk, d, causal, "bwd")
+
+
+def measure(shape, rounds: int, iters: int) -> dict[str, float]:
+    """Median over rounds of the TFLOP/s of `nd` and of `det <schedule>` for every schedule."""
+    import torch
+
+    from dash_fa3 import flash_attn_func, ops
+    from dash_fa3._timing import median_ms
+
+    b, sq, sk, h, hkv, d, causal = shape
+    g = torch.Generator(device="cuda").manual_seed(sum(shape[:6]))
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    scale = d ** -0.5
+    calls = {"nd": (False, "auto")} | {f"det {n}": (True, n) for n in SCHEDULES}
+    flops = bwd_flops(shape)
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            det, sched = calls[name]
+            ms = median_ms(lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, det, sched, 0), 3, iters,
+                           hide_host=True)
+            samples[name].append(flops / ms / 1e9)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def report_row(shape, tf: dict[str, float], num_sms: int) -> dict:
+    det = {n: tf[f"det {n}"] for n in SCHEDULES}
+    best = max(det, key=det.get)
+    p = picks(shape, num_sms)
+    return {"shape": label(shape), "nd": tf["nd"], "det": det, "best": best,
+            "table": p["table"], "table_vs_best": det[p["table"]] / det[best],
+            "model": p["model"], "model_vs_best": det[p["model"]] / det[best],
+            "best_det_vs_nd": det[best] / tf["nd"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--shapes", default="", help="comma list of indices into SHAPES (default: all)")
+    ap.add_argument("--num-sms", type=int, default=132, help="SM count the picks are resolved for (dry run)")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: validate every schedule, print the picks")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    try:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    except (ValueError, IndexError):
+        ap.error(f"--shapes takes indices 0..{len(SHAPES) - 1}, got {args.shapes!r}")
+    if args.dry_run:
+        dry_run(shapes, args.num_sms)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_auto.py needs a CUDA device (or --dry-run)", file=sys.stderr)
+        return 2
+    from dash_fa3 import _ext
+
+    num_sms = _ext.num_sms(torch.cuda.current_device())
+    rows = []
+    print(f"# det auto against every schedule, off the grid: {torch.cuda.get_device_name()}, TFLOP/s, median of "
+          f"{args.rounds} rounds")
+    print("| shape | nd | " + " | ".join(f"det {n}" for n in SCHEDULES)
+          + " | best | table pick (vs best) | model pick (vs best) | best det / nd |")
+    print("|" + "---|" * (len(SCHEDULES) + 6))
+    for shape in shapes:
+        row = report_row(shape, measure(shape, args.rounds, args.iters), num_sms)
+        rows.append(row)
+        print(f"| {row['shape']} | {row['nd']:.0f} | " + " | ".join(f"{row['det'][n]:.0f}" for n in SCHEDULES)
+              + f" | {row['best']} | {row['table']} ({row['table_vs_best']:.3f}) | {row['model']} "
+              f"({row['model_vs_best']:.3f}) | {row['best_det_vs_nd']:.3f} |", flush=True)
+    for policy in ("table", "model"):
+        within = sum(r[f"{policy}_vs_best"] >= 0.98 for r in rows)
+        print(f"{policy}: within 2% of the best schedule at {within} of {len(rows)} shapes")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"num_sms": num_sms, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
