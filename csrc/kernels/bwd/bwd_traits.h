@@ -161,7 +161,7 @@ struct BwdTraits {
   // head dims: dV, sdS, kDsReady, dQ, dK, dQ handed over while dK runs.
   // Measured (H100, 2026-11-24, alternating builds, TFLOP/s against the
   // second order): hdim 128 non-deterministic +1-4% (-1.5% at causal 1k),
-  // deterministic spt +2-3% from 2k on; hdim 64 -2 to -4%. hdim 96 (also
+  // deterministic spt +2-3% from 2k on; hdim 64 -2 to -5%. hdim 96 (also
   // kBlockM = 64) compiles either way without spills and was not measured.
   static constexpr bool kDkBeforeDq = !kSplitHeadDim && kHeadDim == 128;
   // setmaxnreg budgets: 128 x producer + 256 x MMA must fit the launch's
