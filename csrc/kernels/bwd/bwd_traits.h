@@ -164,18 +164,15 @@ struct BwdTraits {
   // deterministic spt +2-3% from 2k on; hdim 64 -2 to -5%. hdim 96 (also
   // kBlockM = 64) compiles either way without spills and was not measured.
   static constexpr bool kDkBeforeDq = !kSplitHeadDim && kHeadDim == 128;
-  // setmaxnreg budgets: 128 x producer + 256 x MMA must fit the launch's
-  // allocation, 384 threads x 168 (65536 / 384 rounded down to the allocation
-  // granularity of 8): an increase beyond it never completes and the kernel hangs.
-  // Wide (24/240) where the early LSE values of a 128-row step need it; else
+  // setmaxnreg budgets (they must fit the launch's allocation:
+  // common/constants.h, setmaxnreg_budgets_fit). Wide (24/240) where the early LSE values of a 128-row step need it; else
   // 40/232 (24/240 alone moved the hdim-128 backward by -1.5% to +2%, H100,
   // 2026-11-24, so it stays where it was measured best).
   static constexpr bool kWideMmaRegisters = kLseEarly && kBlockM == 128;
   static constexpr int kProducerRegisters = kWideMmaRegisters ? 24 : 40;
   static constexpr int kMmaRegisters = kWideMmaRegisters ? 240 : 232;
-  static constexpr int kLaunchRegisters = 65536 / kNumThreads / 8 * 8;
-  static_assert(kProducerRegisters * kThreadsPerWarpgroup + kMmaRegisters * kNumMmaThreads <=
-                    kLaunchRegisters * kNumThreads,
+  static_assert(kThreadsPerWarpgroup == 128 &&
+                    setmaxnreg_budgets_fit(kNumMmaWarpgroups, kProducerRegisters, kMmaRegisters),
                 "setmaxnreg budgets exceed the launch's register allocation");
   // What the schedule as data costs (DESIGN.md wants it within noise): with
   // DASH_FA3_BWD_FIXED_STEPS=1 the dQ writers read each task's Q-tile order

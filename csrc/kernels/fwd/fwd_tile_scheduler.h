@@ -40,10 +40,9 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-
-#include "common/block_range.h"
 #include <cutlass/arch/barrier.h>
 
+#include "common/block_range.h"
 #include "common/packed_order.h"
 #include "common/seqlen_info.h"
 #include "kernels/fwd/fwd_traits.h"

@@ -130,11 +130,13 @@ struct FwdTraits {
   static constexpr int kNumMmaThreads = kNumMmaWarpgroups * kThreadsPerWarpgroup;
   static constexpr int kNumProducerThreads = 32;  // one warp issues all TMA loads
   static constexpr int kNumThreads = kThreadsPerWarpgroup + kNumMmaThreads;
-  // setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512, 128 x 32 + 384 x 160 = 65536 <= 64K registers.
+  // setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 = 384 x 168, 128 x 32 + 384 x 160 = 65536 = 512 x 128,
+  // the whole of the launch's allocation (common/constants.h, setmaxnreg_budgets_fit).
   static constexpr int kProducerRegisters = kNumMmaWarpgroups == 2 ? 24 : 32;
   static constexpr int kMmaRegisters = kNumMmaWarpgroups == 2 ? 240 : 160;
-  static_assert(kThreadsPerWarpgroup * (kProducerRegisters + kNumMmaWarpgroups * kMmaRegisters) <= 65536,
-                "register budget of one CTA");
+  static_assert(kThreadsPerWarpgroup == 128 &&
+                    setmaxnreg_budgets_fit(kNumMmaWarpgroups, kProducerRegisters, kMmaRegisters),
+                "setmaxnreg budgets exceed the launch's register allocation");
 
   // GEMM shapes: S = Q K^T is (kBlockM, kBlockN, kHeadDim); O += P V is
   // (kBlockM, kHeadDim, kBlockN) with P from registers and V MN-major.
