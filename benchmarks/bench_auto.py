@@ -23,7 +23,10 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_peers import rotated  # noqa: E402
 
 from dash_fa3.schedule import SCHEDULES, Geometry, build_schedule, resolve_schedule_name  # noqa: E402
 
@@ -96,9 +99,8 @@ def measure(shape, rounds: int, iters: int) -> dict[str, float]:
     calls = {"nd": (False, "auto")} | {f"det {n}": (True, n) for n in SCHEDULES}
     flops = bwd_flops(shape)
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(calls, r):
             det, sched = calls[name]
             ms = median_ms(lambda: ops.bwd(dout, q, k, v, out, lse, scale, causal, det, sched, 0), 3, iters,
                            hide_host=True)

@@ -107,11 +107,11 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         if policy == "model":
             from .model.calibration import best_schedule  # lazy: the contract does not need the model
             return best_schedule(g, num_sms or 132, headdim)
+        square = g.block_m == g.block_n == 128  # head dim 64
         if g.causal:
-            square = g.block_m == g.block_n == 128  # head dim 64
             sym = g.n_kv >= 32 and g.block_n > 64 and not (square and g.n_kv >= 64)
             return "symmetric_shift" if sym else "spt"
-        shift_max_kv = 64 if g.block_m == g.block_n == 128 else 128
+        shift_max_kv = 64 if square else 128
         return "shift" if 4 < g.n_kv <= shift_max_kv else "fa3"
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
