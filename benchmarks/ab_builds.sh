@@ -13,10 +13,9 @@
 # Alternating processes spreads the machine's drift over every tree; compare only within one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$PWD
 TREES=${TREES:?set TREES to the source trees to compare, base first}
-OUT=${OUT:-build/ab}
-mkdir -p "$OUT"
+# Absolute, since every tree's commands run in that tree.
+OUT=$(mkdir -p "${OUT:-build/ab}" && cd "${OUT:-build/ab}" && pwd)
 PY=${PYTHON:-python3}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
 export DASH_FA3_VARIANTS=${VARIANTS:-hdim64-bf16,hdim128-bf16} DASH_FA3_LAYOUTS=${LAYOUTS:-dense}
@@ -29,7 +28,7 @@ jobs=$(( ${MAX_JOBS:-16} / n )); [ $jobs -ge 1 ] || jobs=1
 status=0
 for t in $TREES; do
   ( cd "$t" && { ls dash_fa3/_C*.so >/dev/null 2>&1 ||
-      MAX_JOBS=$jobs "$PY" setup.py build_ext --inplace >"$ROOT/$OUT/build_$(label "$t").log" 2>&1; } ) &
+      MAX_JOBS=$jobs "$PY" setup.py build_ext --inplace >"$OUT/build_$(label "$t").log" 2>&1; } ) &
 done
 wait
 for t in $TREES; do
@@ -42,8 +41,8 @@ for t in $TREES; do specs+=("$(label "$t")=$OUT/ab_$(label "$t")_*.json"); done
 for i in $(seq "${REPS:-2}"); do
   for t in $TREES; do
     l=$(label "$t")
-    ( cd "$t" && DASH_FA3_COMMIT=$l "$PY" benchmarks/bench_peers.py "${ARGS[@]}" --json "$ROOT/$OUT/ab_${l}_$i.json" \
-        >"$ROOT/$OUT/ab_${l}_$i.md" 2>&1 ) || { echo "bench in $t (rep $i) failed: $OUT/ab_${l}_$i.md"; status=1; }
+    ( cd "$t" && DASH_FA3_COMMIT=$l "$PY" benchmarks/bench_peers.py "${ARGS[@]}" --json "$OUT/ab_${l}_$i.json" \
+        >"$OUT/ab_${l}_$i.md" 2>&1 ) || { echo "bench in $t (rep $i) failed: $OUT/ab_${l}_$i.md"; status=1; }
   done
 done
 "$PY" benchmarks/ab_summary.py "${specs[@]}" | tee "$OUT/ab_summary.md"

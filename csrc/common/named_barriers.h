@@ -2,7 +2,7 @@
 // barriers as an enum class of small integers ending in kCount; value v is
 // hardware barrier 1 + v. Id 0 is __syncthreads. Our kernels use no CUTLASS
 // collective that synchronises on the ids CUTLASS reserves for itself (1-7),
-// so all 15 are ours: the backward needs 11 (a per-warpgroup dQ hand-off with
+// so all 15 are ours: the backward needs 12 (a per-warpgroup dQ hand-off with
 // two sdQ buffers), more than the 8 left above CUTLASS's reservation.
 #pragma once
 

@@ -6,7 +6,7 @@ with a global queue that free CTAs claim from (how the hardware hands a plain
 grid to SMs). Lowering fixes, ahead of the launch, the CTA each task would be
 claimed by under the cost model: tasks in queue order, each to the CTA that
 becomes free first (ties to the lowest index), with a task's cost its number of
-Q-tile steps. Orders (b) and (c) are unchanged: only (a) becomes explicit.
+Q-tile steps plus a fixed per-task cost (``schedules.task_claim_cost``). Orders (b) and (c) are unchanged: only (a) becomes explicit.
 
 Deadlock-freedom carries over: a task only waits on tasks earlier in the queue,
 and each CTA runs its tasks in queue order, so the earliest unfinished task
@@ -21,7 +21,8 @@ import numpy as np
 
 from . import metadata as M
 from .geometry import Geometry
-from .schedules import Schedule, _check_num_sms, _i32, get_schedule, greedy_assignment, resolve_schedule_name
+from .schedules import (Schedule, _check_num_sms, _i32, get_schedule, greedy_assignment, resolve_schedule_name,
+                        task_claim_cost)
 
 
 def lowering_order(s: Schedule, num_ctas: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -30,8 +31,7 @@ def lowering_order(s: Schedule, num_ctas: int | None = None) -> tuple[np.ndarray
     lowered schedule (by CTA, queue order within a CTA). ``num_ctas`` defaults
     to the schedule's."""
     T = s.num_tasks
-    # A task without steps (windows) still stores dK, dV: cost it as one step.
-    cta = greedy_assignment(np.maximum(s.task_steps, 1), int(num_ctas or s.num_ctas))
+    cta = greedy_assignment(task_claim_cost(s.task_steps), int(num_ctas or s.num_ctas))
     return cta, np.lexsort((np.arange(T), cta))
 
 

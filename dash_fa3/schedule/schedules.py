@@ -322,6 +322,17 @@ def greedy_assignment(task_cost: np.ndarray, num_ctas: int) -> np.ndarray:
     return cta_of
 
 
+#: What a task costs beyond its Q-tile steps when the queue is claimed (lowering,
+#: lpt sections), in steps: loading K and V, the dK/dV epilogue, the pipeline's
+#: start. A task without steps (windows) still stores dK = dV = 0: one step.
+TASK_COST_STEPS = 0.0
+
+
+def task_claim_cost(task_steps: np.ndarray) -> np.ndarray:
+    """The cost :func:`greedy_assignment` gives each task of a queue (:data:`TASK_COST_STEPS`)."""
+    return np.maximum(np.asarray(task_steps, dtype=np.float64), 1.0) + TASK_COST_STEPS
+
+
 def claim_loads(task_cost: np.ndarray, num_ctas: int) -> np.ndarray:
     """Total cost each CTA ends up with under :func:`greedy_assignment`."""
     return np.bincount(greedy_assignment(task_cost, num_ctas), weights=task_cost, minlength=num_ctas)
@@ -363,7 +374,7 @@ def lpt_order(g: Geometry, hidx: np.ndarray, kv: np.ndarray, num_sms: int) -> tu
     best = None
     for sec in sorted(sizes):
         order = np.lexsort((kv, hidx, -key, hidx // sec))
-        load = claim_loads(lens[order], num_ctas)
+        load = claim_loads(task_claim_cost(lens[order]), num_ctas)
         if best is None or load.max() < best[0]:
             best = (load.max(), order, sec)
     return best[1], best[2]

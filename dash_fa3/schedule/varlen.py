@@ -37,7 +37,7 @@ import numpy as np
 
 from . import metadata as M
 from .geometry import Geometry
-from .schedules import SCHEDULES, _i32, get_schedule, greedy_assignment
+from .schedules import SCHEDULES, _i32, get_schedule, greedy_assignment, task_claim_cost
 
 VARLEN_SCHEDULES = ("fa3", "spt", "descending", "lpt")
 
@@ -119,8 +119,8 @@ def varlen_metadata(name: str, lengths: tuple[tuple[int, int], ...], *, max_seql
     tasks = np.concatenate([queues[i][1] for i in order])
     T = tasks.shape[0]
     num_ctas = min(num_sms, T)
-    # A task without steps still stores dK, dV: cost it as one step (as lowering does).
-    cta = greedy_assignment(np.maximum(tasks[:, M.C_N_STEPS], 1), num_ctas)
+    # Claimed as lowering claims (task_claim_cost).
+    cta = greedy_assignment(task_claim_cost(tasks[:, M.C_N_STEPS]), num_ctas)
     perm = np.lexsort((np.arange(T), cta))  # by CTA, queue order within a CTA
     tasks = tasks[perm]
     tasks[:, M.C_CTA] = cta[perm]

@@ -2,10 +2,15 @@
 // of each task: dK = softmax_scale * (sum over steps of dS^T Q) and dV.
 //
 // MHA (heads == heads_kv): each (batch, head, KV tile) has exactly one task.
-// store_tma: the task's dK and dV go through shared memory, into the sK and
-// sV tiles the task no longer reads (stmatrix from the accumulators), and
-// leave with one TMA store each; the MMA warpgroups release sK/sV to the
-// producer (kKvEmpty) only once the copy engine has read them. Why: written
+// store_tma: the task's dK and dV go through shared memory (stmatrix from the
+// accumulators) and leave with one TMA store each. They are staged in sdS
+// where it holds them (Traits::kDkStagedInDs, kDvStagedInDs: its last reader,
+// the task's last dQ GEMM, has retired), else in the sK / sV tile the task no
+// longer reads. A K or V buffer is released to the producer (kKEmpty,
+// kVEmpty) as soon as the task's GEMMs have retired if its tile is staged in
+// sdS, so the next task's load overlaps this epilogue; otherwise once the
+// copy engine has read it. (FA3's epilogue reuses its mainloop's shared
+// memory, so its next K/V load waits for the store.) Why shared memory: written
 // straight from the accumulators (one 4-byte store per register pair, half a
 // 32-byte sector per row and warp) the epilogue took about as long as 2.5 MMA
 // steps of the task on an H100 (Nsight Compute, hdim 128: 15% of the MMA
@@ -48,9 +53,9 @@ struct BwdEpilogue {
 
   using SharedStorage = typename Traits::SharedStorage;
 
-  // MHA, a task with steps: every GEMM of this warpgroup has retired. Leaves
-  // sK/sV free for the producer (arrives on kKvEmpty) once the stores have
-  // read them.
+  // MHA, a task with steps: every GEMM of this warpgroup has retired. Releases
+  // sK and sV to the producer (kKEmpty, kVEmpty) and returns once sdS may be
+  // written again.
   CUTE_DEVICE static void store_tma(Params const& p, SharedStorage& smem, FragDkv& tdKrdK, FragDkv& tdVrdV,
                                     int32_t const* row, int mma_tid) {
     CUTE_UNROLL
@@ -60,14 +65,26 @@ struct BwdEpilogue {
     convert_fragment(tdKrdK, tdKout);
     convert_fragment(tdVrdV, tdVout);
 
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    // The staging tiles, in the K tile's layout (the TMA stores' source layout).
+    Element* const dk_stage = Traits::kDkStagedInDs ? smem.ds.data() : smem.k.data();
+    Element* const dv_stage =
+        Traits::kDvStagedInDs ? smem.ds.data() + Traits::kKvTileElements : smem.v.data();
+    Tensor sdK = make_tensor(make_smem_ptr(dk_stage), typename Traits::SmemLayoutK{});
+    Tensor sdV = make_tensor(make_smem_ptr(dv_stage), typename Traits::SmemLayoutK{});
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmaDkv{});
     auto thr_r2s = r2s.get_thread_slice(mma_tid);
-    // Wait until the other warpgroup's GEMMs have retired too: its dQ GEMM reads all of sK.
+    // Wait until the other warpgroup's GEMMs have retired too: its dQ GEMM
+    // reads all of sK and of the last step's sdS.
     named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
-    copy(r2s, thr_r2s.retile_S(tdKout), thr_r2s.partition_D(sK));
-    copy(r2s, thr_r2s.retile_S(tdVout), thr_r2s.partition_D(sV));
+    // A buffer that holds no staging tile is free now: the next task's load overlaps the rest.
+    if constexpr (Traits::kDkStagedInDs) {
+      named_barrier_arrive(BwdBarrier::kKEmpty, kMmaThreads + Traits::kWarpThreads);
+    }
+    if constexpr (Traits::kDvStagedInDs) {
+      named_barrier_arrive(BwdBarrier::kVEmpty, kMmaThreads + Traits::kWarpThreads);
+    }
+    copy(r2s, thr_r2s.retile_S(tdKout), thr_r2s.partition_D(sdK));
+    copy(r2s, thr_r2s.retile_S(tdVout), thr_r2s.partition_D(sdV));
     // The generic-proxy stores above are read by the TMA store (async proxy).
     cutlass::arch::fence_view_async_shared();
     // Wait until both warpgroups have written their rows of dK and dV.
@@ -80,14 +97,25 @@ struct BwdEpilogue {
       Tensor gdV = Traits::kv_tile(p.tma_dv, p, sl, h_kv, kv);
       auto tma_dk = p.tma_dk.get_slice(_0{});
       auto tma_dv = p.tma_dv.get_slice(_0{});
-      copy(p.tma_dk, tma_dk.partition_S(sK), tma_dk.partition_D(gdK));
-      copy(p.tma_dv, tma_dv.partition_S(sV), tma_dv.partition_D(gdV));
+      copy(p.tma_dk, tma_dk.partition_S(sdK), tma_dk.partition_D(gdK));
+      copy(p.tma_dv, tma_dv.partition_S(sdV), tma_dv.partition_D(gdV));
       tma_store_arrive();
-      // sK/sV have been read: the next task's K and V may overwrite them.
+      // The staging tiles have been read: sK/sV may take the next K/V, sdS the next dS.
       bulk_wait_all_read();
     }
-    // sK/sV free: lets the producer load the next task's K and V.
-    named_barrier_arrive(BwdBarrier::kKvEmpty, kMmaThreads + Traits::kWarpThreads);
+    // Staged in sK / sV: free once read (thread 0 arrives after its wait).
+    if constexpr (!Traits::kDkStagedInDs) {
+      named_barrier_arrive(BwdBarrier::kKEmpty, kMmaThreads + Traits::kWarpThreads);
+    }
+    if constexpr (!Traits::kDvStagedInDs) {
+      named_barrier_arrive(BwdBarrier::kVEmpty, kMmaThreads + Traits::kWarpThreads);
+    }
+    if constexpr (Traits::kDkStagedInDs) {
+      // Wait until thread 0 has seen the stores read sdS: the next task's
+      // first step writes it. (The next task's K load, issued at the first
+      // barrier above, takes longer, so this wait is mostly hidden.)
+      named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
+    }
   }
 
   // Whether an MHA task with steps must store from registers: its KV tile

@@ -52,7 +52,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
 
   if (warp_idx == 0 && cute::elect_one_sync()) {
     BwdProducer<Traits>::prefetch_descriptors(p);
-    smem.kv_full.init(1);  // one arrival: the producer's expect-tx
+    smem.k_full.init(1);  // one arrival each: the producer's expect-tx
+    smem.v_full.init(1);
   }
 
   // Warp 0 initialises the stage barriers (and fences the inits).
@@ -72,7 +73,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegisters>();
     using Mainloop = BwdMainloop<Traits>;
     int const mma_tid = threadIdx.x - Traits::kThreadsPerWarpgroup;
-    Mainloop::init();
+    Mainloop::release_kv();  // sK/sV start out free
     typename Traits::PipelineStateQ read_q;
     typename Traits::PipelineStateDo read_do;
     int kv_phase = 0;
@@ -90,7 +91,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
         BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
         continue;
       }
-      smem.kv_full.wait(kv_phase);
+      // The task's K and V have landed. (Waiting for V inside the first step,
+      // after its S^T was issued, made ptxas spill in the hdim-64 window kernel.)
+      smem.k_full.wait(kv_phase);
+      smem.v_full.wait(kv_phase);
       kv_phase ^= 1;
       Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps,
                          mma_tid, tdKrdK, tdVrdV);
@@ -99,7 +103,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
         BwdEpilogue<Traits>::store_tma(p, smem, tdKrdK, tdVrdV, row, mma_tid);
       } else {
         // Every GEMM of the task has retired: sK and sV are free for the next task.
-        Mainloop::init();
+        Mainloop::release_kv();
         BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
       }
     }

@@ -94,10 +94,12 @@ struct BwdMainloop {
   // P^T / dS^T accumulators re-viewed as the register A operand of dV / dK.
   using LayoutA = decltype(accumulator_as_a_operand(typename FragSdP::layout_type{}));
 
-  // Called once by every MMA thread before the first task.
-  CUTE_DEVICE static void init() {
-    // sK/sV start out free: lets the producer load the first task's K and V.
-    named_barrier_arrive(BwdBarrier::kKvEmpty, kMmaThreads + Traits::kWarpThreads);
+  // Every MMA thread: sK and sV are free (before the first task, and after a
+  // task whose dK/dV do not leave through them): lets the producer load the
+  // next task's K and V.
+  CUTE_DEVICE static void release_kv() {
+    named_barrier_arrive(BwdBarrier::kKEmpty, kMmaThreads + Traits::kWarpThreads);
+    named_barrier_arrive(BwdBarrier::kVEmpty, kMmaThreads + Traits::kWarpThreads);
   }
 
   // The hand-off barriers of MMA warpgroup wg's half in hand-off set stage.

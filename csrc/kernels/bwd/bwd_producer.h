@@ -1,8 +1,10 @@
 // Producer role of the backward kernel: one warp issues every TMA load.
 //
 // Per task (one KV tile of one (batch, q head)): K and V once, onto the
-// kv_full transaction barrier, after the MMA warpgroups have released the
-// previous task's K and V (kKvEmpty). Then, per step, in the schedule's Q-tile
+// k_full and v_full transaction barriers, each after the MMA warpgroups have
+// released the previous task's tile in that buffer (kKEmpty, kVEmpty; where
+// the epilogue stages dK/dV in sdS that is when the task's GEMMs retire, else
+// when the epilogue's TMA store has read the buffer). Then, per step, in the schedule's Q-tile
 // order: Q + its LSE rows into the Q pipeline, dO + its dPsum rows into the
 // dO pipeline (kStagesQ / kStagesDo deep), so the loads of the next steps run
 // under the current step's GEMMs where shared memory leaves room for a second
@@ -43,8 +45,8 @@ struct BwdProducer {
   }
 
   // L2 prefetch of K and V of the CTA's next task with steps, if any: its
-  // load waits for this task's epilogue (MHA: dK/dV leave through sK/sV), so
-  // the load should find them in L2 rather than in DRAM.
+  // load waits for the end of this task (and, where dK/dV are staged in sK/sV,
+  // for its epilogue), so the load should find them in L2 rather than in DRAM.
   CUTE_DEVICE static void prefetch_next_kv(Params const& p, int task, int end) {
     for (int next = task + 1; next < end; ++next) {
       int32_t const* row = schedule::task_row(p.tasks, next);
@@ -80,7 +82,8 @@ struct BwdProducer {
 
     auto write_q = cutlass::make_producer_start_state<PipelineQ>();
     auto write_do = cutlass::make_producer_start_state<PipelineDo>();
-    uint64_t& kv_full = reinterpret_cast<uint64_t&>(smem.kv_full);
+    uint64_t& k_full = reinterpret_cast<uint64_t&>(smem.k_full);
+    uint64_t& v_full = reinterpret_cast<uint64_t&>(smem.v_full);
 
     CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
     for (int task = tasks.begin; task < tasks.end; ++task) {
@@ -139,12 +142,16 @@ struct BwdProducer {
       int const preload = n_steps < kPreloadSteps ? n_steps : kPreloadSteps;
       for (int s = 0; s < preload; ++s) { load_step(s); }
       // Wait until both MMA warpgroups are done with the previous task's K
-      // and V (they arrive once at start-up too), then load this task's.
-      named_barrier_sync(BwdBarrier::kKvEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
+      // (they arrive once at start-up too), then load this task's; the same for V.
+      named_barrier_sync(BwdBarrier::kKEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
       if (leader) {
-        smem.kv_full.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
-        copy(p.tma_k.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK);
-        copy(p.tma_v.with(kv_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
+        smem.k_full.arrive_and_expect_tx(Traits::kTmaBytesKV);
+        copy(p.tma_k.with(k_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK);
+      }
+      named_barrier_sync(BwdBarrier::kVEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
+      if (leader) {
+        smem.v_full.arrive_and_expect_tx(Traits::kTmaBytesKV);
+        copy(p.tma_v.with(v_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
         prefetch_next_kv(p, task, tasks.end);
       }
       for (int s = preload; s < n_steps; ++s) { load_step(s); }

@@ -64,10 +64,10 @@ enum class WarpRole : int { kProducer = 0, kDqWriter = 1, kIdle = 2, kMma = 3 };
 
 // Named barriers of the backward kernel (hardware ids: common/named_barriers.h).
 enum class BwdBarrier : uint32_t {
-  // The MMA warpgroups are done with sK/sV of the current task (MHA: also the
-  // epilogue's TMA stores have read dK/dV out of them); the producer waits on
-  // it before loading the next task's K and V.
-  kKvEmpty = 0,
+  // The MMA warpgroups are done with sK of the current task (and, where dK is
+  // staged in sK, the epilogue's TMA store has read it); the producer waits on
+  // it before loading the next task's K.
+  kKEmpty = 0,
   // Both MMA warpgroups have written their rows of dS^T to sdS; both wait on
   // it before the dQ = dS K GEMM.
   kDsReady = 1,
@@ -82,9 +82,12 @@ enum class BwdBarrier : uint32_t {
   // that half's reduce-add.
   kDqFull = 6,  // .. 9
   // MHA epilogue: both MMA warpgroups' GEMMs of the task have retired (the dQ
-  // GEMM of either warpgroup reads all of sK), then: both have written their
-  // dK/dV rows into sK/sV (the TMA store reads them).
+  // GEMM of either warpgroup reads all of sK and sdS), then: both have written
+  // their dK/dV rows into the staging tiles (the TMA store reads them), then
+  // (staging in sdS) the TMA store has read sdS.
   kEpilogue = 10,
+  // As kKEmpty, for sV and the next task's V.
+  kVEmpty = 11,
   kCount,
 };
 
@@ -133,6 +136,16 @@ struct BwdTraits {
   // tile is kBlockM x d fp32 (48 or 64 KB); the writers then take turns on it.
   static constexpr int kStagesDq = kSplitHeadDim ? 1 : 2;
   static_assert(kStagesDq == 1 || kStagesDq == kDqWriters, "one sdQ buffer, or one per writer");
+  // Where the MHA epilogue stages dK and dV for their TMA stores
+  // (bwd_epilogue.h): in sdS, free once the task's last dQ GEMM retires, where
+  // it holds them (row split: dK fits at d <= 128, dV beside it at d = 64),
+  // else in sK / sV. Staged in sdS, a tile's K or V buffer is released as soon
+  // as the task's GEMMs retire, so the next task's load runs under the
+  // epilogue instead of after its TMA store has read the buffer.
+  static constexpr int kDsElements = kBlockM * kBlockN * kStagesDs;
+  static constexpr int kKvTileElements = kBlockN * kHeadDim;
+  static constexpr bool kDkStagedInDs = !kSplitHeadDim && kDsElements >= kKvTileElements;
+  static constexpr bool kDvStagedInDs = !kSplitHeadDim && kDsElements >= 2 * kKvTileElements;
   // The sdQ buffer of hand-off set b.
   CUTE_HOST_DEVICE static constexpr int sdq_buffer(int b) { return kStagesDq == 1 ? 0 : b; }
   static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) == kDqWriters * kNumMmaWarpgroups &&
@@ -331,10 +344,15 @@ struct BwdTraits {
     alignas(16) float dpsum[kStagesDo][kBlockM];  // dPsum rows of the dO stage
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelineDo::SharedStorage pipeline_do;
-    // K and V of the current task have landed (one phase per task).
-    alignas(8) cutlass::arch::ClusterTransactionBarrier kv_full;
+    // K (k_full) and V (v_full) of the current task have landed (one phase per task each).
+    alignas(8) cutlass::arch::ClusterTransactionBarrier k_full;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier v_full;
     std::conditional_t<kSplitHeadDim, PBuffer, NoPBuffer> pbuf;
   };
+  static_assert(cosize_v<SmemLayoutDs> == kDsElements, "sdS holds kStagesDs tiles of kBlockM x kBlockN");
+  // dV is staged right after dK: its tile must start on a swizzle atom (1024 bytes).
+  static_assert(!kDvStagedInDs || (kKvTileElements * sizeof(Element)) % 1024 == 0,
+                "dV staging tile misaligned in sdS");
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
   static_assert(kSharedStorageBytes <= kSm90SharedMemoryBytes, "shared memory budget of one SM90 CTA");
 
