@@ -90,11 +90,16 @@ def test_auto_rule():
     assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "spt"
     full64 = dict(batch=1, heads=32, headdim=64, causal=False)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full64)) == "shift"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=32768, **full64)) == "fa3"
+    # The shift orders only where seqlen_k <= seqlen_q.
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=6144, **full64)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=6144, seqlen_k=2048, **full64)) == "shift"
     causal128 = dict(batch=1, heads=16, headdim=128, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal128)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal128)) == "symmetric_shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=8192, **causal128)) == "spt"
     causal64 = dict(batch=1, heads=32, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal64)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal64)) == "symmetric_shift"

@@ -78,7 +78,7 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     8k 493 against 487 TFLOP/s, 16k 528 against 518; ba57b3b, 2026-11-23:
     486 / 485 and 519 / 512); full: ``shift`` for 5..64 KV tiles with square
     tiles (head dim 64) and 5..128 with head dim 128's 64x128 tiles, else
-    ``fa3``. On the afcc41a grid (benchmarks/RESULTS.md) that pick's schedule
+    ``fa3`` (revised below). On the afcc41a grid (benchmarks/RESULTS.md) that pick's schedule
     is within 2.0% of the best one at all 24 points (the furthest: head dim
     128 full 16k, ``shift`` 603 against ``spt`` 615). A table of grid points
     still: shapes off the grid get its nearest rule (the schedule issue asks
@@ -92,6 +92,14 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     Local (window) masks, not measured yet: ``spt``. Its dQ order (descending
     KV tile) is the order in which the KV tiles of a band reach a Q tile when
     they start together, since a later KV tile's Q range starts no earlier.
+    Revised on the 28 shapes off the grid of benchmarks/bench_auto.py (H100,
+    2026-11-24, RESULTS.md): the shift orders only where seqlen_k <= seqlen_q
+    (seqlen_q < seqlen_k: 2048 x 6144 full at head dim 128, ``shift`` 0.88x
+    ``fa3``; 4096 x 8192 causal, ``symmetric_shift`` 0.975x ``spt``; seqlen_q >
+    seqlen_k: 4096 x 2048 causal and 12288 x 4096 full, the shift orders best
+    by 11-13%), and ``shift`` for full masks up to 128 KV tiles at head dim 64
+    too (12288 tokens, 96 tiles: ``fa3`` 0.89x ``shift``; on the grid at 16k,
+    128 tiles, ``shift`` is within 1.2% of the best).
     Non-deterministic, the accumulation order is free and ``auto`` is ``lpt``,
     the best-balanced task order.
     """
@@ -108,11 +116,12 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
             from .model.calibration import best_schedule  # lazy: the contract does not need the model
             return best_schedule(g, num_sms or 132, headdim)
         square = g.block_m == g.block_n == 128  # head dim 64
+        # The shift orders lose where keys outnumber queries (see above).
+        keys_within = g.seqlen_k <= g.seqlen_q
         if g.causal:
-            sym = g.n_kv >= 32 and g.block_n > 64 and not (square and g.n_kv >= 64)
+            sym = keys_within and g.n_kv >= 32 and g.block_n > 64 and not (square and g.n_kv >= 64)
             return "symmetric_shift" if sym else "spt"
-        shift_max_kv = 64 if square else 128
-        return "shift" if 4 < g.n_kv <= shift_max_kv else "fa3"
+        return "shift" if keys_within and 4 < g.n_kv <= 128 else "fa3"
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
     return name
