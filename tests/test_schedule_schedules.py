@@ -85,13 +85,15 @@ def test_shift_generalizes_to_causal():
 
 def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.model(8, 1, "full")) == "shift"
-    assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.model(3, 1, "full")) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "shift"  # square tiles from 4
     assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "spt"
     assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "spt"
     full64 = dict(batch=1, heads=32, headdim=64, causal=False)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full64)) == "shift"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "shift"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=32768, **full64)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=12288, **full64)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full64)) == "shift"
     # The shift orders only where seqlen_k <= seqlen_q.
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=6144, **full64)) == "fa3"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=6144, seqlen_k=2048, **full64)) == "shift"
