@@ -99,13 +99,11 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     seqlen_k: 4096 x 2048 causal and 12288 x 4096 full, the shift orders best
     by 11-13%), and ``shift`` for full masks up to 128 KV tiles at head dim 64
     too (12288 tokens, 96 tiles: ``fa3`` 0.89x ``shift``; on the grid at 16k,
-    128 tiles, ``shift`` is within 1.2% of the best). Revised again for the dynamic
-    dispatch of the queue schedules (eb1bad4: H100, 2026-11-24, the grid and bench_auto's
-    28 shapes, RESULTS.md), where the deterministic ``fa3``/``spt`` orders ran 1-15% faster
-    than lowered except at head dim 64 full 512 (-18%): with square tiles ``shift`` from 4
-    KV tiles (512 tokens: 304 against ``fa3`` 254 TFLOP/s) up to 127, ``fa3`` at 128
-    (16k: 525 against ``shift`` 529 and ``spt`` 533; 2 x 16384 x 16 heads: ``fa3`` 534,
-    ``spt`` 538, ``shift`` 494).
+    128 tiles, ``shift`` is within 1.2% of the best). Revised again on the grids of
+    bd4fdf8 and eb1bad4 (H100, 2026-11-24, RESULTS.md): with square tiles ``shift`` from 4
+    KV tiles (512 tokens: ``shift`` 306 and ``fa3`` 306 TFLOP/s at bd4fdf8, 304 and 254
+    with eb1bad4's run-time claims) up to 127, ``fa3`` at 128 (16k: 529 against ``shift``'s
+    536 at bd4fdf8).
     Non-deterministic, the accumulation order is free and ``auto`` is ``lpt``,
     the best-balanced task order.
     """
@@ -127,8 +125,8 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         if g.causal:
             sym = keys_within and g.n_kv >= 32 and g.block_n > 64 and not (square and g.n_kv >= 64)
             return "symmetric_shift" if sym else "spt"
-        # Square tiles: shift from 4 KV tiles (512 tokens) up to 127; at 128 the queue orders
-        # caught up once CTAs claimed them (eb1bad4). 64 x 128 tiles: 5..128.
+        # Square tiles: shift from 4 KV tiles (512 tokens) up to 127 (at 128 the queue orders
+        # are as fast); 64 x 128 tiles: 5..128.
         shift_kv = (4, 127) if square else (5, 128)
         return "shift" if keys_within and shift_kv[0] <= g.n_kv <= shift_kv[1] else "fa3"
     if name not in SCHEDULES:

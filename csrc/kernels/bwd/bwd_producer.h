@@ -1,9 +1,7 @@
 // Producer role of the backward kernel: one warp issues every TMA load.
 //
-// Per task (one KV tile of one (batch, q head)), in the order its CTA takes
-// them (bwd_tasks.h): the task's index into task_ring.announced, then K and V
-// once, onto the k_full and v_full transaction barriers (the MMA warpgroups
-// learn their next task from k_full), each after the MMA warpgroups have
+// Per task (one KV tile of one (batch, q head)): K and V once, onto the
+// k_full and v_full transaction barriers, each after the MMA warpgroups have
 // released the previous task's tile in that buffer (kKEmpty, kVEmpty; where
 // the epilogue stages dK/dV in sdS that is when the task's GEMMs retire, else
 // when the epilogue's TMA store has read the buffer). Then, per step, in the schedule's Q-tile
@@ -87,19 +85,11 @@ struct BwdProducer {
     uint64_t& k_full = reinterpret_cast<uint64_t&>(smem.k_full);
     uint64_t& v_full = reinterpret_cast<uint64_t&>(smem.v_full);
 
-    TaskCursor cursor = TaskCursor::of(p.cta_offsets, p.task_counter);
-    for (int task; (task = cursor.claim(smem.task_ring, p.task_counter, p.num_tasks)) >= 0;) {
+    CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
+    for (int task = tasks.begin; task < tasks.end; ++task) {
       int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
-      if (n_steps <= 0) {
-        // Nothing to load (the MMA warpgroups write dK = dV = 0): announce it
-        // once they have read the previous announcement (kKEmpty), and take
-        // their kVEmpty arrival for it.
-        named_barrier_sync(BwdBarrier::kKEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
-        if (leader) { announce(smem, task); }
-        named_barrier_sync(BwdBarrier::kVEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
-        continue;
-      }
+      if (n_steps <= 0) { continue; }  // the MMA warpgroups write dK = dV = 0 without loads
       int const b = row[schedule::kCBatch];
       int const h = row[schedule::kCHead];
       int const h_kv = row[schedule::kCHeadKv];
@@ -155,8 +145,6 @@ struct BwdProducer {
       // (they arrive once at start-up too), then load this task's; the same for V.
       named_barrier_sync(BwdBarrier::kKEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
       if (leader) {
-        // The announcement of this task and its K land on k_full together.
-        smem.task_ring.announced = task;
         smem.k_full.arrive_and_expect_tx(Traits::kTmaBytesKV);
         copy(p.tma_k.with(k_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK);
       }
@@ -164,21 +152,10 @@ struct BwdProducer {
       if (leader) {
         smem.v_full.arrive_and_expect_tx(Traits::kTmaBytesKV);
         copy(p.tma_v.with(v_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
-        // Static dispatch knows this CTA's next task (dynamic: not yet claimed).
-        if (!cursor.dynamic()) { prefetch_next_kv(p, task, cursor.end); }
+        prefetch_next_kv(p, task, tasks.end);
       }
       for (int s = preload; s < n_steps; ++s) { load_step(s); }
     }
-    // No more tasks: tell the MMA warpgroups, once they have read the last announcement.
-    named_barrier_sync(BwdBarrier::kKEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
-    if (leader) { announce(smem, -1); }
-  }
-
-  // Announces task (-1: none left) to the MMA warpgroups on k_full without loading K
-  // (lane 0; the arrive releases the store).
-  CUTE_DEVICE static void announce(SharedStorage& smem, int task) {
-    smem.task_ring.announced = task;
-    smem.k_full.arrive();
   }
 };
 
