@@ -3,11 +3,11 @@
     python benchmarks/repeat_det.py [--runs 1000] [--hdim 128] [--shape 2,2048,2048,16,4] [--json out.json]
     python benchmarks/repeat_det.py --dry-run      # CPU: print what would run
 
-One forward on fresh random bf16 inputs (causal, GQA by default: 16 query heads
-on 4 KV heads), then `--runs` rounds; each round runs the backward once per
-schedule (every deterministic schedule, `auto`, and the non-deterministic mode
-last), in that order, so each schedule's runs see the GPU busy with the
-others'. Every deterministic result is compared bit for bit with that
+Fresh random bf16 inputs (causal, GQA by default: 16 query heads on 4 KV
+heads), then `--runs` rounds; each round runs `flash_attn_func` and its backward
+(the path a training step takes) once per schedule (every deterministic
+schedule, `auto`, and the non-deterministic mode last), in that order, so each
+schedule's runs see the GPU busy with the others'. Every deterministic result is compared bit for bit with that
 schedule's first result (dQ, dK, dV); the caching allocator is filled with NaN
 every `--poison-every` rounds, so a gradient element left unwritten would show.
 Printed per schedule: runs, runs whose bits differ from the first, and a

@@ -6,7 +6,8 @@ with a global queue that free CTAs claim from (how the hardware hands a plain
 grid to SMs). Lowering fixes, ahead of the launch, the CTA each task would be
 claimed by under the cost model: tasks in queue order, each to the CTA that
 becomes free first (ties to the lowest index), with a task's cost its number of
-Q-tile steps plus a fixed per-task cost (``schedules.task_claim_cost``). Orders (b) and (c) are unchanged: only (a) becomes explicit.
+Q-tile steps (``schedules.task_claim_cost``). Orders (b) and (c) are unchanged:
+only (a) becomes explicit.
 
 Deadlock-freedom carries over: a task only waits on tasks earlier in the queue,
 and each CTA runs its tasks in queue order, so the earliest unfinished task

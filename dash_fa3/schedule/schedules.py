@@ -338,15 +338,12 @@ def greedy_assignment(task_cost: np.ndarray, num_ctas: int) -> np.ndarray:
     return cta_of
 
 
-#: What a task costs beyond its Q-tile steps when the queue is claimed (lowering,
-#: lpt sections), in steps: loading K and V, the dK/dV epilogue, the pipeline's
-#: start. A task without steps (windows) still stores dK = dV = 0: one step.
-TASK_COST_STEPS = 0.0
-
-
 def task_claim_cost(task_steps: np.ndarray) -> np.ndarray:
-    """The cost :func:`greedy_assignment` gives each task of a queue (:data:`TASK_COST_STEPS`)."""
-    return np.maximum(np.asarray(task_steps, dtype=np.float64), 1.0) + TASK_COST_STEPS
+    """The cost :func:`greedy_assignment` gives each task of a queue (lowering, lpt
+    sections, packed documents): its number of Q-tile steps; a task without steps
+    (windows) still stores dK = dV = 0, so it costs one. (A fixed extra cost per
+    task, 1 to 8 steps, was measured and balanced no better: docs/bwd_kernel.md.)"""
+    return np.maximum(np.asarray(task_steps), 1)
 
 
 def claim_loads(task_cost: np.ndarray, num_ctas: int) -> np.ndarray:
