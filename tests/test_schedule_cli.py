@@ -135,7 +135,7 @@ def test_export_bundle(tmp_path, capsys):
     geoms = [Geometry.from_shape(batch=2, heads=4, heads_kv=2, seqlen_q=700, seqlen_k=300, headdim=64,
                                  causal=True),
              Geometry.from_shape(batch=1, heads=2, seqlen_q=1000, headdim=128)]
-    want = [get_kernel_metadata(n, g, 16) for g in geoms for n in ("fa3", "spt")]
+    want = [get_kernel_metadata(n, g, 16, "static") for g in geoms for n in ("fa3", "spt")]
     assert [m.as_int32_array().tolist() for m in metas] == [m.as_int32_array().tolist() for m in want]
     assert all(not m.dynamic for m in metas)
     assert main(["export", "--out", str(out), "--seqlen", "256", "--headdim", "64", "--causal",

@@ -49,9 +49,24 @@ def test_static_schedules_are_not_changed():
 def test_kernel_metadata_on_the_bench_grid(sms):
     for _, g in GRID:
         for name in SCHEDULES:
-            meta = get_kernel_metadata(name, g, sms)
-            assert meta.header[M.H_DISPATCH] == M.DISPATCH_STATIC
-            assert meta.header[M.H_NUM_CTAS] <= sms
+            static = get_kernel_metadata(name, g, sms, "static")
+            assert static.header[M.H_DISPATCH] == M.DISPATCH_STATIC
+            assert static.header[M.H_NUM_CTAS] <= sms
+            # Dynamic dispatch runs a queue schedule's own table (queue order, no CTA lists).
+            dynamic = get_kernel_metadata(name, g, sms, "dynamic")
+            queue = get_schedule(name, g, sms).dynamic
+            assert dynamic.dynamic == queue and dynamic.header[M.H_NUM_CTAS] <= sms
+            if queue:
+                assert dynamic.header[M.H_OFFSETS_LEN] == 0
+                assert np.array_equal(dynamic.tasks, get_schedule(name, g, sms).meta.tasks)
+            else:
+                assert dynamic is static
+
+
+def test_kernel_dispatch_is_checked():
+    g = Geometry.from_shape(batch=1, heads=2, seqlen_q=512, headdim=128, causal=True)
+    with pytest.raises(ValueError, match="dispatch"):
+        get_kernel_metadata("spt", g, 132, "greedy")
 
 
 def test_kernel_metadata_is_cached():

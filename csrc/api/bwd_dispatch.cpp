@@ -111,6 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   p.dpsum = ws.dpsum;
   p.dq_accum = ws.dq_accum;
   p.dq_semaphore = ws.dq_semaphore;
+  p.task_counter = ws.task_counter;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   p.dk_stride = bshd_strides(dk, "dk");

@@ -30,6 +30,8 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   off = round_up(off + rows * s.headdim * int64_t(sizeof(float)));
   w.dq_semaphore_offset = off;
   off = round_up(off + s.batch * s.heads * s.n_q * int64_t(sizeof(int)));
+  const int64_t counter_offset = off;
+  off = round_up(off + int64_t(sizeof(int)));
 
   w.buffer = at::empty({off}, at::TensorOptions().dtype(at::kByte).device(device));
   auto* base = static_cast<uint8_t*>(w.buffer.data_ptr());
@@ -39,6 +41,7 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   w.dv_partial = s.gqa ? reinterpret_cast<float*>(base + dv_offset) : nullptr;
   w.dq_accum = reinterpret_cast<float*>(base + w.dq_accum_offset);
   w.dq_semaphore = reinterpret_cast<int*>(base + w.dq_semaphore_offset);
+  w.task_counter = reinterpret_cast<int*>(base + counter_offset);
   w.zero_begin = base + zero_begin;
   w.zero_bytes = off - zero_begin;
   return w;

@@ -1,7 +1,7 @@
 // The backward's scratch memory, one allocation per call:
 //
-//   dpsum | lse_log2 | dk_partial | dv_partial | dq_accum | dq_semaphore
-//                                              '-- zeroed by the preprocess --'
+//   dpsum | lse_log2 | dk_partial | dv_partial | dq_accum | dq_semaphore | task_counter
+//                                              '------ zeroed by the preprocess ------'
 //
 // One allocation instead of six keeps the caching allocator off the host
 // path, and the buffers the main kernel only adds into form one contiguous
@@ -24,6 +24,7 @@ struct BwdWorkspace {
   float* dv_partial;  // nullptr without GQA
   float* dq_accum;
   int* dq_semaphore;
+  int* task_counter;  // dynamic dispatch's claim counter (one int)
   void* zero_begin;
   int64_t zero_bytes;  // a multiple of 16
 

@@ -182,6 +182,7 @@ struct BwdParams {
   float* dq_accum;    // fp32, zeroed, 128-byte aligned; the kernel adds each Q tile into it in
                       // fragment order (common/dq_accum_layout.h)
   int* dq_semaphore;  // (batch, heads, seqlen_q_rounded / block_m), zeroed
+  int* task_counter;  // one int, zeroed: dynamic dispatch's claims (kernels/bwd/bwd_tasks.h)
 
   // Outputs, (batch, seqlen_k, heads_kv, headdim) in the input dtype.
   void* dk;

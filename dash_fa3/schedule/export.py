@@ -84,7 +84,8 @@ def grid_geometries(grid: dict):
 
 
 def kernel_schedules(names, geometries, num_sms: int) -> list[ScheduleMeta]:
-    """The validated static metadata the kernel runs, per (geometry, name), shapes major."""
+    """The validated static metadata the kernel runs, per (geometry, name), shapes major
+    (static: the C++ harness passes no dynamic-dispatch counter)."""
     from .lowering import get_kernel_metadata
 
-    return [get_kernel_metadata(name, g, num_sms) for g in geometries for name in names]
+    return [get_kernel_metadata(name, g, num_sms, "static") for g in geometries for name in names]

@@ -6,8 +6,7 @@ with a global queue that free CTAs claim from (how the hardware hands a plain
 grid to SMs). Lowering fixes, ahead of the launch, the CTA each task would be
 claimed by under the cost model: tasks in queue order, each to the CTA that
 becomes free first (ties to the lowest index), with a task's cost its number of
-Q-tile steps (``schedules.task_claim_cost``). Orders (b) and (c) are unchanged:
-only (a) becomes explicit.
+Q-tile steps plus a fixed per-task cost (``schedules.task_claim_cost``). Orders (b) and (c) are unchanged: only (a) becomes explicit.
 
 Deadlock-freedom carries over: a task only waits on tasks earlier in the queue,
 and each CTA runs its tasks in queue order, so the earliest unfinished task
@@ -16,6 +15,7 @@ can always run. Validation checks it again on the lowered schedule.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -65,12 +65,29 @@ def lower_to_static(s: Schedule, *, validate: bool = True) -> Schedule:
     return lowered
 
 
+#: How the backward kernel runs a queue schedule (fa3, spt, descending, lpt): "dynamic" (the
+#: default), CTAs claim its tasks in queue order as they free up, as the schedules define it
+#: (csrc/kernels/bwd/bwd_tasks.h); "static", the lowering above fixes each CTA's list ahead
+#: of the launch. Static schedules (shift, symmetric_shift) and packed documents are static
+#: either way. DASH_FA3_BWD_DISPATCH sets it at import.
+KERNEL_DISPATCHES = ("dynamic", "static")
+KERNEL_DISPATCH = os.environ.get("DASH_FA3_BWD_DISPATCH", "dynamic")
+if KERNEL_DISPATCH not in KERNEL_DISPATCHES:
+    raise ValueError(f"DASH_FA3_BWD_DISPATCH must be one of {KERNEL_DISPATCHES}, got {KERNEL_DISPATCH!r}")
+
+
 @lru_cache(maxsize=1024)
-def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
-    return lower_to_static(get_schedule(name, geometry, num_sms)).meta
+def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int, dispatch: str) -> M.ScheduleMeta:
+    s = get_schedule(name, geometry, num_sms)
+    return s.meta if dispatch == "dynamic" else lower_to_static(s).meta
 
 
-def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
-    """The validated, static metadata the backward kernel runs; cached by shape."""
+def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int, dispatch: str | None = None) -> M.ScheduleMeta:
+    """The validated metadata the backward kernel runs; cached by shape. ``dispatch``
+    (default :data:`KERNEL_DISPATCH`): how a queue schedule is run."""
     num_sms = _check_num_sms(num_sms)
-    return _kernel_metadata_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)
+    dispatch = dispatch or KERNEL_DISPATCH
+    if dispatch not in KERNEL_DISPATCHES:
+        raise ValueError(f"dispatch must be one of {KERNEL_DISPATCHES}, got {dispatch!r}")
+    return _kernel_metadata_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms,
+                                   dispatch)

@@ -85,8 +85,8 @@ struct BwdDqWriter {
     // hand off step i in set i % kDqWriters.
     int cta_step = 0;
 
-    CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
-    for (int task = tasks.begin; task < tasks.end; ++task) {
+    TaskCursor cursor = TaskCursor::of(p.cta_offsets, p.task_counter);
+    for (int task; (task = cursor.next(smem.task_ring)) >= 0;) {
       int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
       if (n_steps <= 0) { continue; }

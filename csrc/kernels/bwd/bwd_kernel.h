@@ -4,7 +4,7 @@
 //   bwd_dq_writer.h  partial dQ -> dQ accumulator, bulk reduce-add, ordered (warpgroup 0, warps 1-2)
 //   bwd_mainloop.h   S, P, dP, dS, dV, dK, partial dQ with WGMMA           (warpgroups 1 and 2)
 //   bwd_epilogue.h   dK, dV stores (GQA: fp32 per-q-head partials)         (warpgroups 1 and 2)
-//   bwd_tasks.h      which schedule rows a CTA runs                        (all roles)
+//   bwd_tasks.h      which schedule rows a CTA runs, static or claimed     (all roles)
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -54,6 +54,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     BwdProducer<Traits>::prefetch_descriptors(p);
     smem.k_full.init(1);  // one arrival each: the producer's expect-tx
     smem.v_full.init(1);
+    // The task ring's consumers are the dQ writers.
+    TaskCursor::init(smem.task_ring, Traits::kDqWriters);
   }
 
   // Warp 0 initialises the stage barriers (and fences the inits).
@@ -79,21 +81,33 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     int kv_phase = 0;
     int ds_stage = 0;
     int dq_stage = 0;
-    CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
     CUTE_NO_UNROLL
-    for (int task = tasks.begin; task < tasks.end; ++task) {
+    for (;;) {
+      // The producer has announced this CTA's next task and, if it has steps,
+      // its K has landed (bwd_tasks.h: the MMA warps learn their tasks here,
+      // not from the ring, which cost them registers they do not have).
+      smem.k_full.wait(kv_phase);
+      int const task = smem.task_ring.announced;
+      if (task < 0) { break; }
       int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
       typename Mainloop::FragDkv tdKrdK, tdVrdV;
       clear(tdKrdK);
       clear(tdVrdV);
       if (n_steps == 0) {
+        // Nothing loaded. Wait for the producer's v_full arrival for this task:
+        // it comes after the producer's kVEmpty sync for it, which this
+        // task's kVEmpty arrival below must not overtake (a named barrier
+        // would count two tasks' arrivals as one completion).
+        smem.v_full.wait(kv_phase);
+        kv_phase ^= 1;
+        // The announcement is read: the producer may announce the next task.
+        Mainloop::release_kv();
         BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
         continue;
       }
-      // The task's K and V have landed. (Waiting for V inside the first step,
-      // after its S^T was issued, made ptxas spill in the hdim-64 window kernel.)
-      smem.k_full.wait(kv_phase);
+      // The task's V has landed. (Waiting for V inside the first step, after
+      // its S^T was issued, made ptxas spill in the hdim-64 window kernel.)
       smem.v_full.wait(kv_phase);
       kv_phase ^= 1;
       Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps,

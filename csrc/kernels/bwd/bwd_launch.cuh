@@ -13,7 +13,8 @@
 //     (common/dq_accum_layout.h), which the postprocess reads back;
 //   - the schedule header matches this call (shape, block sizes, mask kind,
 //     window: local kernels the call's, full/causal their fixed one; the
-//     full and causal kernels do not read the call's window) and uses static dispatch; its CTA count is the grid size. The schedule
+//     full and causal kernels do not read the call's window); its CTA count is the grid size; dynamic
+//     dispatch (bwd_tasks.h) needs task_counter, zeroed. The schedule
 //     must have been validated (every needed pair once, ranks a permutation,
 //     no wait cycle for this grid) by dash_fa3.schedule before launch;
 //   - GQA (heads != heads_kv): dk_partial, dv_partial given; the kernel
@@ -63,8 +64,13 @@ void check_schedule_header(BwdParams const& a) {
   require(h[S::kHMagic] == S::kMagic && h[S::kHVersion] == S::kVersion,
           "schedule buffer has a bad magic/version (not from dash_fa3.schedule.metadata)");
   require(h[S::kHNumCols] == S::kNumCols, "schedule has an unexpected number of task columns");
-  require(h[S::kHDispatch] == S::kDispatchStatic, "dynamic-dispatch schedules are not supported by this kernel");
-  require(h[S::kHOffsetsLen] == h[S::kHNumCtas] + 1, "schedule cta_offsets must have num_ctas + 1 entries");
+  bool const dynamic = h[S::kHDispatch] == S::kDispatchDynamic;
+  require(dynamic || h[S::kHDispatch] == S::kDispatchStatic, "schedule has an unknown dispatch kind");
+  require(h[S::kHOffsetsLen] == (dynamic ? 0 : h[S::kHNumCtas] + 1),
+          dynamic ? "a dynamic-dispatch schedule has no cta_offsets"
+                  : "schedule cta_offsets must have num_ctas + 1 entries");
+  require(!dynamic || a.task_counter != nullptr, "dynamic dispatch needs the task counter (zeroed)");
+  require(h[S::kHNumTasks] >= 1, "schedule has no tasks");
   require(h[S::kHBatch] == a.batch && h[S::kHHeads] == a.heads && h[S::kHHeadsKv] == a.heads_kv &&
               h[S::kHSeqlenQ] == a.seqlen_q && h[S::kHSeqlenK] == a.seqlen_k,
           "schedule was built for another shape (batch, heads, heads_kv, seqlen_q, seqlen_k)");
@@ -139,6 +145,9 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   // needs, from the host copy of its header (checked by check_schedule_header).
   p.cta_offsets = schedule::offsets_of(a.schedule);
   p.tasks = schedule::tasks_of(a.schedule, a.schedule_header_host);
+  bool const dynamic = a.schedule_header_host[schedule::kHDispatch] == schedule::kDispatchDynamic;
+  p.task_counter = dynamic ? a.task_counter : nullptr;
+  p.num_tasks = a.schedule_header_host[schedule::kHNumTasks];
   p.rank = schedule::rank_params_of(a.schedule_header_host);
   p.seqlen_q = a.seqlen_q;
   p.seqlen_k = a.seqlen_k;

@@ -1,7 +1,9 @@
 // Producer role of the backward kernel: one warp issues every TMA load.
 //
-// Per task (one KV tile of one (batch, q head)): K and V once, onto the
-// k_full and v_full transaction barriers, each after the MMA warpgroups have
+// Per task (one KV tile of one (batch, q head)), in the order its CTA takes
+// them (bwd_tasks.h): the task's index into task_ring.announced, then K and V
+// once, onto the k_full and v_full transaction barriers (the MMA warpgroups
+// learn their next task from k_full), each after the MMA warpgroups have
 // released the previous task's tile in that buffer (kKEmpty, kVEmpty; where
 // the epilogue stages dK/dV in sdS that is when the task's GEMMs retire, else
 // when the epilogue's TMA store has read the buffer). Then, per step, in the schedule's Q-tile
@@ -85,11 +87,16 @@ struct BwdProducer {
     uint64_t& k_full = reinterpret_cast<uint64_t&>(smem.k_full);
     uint64_t& v_full = reinterpret_cast<uint64_t&>(smem.v_full);
 
-    CtaTasks const tasks = CtaTasks::of(p.cta_offsets);
-    for (int task = tasks.begin; task < tasks.end; ++task) {
+    TaskCursor cursor = TaskCursor::of(p.cta_offsets, p.task_counter);
+    for (int task; (task = cursor.claim(smem.task_ring, p.task_counter, p.num_tasks)) >= 0;) {
       int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
-      if (n_steps <= 0) { continue; }  // the MMA warpgroups write dK = dV = 0 without loads
+      // A task without steps (the MMA warpgroups write dK = dV = 0) takes the
+      // same path with nothing loaded: k_full and v_full still complete one
+      // phase for it (no bytes expected), and the MMA warps wait on v_full
+      // before their kVEmpty arrival for it, so that arrival cannot reach the
+      // named barrier before this warp's sync for it below.
+      bool const loads = n_steps > 0;
       int const b = row[schedule::kCBatch];
       int const h = row[schedule::kCHead];
       int const h_kv = row[schedule::kCHeadKv];
@@ -145,17 +152,30 @@ struct BwdProducer {
       // (they arrive once at start-up too), then load this task's; the same for V.
       named_barrier_sync(BwdBarrier::kKEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
       if (leader) {
-        smem.k_full.arrive_and_expect_tx(Traits::kTmaBytesKV);
-        copy(p.tma_k.with(k_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK);
+        // The announcement of this task and its K land on k_full together.
+        smem.task_ring.announced = task;
+        smem.k_full.arrive_and_expect_tx(loads ? Traits::kTmaBytesKV : 0u);
+        if (loads) { copy(p.tma_k.with(k_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK); }
       }
       named_barrier_sync(BwdBarrier::kVEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
       if (leader) {
-        smem.v_full.arrive_and_expect_tx(Traits::kTmaBytesKV);
-        copy(p.tma_v.with(v_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV);
-        prefetch_next_kv(p, task, tasks.end);
+        smem.v_full.arrive_and_expect_tx(loads ? Traits::kTmaBytesKV : 0u);
+        if (loads) { copy(p.tma_v.with(v_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV); }
+        // Static dispatch knows this CTA's next task (dynamic: not yet claimed).
+        if (!cursor.dynamic()) { prefetch_next_kv(p, task, cursor.end); }
       }
       for (int s = preload; s < n_steps; ++s) { load_step(s); }
     }
+    // No more tasks: tell the MMA warpgroups, once they have read the last announcement.
+    named_barrier_sync(BwdBarrier::kKEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
+    if (leader) { announce(smem, -1); }
+  }
+
+  // Announces task (-1: none left) to the MMA warpgroups on k_full without loading K
+  // (lane 0; the arrive releases the store).
+  CUTE_DEVICE static void announce(SharedStorage& smem, int task) {
+    smem.task_ring.announced = task;
+    smem.k_full.arrive();
   }
 };
 

@@ -51,6 +51,7 @@
 #include "common/gemm_sm90.h"
 #include "common/params.h"
 #include "kernel_contract.h"  // generated: bwd_block_m / bwd_block_n
+#include "kernels/bwd/bwd_tasks.h"
 #include "schedules/schedule_metadata.h"
 
 namespace dash_fa3::bwd {
@@ -347,6 +348,8 @@ struct BwdTraits {
     // K (k_full) and V (v_full) of the current task have landed (one phase per task each).
     alignas(8) cutlass::arch::ClusterTransactionBarrier k_full;
     alignas(8) cutlass::arch::ClusterTransactionBarrier v_full;
+    // Dynamic dispatch: the claimed task indices (bwd_tasks.h).
+    TaskRingStorage task_ring;
     std::conditional_t<kSplitHeadDim, PBuffer, NoPBuffer> pbuf;
   };
   static_assert(cosize_v<SmemLayoutDs> == kDsElements, "sdS holds kStagesDs tiles of kBlockM x kBlockN");
@@ -399,6 +402,9 @@ struct BwdTraits {
     // fields that decode every step are launch constants, in rank.
     int32_t const* cta_offsets;
     int32_t const* tasks;
+    // Dynamic dispatch (bwd_tasks.h): the claim counter, zeroed; nullptr: static.
+    int* task_counter;
+    int num_tasks;
     schedule::RankParams rank;
     int seqlen_q, seqlen_k, seqlen_q_rounded, heads, heads_kv, batch;
     float softmax_scale;     // dK's (and, in the postprocess, dQ's) factor
