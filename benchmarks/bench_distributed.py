@@ -298,23 +298,21 @@ def ratio(a, b):
     return a / b if a is not None and b is not None and b > 0 else None
 
 
-def model_schedule(layout: str) -> str:
-    """The model's preset for our layout: contiguous runs helper-worker, zigzag its own owner schedule."""
-    return {"contiguous": "helper_worker", "zigzag": "zigzag"}[layout]
-
-
-def model_prediction(cfg: dict, P: int, layout: str) -> dict:
-    """The schedule model's predicted forward + backward for ours det (default cost parameters):
-    {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
-    from dash_fa3.schedule import distributed as SD
+def model_prediction(cfg: dict, P: int, layout: str, t1_ms: float | None = None) -> dict:
+    """The head-parallel model's forward + backward for ours det
+    (dash_fa3.schedule.cp_heads.simulate): with ``t1_ms`` its kernel rates are scaled so that its
+    one-GPU time equals the measured ours T1 det (the calibration), else the defaults; the
+    communication terms keep their defaults. {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
+    from dash_fa3.schedule import cp_heads
 
     try:
-        shape = SD.Shape(cfg["batch"], cfg["heads"], cfg["heads_kv"], cfg["hdim"],
-                         DTYPES[cfg["dtype"]].itemsize)
         if P > 64:
             raise ValueError(f"the model is meant for P <= 64, not {P}")
-        r = SD.simulate(P, cfg["tokens"], causal=cfg["causal"], schedule=model_schedule(layout), shape=shape)
-        return {"eff": r.efficiency, "ms": 1e3 * r.time, "t1_ms": 1e3 * r.single, "schedule": r.schedule}
+        kw = dict(causal=cfg["causal"], layout=layout, batch=cfg["batch"], heads=cfg["heads"],
+                  heads_kv=cfg["heads_kv"], headdim=cfg["hdim"], elem_bytes=DTYPES[cfg["dtype"]].itemsize)
+        scale = cp_heads.simulate(P, cfg["tokens"], **kw).single_ms / t1_ms if t1_ms else 1.0
+        r = cp_heads.simulate(P, cfg["tokens"], fwd_tflops=650.0 * scale, bwd_tflops=500.0 * scale, **kw)
+        return {"eff": r.efficiency, "ms": r.time_ms, "t1_ms": r.single_ms}
     except Exception as e:   # a shape the model refuses: report why
         return {"unavailable": f"{type(e).__name__}: {e}"}
 
@@ -343,8 +341,8 @@ def figures(impls: list[Impl], ms: dict, P: int, models: dict | None = None) -> 
     eff_ours: ours CP vs ours T1 in its mode; torch CP vs ours T1 nd. eff_cudnn: every CP row vs
     SDPA cuDNN T1. eff_own: torch CP vs SDPA T1 of its own backend (ours: = eff_ours).
     ratios[ours][peer] = ours ms / peer ms. best_cudnn: the fastest torch CP cuDNN rotate method.
-    model: per ours row, the prediction and measured - model; ``models`` maps a layout to the fold
-    model (ours det) and ("nd", layout) to the run plan's model (ours nd)."""
+    model: per ours row, the prediction and measured - model; ``models`` maps a layout to the
+    head-parallel model (ours det) and ("nd", layout) to the run plan's model (ours nd)."""
     models = models or {}
     t1_cudnn = ms.get(sdpa_t1_name("cudnn"))
     rows = {}
@@ -1083,7 +1081,8 @@ def run_config(cfg: dict, args, ctx: Ctx, impls: list[Impl]) -> dict:
         res["samples_ms"] = samples[im.name]
         res["stats"] = round_stats(samples[im.name]) if res["status"] == "ok" else None
         ms[im.name] = res["stats"]["median"] if res["stats"] else None
-    models = ({lay: model_prediction(cfg, ctx.world, lay) for lay in args.layouts} if "det" in args.modes else {})
+    models = ({lay: model_prediction(cfg, ctx.world, lay, ms.get(t1_name("det"))) for lay in args.layouts}
+              if "det" in args.modes else {})
     if "nd" in args.modes:
         models.update({("nd", lay): run_plan_model(cfg, ctx.world, lay, ms.get(t1_name("nd"))) for lay in args.layouts})
     rec["model"] = {k if isinstance(k, str) else "/".join(k): m for k, m in models.items()}

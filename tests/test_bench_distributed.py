@@ -261,17 +261,21 @@ def test_bar_per_mode_and_size():
     assert cpu[0]["eff"] == nd["eff"]
 
 
-def test_model_prediction_is_the_schedule_model():
-    from dash_fa3.schedule import distributed as SD
+def test_model_prediction_is_the_head_parallel_model():
+    from dash_fa3.schedule import cp_heads
 
     cfg = bd.configs(bd.parse_args(["--tokens", "128k", "--heads", "32/8"]))[0]
-    for layout, schedule in (("contiguous", "helper_worker"), ("zigzag", "zigzag")):
+    for layout in ("contiguous", "zigzag"):
         m = bd.model_prediction(cfg, 2, layout)
-        r = SD.simulate(2, 131072, causal=True, schedule=schedule, shape=SD.Shape(1, 32, 8, 128, 2))
-        assert m["eff"] == pytest.approx(r.efficiency) and m["ms"] == pytest.approx(1e3 * r.time)
-        assert m["schedule"] == schedule and 0.5 < m["eff"] < 1.0
+        r = cp_heads.simulate(2, 131072, causal=True, layout=layout, heads=32, heads_kv=8)
+        assert m["eff"] == pytest.approx(r.efficiency) and m["ms"] == pytest.approx(r.time_ms)
+        assert 0.5 < m["eff"] < 1.0
+        # calibrated: the model's one-GPU time is the measured one
+        cal = bd.model_prediction(cfg, 2, layout, t1_ms=2 * r.single_ms)
+        assert cal["t1_ms"] == pytest.approx(2 * r.single_ms) and cal["eff"] > m["eff"]
     assert "P <= 64" in bd.model_prediction(cfg, 128, "contiguous")["unavailable"]
     assert "unavailable" in bd.model_prediction(dict(cfg, tokens=1000), 2, "zigzag")
+    assert "KV heads cannot be shared" in bd.model_prediction(cfg, 16, "zigzag")["unavailable"]
 
 
 # ------------------------------------------------------------------------------------------ rendering

@@ -1,7 +1,11 @@
 """dash_fa3.distributed on CPU with gloo, in spawned processes (this file is also the worker).
 
-* output and dq/dk/dv match fp64 attention (dash_fa3.reference) and are bitwise identical for
-  P = 1, 2, 3, 4, 8 and both layouts (torch.equal on the unsharded tensors);
+* deterministic, algorithm "heads" (the default): output and dq/dk/dv bitwise those of one
+  process's call on the whole tensors (the same per-group compute), for P = 1, 2, 3, 4, 8 and both
+  layouts, and within bounds of fp64 attention;
+* deterministic, algorithm "folds": output and dq/dk/dv match fp64 attention (dash_fa3.reference)
+  and are bitwise identical for P = 1, 2, 3, 4, 8 and both layouts (torch.equal on the unsharded
+  tensors);
 * a rank that raises, dies or stalls makes every other rank fail with CommunicationError
   (CommunicationTimeout when it stalls) within a bound; nothing hangs;
 * checkpoint_block runs the distributed attention once per layer, with the uncheckpointed gradients.
@@ -36,6 +40,11 @@ CONFIGS = {
     "full_mqa_bf16": (False, 1, 3, 1, 16, "bf16"),
     "full_mha_fp32": (False, 1, 1, 1, 32, "fp32"),
 }
+# The head-parallel algorithm gives each rank whole KV heads: heads_kv >= 8 for P = 8.
+HEADS_CONFIGS = {
+    "heads_causal_gqa_bf16": (True, 1, 16, 8, 16, "bf16"),
+    "heads_full_mha_fp16_b2": (False, 2, 9, 9, 16, "fp16"),
+}
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -49,10 +58,11 @@ def make_inputs(seed, seqlen, cfg):
     return [torch.randn(s, generator=g).to(DTYPES[dt]) for s in shapes]
 
 
-def _attention_run(D, group, seed, seqlen, cfg, layout, deterministic=True):
+def _attention_run(D, group, seed, seqlen, cfg, layout, deterministic=True, algorithm="folds"):
     q, k, v, dout = make_inputs(seed, seqlen, cfg)
     ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
-    out = D.context_parallel_attn(ql, kl, vl, group, causal=cfg[0], layout=layout, deterministic=deterministic)
+    out = D.context_parallel_attn(ql, kl, vl, group, causal=cfg[0], layout=layout, deterministic=deterministic,
+                                  algorithm=algorithm)
     out.backward(D.shard(dout, group, layout=layout))
     return [D.unshard(x, group, layout=layout) for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
 
@@ -65,24 +75,32 @@ def _job_attention(D, group, rank, P, job, outdir):
                 if rank == 0:
                     torch.save(res, os.path.join(outdir, f"{name}-{layout}-N{n}-P{P}.pt"))
                 if n == NONDET_LENGTHS.get(P):
-                    res = _attention_run(D, group, job["seed"], n, cfg, layout, deterministic=False)
+                    res = _attention_run(D, group, job["seed"], n, cfg, layout, deterministic=False, algorithm=None)
                     if rank == 0:
                         torch.save(res, os.path.join(outdir, f"nondet-{name}-{layout}-N{n}-P{P}.pt"))
+    for name, cfg in HEADS_CONFIGS.items():
+        for layout in LAYOUTS:
+            res = _attention_run(D, group, job["seed"], LENGTHS[P][0], cfg, layout, algorithm=None)
+            if rank == 0:
+                torch.save(res, os.path.join(outdir, f"{name}-{layout}-N{LENGTHS[P][0]}-P{P}.pt"))
     return {}
 
 
 def _job_fault(D, group, rank, P, job, outdir):
-    """Rank job['bad'] misbehaves at its second forward tile; the others record how they fail."""
-    from dash_fa3.distributed import backend
+    """Rank job['bad'] misbehaves at its second forward tile (folds) or forward chunk (heads); the
+    others record how they fail."""
+    from dash_fa3.distributed import backend, heads
 
+    algorithm = job["algorithm"]
+    cfg = CONFIGS["causal_mha_bf16"] if algorithm == "folds" else HEADS_CONFIGS["heads_causal_gqa_bf16"]
     # a healthy call first, so `elapsed` below is communication and compute, not first-call set-up
-    _attention_run(D, group, job["seed"], job["seqlen"], CONFIGS["causal_mha_bf16"], "contiguous",
-                   job.get("deterministic", True))
+    _attention_run(D, group, job["seed"], job["seqlen"], cfg, "contiguous", algorithm=algorithm)
     if rank == job["bad"]:
         calls = [0]
-        tile = backend.TorchBlockBackend.fwd_tile
+        owner, attr = (backend.TorchBlockBackend, "fwd_tile") if algorithm == "folds" else (heads, "_fwd_compute")
+        healthy = getattr(owner, attr)
 
-        def faulty(self, *a, **kw):
+        def faulty(*a, **kw):
             calls[0] += 1
             if calls[0] == 2:
                 if job["fault"] == "raise":
@@ -90,13 +108,12 @@ def _job_fault(D, group, rank, P, job, outdir):
                 if job["fault"] == "exit":
                     os._exit(17)
                 time.sleep(job["stall_s"])
-            return tile(self, *a, **kw)
+            return healthy(*a, **kw)
 
-        backend.TorchBlockBackend.fwd_tile = faulty
+        setattr(owner, attr, faulty)
     t0 = time.monotonic()
     try:
-        _attention_run(D, group, job["seed"], job["seqlen"], CONFIGS["causal_mha_bf16"], "contiguous",
-                       job.get("deterministic", True))
+        _attention_run(D, group, job["seed"], job["seqlen"], cfg, "contiguous", algorithm=algorithm)
         return {"raised": None, "elapsed": time.monotonic() - t0}
     except Exception as e:   # the test inspects what each rank raised
         if rank == job["bad"]:
@@ -107,20 +124,21 @@ def _job_fault(D, group, rank, P, job, outdir):
 
 def _job_checkpoint(D, group, rank, P, job, outdir):
     """A two-layer model around context_parallel_attn, uncheckpointed / plainly checkpointed /
-    checkpoint_block; counts distributed attention forwards (runtime.forward calls)."""
+    checkpoint_block; counts distributed attention forwards (heads.forward calls: the
+    deterministic default)."""
     from torch.utils.checkpoint import checkpoint
 
     from dash_fa3 import checkpoint as ck
-    from dash_fa3.distributed import runtime
+    from dash_fa3.distributed import heads
 
     calls = [0]
-    fwd = runtime.forward
+    fwd = heads.forward
 
     def counting(*a, **kw):
         calls[0] += 1
         return fwd(*a, **kw)
 
-    runtime.forward = counting
+    heads.forward = counting
     torch.manual_seed(job["seed"])   # same weights on every rank
     dim, heads = 64, 2
     qkv = [torch.nn.Linear(dim, 3 * dim) for _ in range(2)]
@@ -341,6 +359,38 @@ def test_invariance_is_not_vacuous(attention_runs):
         assert not torch.equal(a, b.to(a.dtype)), f"{name}: the reference's fp32 order gave the same bits"
 
 
+def one_process_heads(seed, seqlen, cfg):
+    """What the head-parallel algorithm must reproduce bit for bit: its per-group compute on the
+    whole tensors in one process (on a GPU: flash_attn_func)."""
+    from dash_fa3.distributed import heads
+
+    causal, *_, d, _ = cfg
+    q, k, v, dout = make_inputs(seed, seqlen, cfg)
+    scale = d ** -0.5
+    out, lse = heads._fwd_compute(q, k, v, scale, causal)
+    return [out, *heads._bwd_compute(dout, q, k, v, out, lse, scale, causal, True)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(HEADS_CONFIGS))
+def test_heads_bitwise_one_process_for_every_number_of_ranks(attention_runs, name, layout):
+    seed, load = attention_runs
+    cfg = HEADS_CONFIGS[name]
+    want = {n: one_process_heads(seed, n, cfg) for n in {lengths[0] for lengths in LENGTHS.values()}}
+    for P, lengths in LENGTHS.items():
+        n = lengths[0]
+        for what, a, b in zip(("out", "dq", "dk", "dv"), load(name, layout, n, P), want[n]):
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{name} {what}: {a.dtype} {tuple(a.shape)}"
+            assert torch.equal(a, b), (f"{name}, {n} tokens: {what} with P={P} ({layout}) differs from one "
+                                       f"process in {(a != b).sum().item()} elements (seed {seed})")
+
+
+@pytest.mark.parametrize("name", list(HEADS_CONFIGS))
+def test_heads_matches_fp64_reference(attention_runs, name):
+    seed, load = attention_runs
+    check_vs_reference(load(name, "zigzag", 2304, 3), seed, 2304, HEADS_CONFIGS[name], f"{name} P=3 zigzag")
+
+
 @pytest.mark.parametrize("P", sorted(NONDET_LENGTHS))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -353,11 +403,12 @@ def test_nondeterministic_run_plan_matches_fp64_reference(attention_runs, name, 
     check_vs_reference(res, seed, n, CONFIGS[name], f"non-deterministic {name} P={P} {layout}")
 
 
-@pytest.mark.parametrize("fault,P", [("raise", 2), ("exit", 2), ("stall", 3)])
-def test_failed_rank_makes_the_others_fail(tmp_path, fault, P):
+@pytest.mark.parametrize("algorithm,fault,P", [("folds", "raise", 2), ("folds", "exit", 2), ("folds", "stall", 3),
+                                               ("heads", "raise", 2), ("heads", "stall", 3)])
+def test_failed_rank_makes_the_others_fail(tmp_path, algorithm, fault, P):
     timeout_s, bad = 3, 1
     job = {"kind": "fault", "fault": fault, "bad": bad, "seed": 5, "seqlen": 2 * P * 128 * 2,
-           "timeout_s": timeout_s, "stall_s": 60}
+           "timeout_s": timeout_s, "stall_s": 60, "algorithm": algorithm}
     t0 = time.monotonic()
     results, codes = launch(P, job, tmp_path, wait_s=60, expect_dead=(bad,))
     wall = time.monotonic() - t0
@@ -369,7 +420,8 @@ def test_failed_rank_makes_the_others_fail(tmp_path, fault, P):
         assert "CommunicationError" in res["mro"], f"rank {r} raised {res['raised']}: {res['message']}"
         if fault == "stall":
             assert "CommunicationTimeout" in res["mro"] and "TimeoutError" in res["mro"], res
-        assert "step" in res["message"] and "rank" in res["message"], res["message"]
+        where = "step" if algorithm == "folds" else "chunk"
+        assert where in res["message"] and "rank" in res["message"], res["message"]
         # a survivor waits at most about one timeout for the rank that broke, plus one for a
         # survivor that broke before it; a live but silent rank costs the full timeout
         assert res["elapsed"] < 2 * timeout_s + 3, f"rank {r} took {res['elapsed']:.1f} s to fail"

@@ -1,9 +1,11 @@
 """dash_fa3.distributed on CUDA with NCCL: two spawned ranks, one GPU each (this file is also the worker).
 
 * the forward (both modes) is bitwise the single-GPU kernel's output on the whole sequence;
-* non-deterministic gradients agree with the fp32 reference within 2x a plain 16-bit
-  implementation's error;
-* the deterministic mode refuses a backward on CUDA (not built yet) before running anything.
+* non-deterministic gradients (the run plan, and the head-parallel algorithm) agree with the fp32
+  reference within 2x a plain 16-bit implementation's error;
+* deterministic gradients (head-parallel) are bitwise those of flash_attn_func(deterministic=True)
+  on one GPU with the schedule the algorithm names;
+* algorithm="folds" is refused on CUDA before running anything.
 """
 
 import json
@@ -58,17 +60,18 @@ def _worker(argv):
     for name, case in CASES.items():
         causal, layout = case[0], case[7]
         q, k, v, dout = (t.cuda() for t in make_inputs(seed, case))
-        ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
-        out = D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout)
-        out.backward(D.shard(dout, group, layout=layout))
-        full = [D.unshard(x, group, layout=layout).cpu() for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
-        with torch.no_grad():
-            out_det = D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=True)
-        full.append(D.unshard(out_det, group, layout=layout).cpu())
+        full = []
+        for det, algorithm in ((False, None), (True, None), (False, "heads")):
+            ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
+            out = D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=det,
+                                          algorithm=algorithm)
+            out.backward(D.shard(dout, group, layout=layout))
+            full.append([D.unshard(x, group, layout=layout).cpu() for x in (out.detach(), ql.grad, kl.grad, vl.grad)])
         if rank == 0:
             torch.save(full, os.path.join(outdir, f"{name}.pt"))
         try:
-            D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=True)
+            D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=True,
+                                    algorithm="folds")
             result[name] = None
         except NotImplementedError as e:
             result[name] = str(e)
@@ -109,6 +112,9 @@ def runs(tmp_path_factory):
     return seed, out
 
 
+RUNS = ("runs", "heads det", "heads nd")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_is_bitwise_the_single_gpu_forward(runs, name):
     import dash_fa3
@@ -118,13 +124,14 @@ def test_forward_is_bitwise_the_single_gpu_forward(runs, name):
     q, k, v, _ = (t.cuda() for t in make_inputs(seed, case))
     single = dash_fa3.flash_attn_func(q, k, v, causal=case[0]).cpu()
     got = torch.load(out / f"{name}.pt")
-    for what, t in (("non-deterministic", got[0]), ("deterministic", got[4])):
-        assert torch.equal(t, single), (f"{name}: {what} output differs from one GPU in "
-                                        f"{(t != single).sum().item()} elements (seed {seed})")
+    for what, res in zip(RUNS, got):
+        assert torch.equal(res[0], single), (f"{name}: {what} output differs from one GPU in "
+                                             f"{(res[0] != single).sum().item()} elements (seed {seed})")
 
 
+@pytest.mark.parametrize("which", [0, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_nondeterministic_gradients_match_reference(runs, name):
+def test_nondeterministic_gradients_match_reference(runs, name, which):
     from attn_utils import assert_close_to_ref, attention_lowp
     from dash_fa3 import reference
 
@@ -133,22 +140,41 @@ def test_nondeterministic_gradients_match_reference(runs, name):
     causal = case[0]
     q, k, v, dout = (t.cuda() for t in make_inputs(seed, case))
     scale = 1.0 / math.sqrt(case[4])
-    got = [t.cuda() for t in torch.load(out / f"{name}.pt")]
+    got = [t.cuda() for t in torch.load(out / f"{name}.pt")[which]]
     ref = reference.attention_bwd_ref(dout, q, k, v, got[0], scale, causal)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     lowp_out, _ = attention_lowp(qq, kk, vv, scale, causal)
     lowp = torch.autograd.grad(lowp_out, (qq, kk, vv), dout)
     for what, ours, want, base in zip(("dq", "dk", "dv"), got[1:4], ref, lowp):
         assert ours.dtype == q.dtype
-        assert_close_to_ref(f"{name} {what}", ours, base, want)
+        assert_close_to_ref(f"{name} {RUNS[which]} {what}", ours, base, want)
 
 
-def test_deterministic_backward_is_refused_on_cuda(runs):
+@pytest.mark.parametrize("name", list(CASES))
+def test_deterministic_gradients_are_bitwise_one_gpus(runs, name):
+    import dash_fa3
+    from dash_fa3.distributed import heads
+
+    seed, out = runs
+    case = CASES[name]
+    causal = case[0]
+    q, k, v, dout = (t.cuda().requires_grad_() for t in make_inputs(seed, case))
+    o = dash_fa3.flash_attn_func(q, k, v, causal=causal, deterministic=True, schedule=heads.det_schedule(causal))
+    o = o[0] if isinstance(o, tuple) else o
+    single = torch.autograd.grad(o, (q, k, v), dout.detach())
+    got = torch.load(out / f"{name}.pt")[1]
+    for what, a, b in zip(("dq", "dk", "dv"), got[1:4], single):
+        b = b.cpu()
+        assert torch.equal(a, b), (f"{name}: deterministic {what} differs from one GPU in "
+                                   f"{(a != b).sum().item()} elements (seed {seed})")
+
+
+def test_folds_are_refused_on_cuda(runs):
     seed, out = runs
     for r in range(P):
         res = json.loads((out / f"rank{r}.json").read_text())
         for name, msg in res.items():
-            assert msg is not None and "deterministic=False" in msg, (r, name, msg)
+            assert msg is not None and "algorithm='heads'" in msg, (r, name, msg)
 
 
 if __name__ == "__main__":

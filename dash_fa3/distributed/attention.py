@@ -1,12 +1,16 @@
 """``context_parallel_attn`` and its custom ops ``dash_fa3::cp_fwd`` / ``dash_fa3::cp_bwd``.
 
-Two executions, chosen by the mode:
+Three algorithms (``algorithm=``; the default follows the mode):
 
-* ``deterministic=True``: the fold schedules (``runtime.py``), bitwise the same for every number of
-  ranks. CPU only for now: on CUDA the forward alone is available (it is P-invariant on the run
-  path too), a backward is refused before the forward runs.
-* ``deterministic=False``: the run plan (``cuda_runtime.py``): each rank calls the single-GPU
-  kernels (on CPU, the reference) on whole runs of query blocks; partial dK/dV summed in fp32.
+* ``"heads"`` (default with ``deterministic=True``; ``heads.py``): each rank computes whole heads
+  over the whole sequence with the single-GPU kernels (on CPU, the reference): output and gradients
+  bitwise those of one GPU, for every number of ranks and both layouts. Needs heads_kv >= P.
+* ``"runs"`` (default with ``deterministic=False``; ``cuda_runtime.py``): DistFlashAttn's
+  helper-worker run plan: each rank calls the single-GPU kernels on whole runs of query blocks;
+  partial dK/dV summed in fp32 (within rounding of one GPU, not bitwise).
+* ``"folds"`` (``deterministic=True`` only, CPU only: its fold kernels do not exist on the GPU;
+  ``runtime.py``): every block's reduction in one fixed order on one rank, bitwise the same for
+  every number of ranks and any heads_kv (MQA included).
 
 Custom ops (not a bare autograd.Function) so that selective activation
 checkpointing (``dash_fa3.checkpoint``) can save their outputs and skip them --
@@ -22,11 +26,13 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import distributed as S
-from . import cuda_runtime, runtime
+from ..schedule import cp_heads
+from . import cuda_runtime, heads, runtime
 from .backend import get_backend
 from .sharding import resolve_group, resolve_layout
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ALGORITHMS = ("heads", "runs", "folds")
 
 
 def _group(name: str):
@@ -35,18 +41,19 @@ def _group(name: str):
 
 @torch.library.custom_op("dash_fa3::cp_fwd", mutates_args=())
 def cp_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
-           softmax_scale: float, deterministic: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+           softmax_scale: float, deterministic: bool, layout: str, algorithm: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Context-parallel attention forward on local shards: (out, lse (b, h, n) fp32)."""
-    if deterministic and q.device.type == "cpu":
+    group = _group(group_name)
+    if algorithm == "heads":
+        return heads.forward(q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale)
+    if algorithm == "folds":
         backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
-        return runtime.forward(q, k, v, group=_group(group_name), causal=causal, layout=layout, backend=backend)
-    # The run path's forward is bitwise a single-GPU call's rows, so it serves both modes.
-    return cuda_runtime.forward(q, k, v, group=_group(group_name), causal=causal, layout=layout,
-                                softmax_scale=softmax_scale)
+        return runtime.forward(q, k, v, group=group, causal=causal, layout=layout, backend=backend)
+    return cuda_runtime.forward(q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale)
 
 
 @cp_fwd.register_fake
-def _cp_fwd_fake(q, k, v, group_name, causal, softmax_scale, deterministic, layout):
+def _cp_fwd_fake(q, k, v, group_name, causal, softmax_scale, deterministic, layout, algorithm):
     b, n, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
 
@@ -54,33 +61,37 @@ def _cp_fwd_fake(q, k, v, group_name, causal, softmax_scale, deterministic, layo
 @torch.library.custom_op("dash_fa3::cp_bwd", mutates_args=())
 def cp_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, group_name: str, causal: bool, softmax_scale: float, deterministic: bool,
-           layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           layout: str, algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Context-parallel attention backward on local shards: (dq, dk, dv) like q, k, v."""
-    if deterministic:
+    group = _group(group_name)
+    if algorithm == "heads":
+        return heads.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
+                              softmax_scale=softmax_scale, deterministic=deterministic)
+    if algorithm == "folds":
         backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
-        return runtime.backward(dout, q, k, v, out, lse, group=_group(group_name), causal=causal,
-                                layout=layout, backend=backend)
-    return cuda_runtime.backward(dout, q, k, v, out, lse, group=_group(group_name), causal=causal,
-                                 layout=layout, softmax_scale=softmax_scale)
+        return runtime.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
+                                backend=backend)
+    return cuda_runtime.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
+                                 softmax_scale=softmax_scale)
 
 
 @cp_bwd.register_fake
-def _cp_bwd_fake(dout, q, k, v, out, lse, group_name, causal, softmax_scale, deterministic, layout):
+def _cp_bwd_fake(dout, q, k, v, out, lse, group_name, causal, softmax_scale, deterministic, layout, algorithm):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, group_name, causal, softmax_scale, deterministic, layout = inputs
+    q, k, v, group_name, causal, softmax_scale, deterministic, layout, algorithm = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (group_name, causal, softmax_scale, deterministic, layout)
+    ctx.args = (group_name, causal, softmax_scale, deterministic, layout, algorithm)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = cp_bwd(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 cp_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -109,7 +120,23 @@ def _check(q, k, v, pg):
         raise ValueError(f"local length {n} x {P} ranks = {n * P} tokens: {e}") from None
 
 
-def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, deterministic=False, layout=None):
+def resolve_algorithm(algorithm, deterministic: bool) -> str:
+    """The algorithm a call runs: ``algorithm`` checked against the mode, or the mode's default."""
+    if algorithm is None:
+        return "heads" if deterministic else "runs"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} "
+                         f"(None: 'heads' when deterministic, else 'runs')")
+    if deterministic and algorithm == "runs":
+        raise ValueError("algorithm='runs' sums partial dK/dV, whose grouping changes with the number of ranks: "
+                         "it is not deterministic; use algorithm='heads' (the default) or 'folds'")
+    if not deterministic and algorithm == "folds":
+        raise ValueError("algorithm='folds' is the deterministic fold schedule: pass deterministic=True")
+    return algorithm
+
+
+def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, deterministic=False, layout=None,
+                          algorithm=None):
     """Attention over a sequence split across the ranks of ``group``; returns this rank's output.
 
     q: (batch, local_seqlen, heads, headdim); k, v: (batch, local_seqlen, heads_kv, headdim),
@@ -119,28 +146,34 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
     required. ``layout``: "contiguous" (default, helper-worker load balancing) or "zigzag".
     Differentiable.
 
-    ``deterministic=True``: output and gradients bitwise identical for every number of ranks and
-    both layouts (docs/distributed.md); on CUDA only the forward exists so far, and a call that
-    would need a backward raises NotImplementedError. ``deterministic=False``: the Hopper kernels
-    on whole runs of query blocks (the reference on CPU); the output is bitwise a single-GPU
-    call's, the gradients agree with one GPU to rounding (partial dK/dV summed in fp32).
+    ``deterministic=True`` (``algorithm="heads"``): each rank computes whole heads over the whole
+    sequence with the single-GPU deterministic kernels, so output and gradients are bitwise those
+    of ``flash_attn_func(..., deterministic=True)`` on one GPU, for every number of ranks and both
+    layouts; needs heads_kv >= P. ``algorithm="folds"`` (CPU only) gives P-invariant bits for any
+    heads_kv. ``deterministic=False`` (``algorithm="runs"``): DistFlashAttn's helper-worker plan,
+    the Hopper kernels on whole runs of query blocks (the reference on CPU); the output is bitwise a
+    single-GPU call's, the gradients agree with one GPU to rounding (partial dK/dV summed in fp32).
+    ``algorithm="heads"`` also runs without ``deterministic``. See docs/distributed.md.
     """
     pg = resolve_group(group)
     layout = resolve_layout(layout)
+    algorithm = resolve_algorithm(algorithm, bool(deterministic))
     _check(q, k, v, pg)
     if q.device.type == "cuda":
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"dash_fa3.distributed on CUDA takes bf16 or fp16, got {q.dtype}")
-        if deterministic and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if algorithm == "folds":
             raise NotImplementedError(
-                "dash_fa3.distributed: the deterministic (bitwise the same for every number of GPUs) "
-                "backward needs fold kernels that are not built yet (issue 16); on CUDA use "
-                "deterministic=False for training, or run the deterministic forward under torch.no_grad()")
+                "dash_fa3.distributed: algorithm='folds' needs fold kernels that do not exist on the GPU; "
+                "use algorithm='heads' (the deterministic default: bitwise one GPU's result)")
     elif q.device.type != "cpu":
         raise ValueError(f"dash_fa3.distributed runs on CUDA or CPU tensors, got {q.device.type}")
+    if algorithm == "heads":
+        cp_heads.kv_ranges(k.shape[2], dist.get_world_size(pg))   # raises for heads_kv < P
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    out, _ = cp_fwd(q, k, v, pg.group_name, bool(causal), float(softmax_scale), bool(deterministic), layout)
+    out, _ = cp_fwd(q, k, v, pg.group_name, bool(causal), float(softmax_scale), bool(deterministic), layout,
+                    algorithm)
     return out

@@ -27,18 +27,7 @@ import torch.distributed as dist
 from .. import ops
 from ..schedule import cp_runs
 from ..schedule.distributed import G
-
-_warmed: set[str] = set()
-
-
-def _ensure_communicator(group, device) -> None:
-    """NCCL needs every rank of a group in its first collective; a point-to-point batch that
-    leaves a rank out would hang there. One small all-reduce per group settles that."""
-    if group.group_name in _warmed:
-        return
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
-    _warmed.add(group.group_name)
-
+from . import runtime
 
 def _exchange(sends, recvs, group):
     """Post (peer, tensor) sends and receives in one batch; return the works (wait on them)."""
@@ -199,7 +188,7 @@ def _sum_partials(contributions, mine, dk, dv) -> None:
 
 def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
     """This rank's (out (b, n, h, d), lse (b, h, n) fp32) for local shards q, k, v."""
-    _ensure_communicator(group, q.device)
+    runtime.ensure_communicator(group, q.device)
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     b, n, h, d = q.shape
     p = cp_runs.plan(P, n * P, bool(causal), layout)
@@ -245,7 +234,7 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
 
 def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softmax_scale: float):
     """This rank's (dq, dk, dv) for local shards (non-deterministic mode)."""
-    _ensure_communicator(group, q.device)
+    runtime.ensure_communicator(group, q.device)
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     b, n, h, d = q.shape
     hk = k.shape[2]

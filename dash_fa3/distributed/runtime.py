@@ -47,6 +47,53 @@ def group_timeout(group) -> datetime.timedelta:
     return dist.distributed_c10d.default_pg_timeout
 
 
+_warmed: set[str] = set()
+
+
+def ensure_communicator(group, device) -> None:
+    """NCCL needs every rank of a group in its first collective; a point-to-point batch that
+    leaves a rank out would hang there. One small all-reduce per group settles that."""
+    if group.group_name in _warmed or torch.device(device).type != "cuda":
+        return
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _warmed.add(group.group_name)
+
+
+def wait_works(works, peers, group, rank: int, where: str, timeout=None) -> None:
+    """Wait for posted P2P works; ``peers``: a ("send to" | "receive from", peer) per work.
+
+    CPU (gloo): each wait is bounded by the process group's timeout; a peer that died fails it at
+    once, one that stalls at the timeout, and either raises :class:`CommunicationError`
+    (:class:`CommunicationTimeout`) naming this rank, ``where`` and the peer. CUDA (NCCL): a plain
+    ``wait()``, which makes the current stream wait without blocking the host; a stalled peer is
+    left to the NCCL watchdog and the group's timeout."""
+    if not works:
+        return
+    if _is_nccl(group):
+        for w in works:
+            w.wait()
+        return
+    timeout = timeout or group_timeout(group)
+    for (what, peer), work in zip(peers, works):
+        head = f"dash_fa3.distributed: rank {rank} of the group, {where}: {what} rank {peer}"
+        limit = f"did not complete within the process group's timeout ({timeout.total_seconds():g} s)"
+        try:
+            ok = work.wait(timeout)
+        except RuntimeError as e:
+            if "timed out" in str(e).lower():
+                raise CommunicationTimeout(f"{head} {limit}: {e}") from e
+            raise CommunicationError(f"{head} failed: {e}") from e
+        if ok is False:
+            raise CommunicationTimeout(f"{head} {limit}")
+
+
+def _is_nccl(group) -> bool:
+    try:
+        return dist.get_backend(group) == "nccl"
+    except (RuntimeError, ValueError):
+        return False
+
+
 @functools.lru_cache(maxsize=64)
 def plan(num_ranks: int, seqlen: int, causal: bool, pass_: str, layout: str, rank: int):
     """This rank's program; per fold it computes, the step of the fold's last item (when its result
@@ -129,17 +176,7 @@ def _exchange(store: _Store, sends, recvs, group, timeout, rank: int, step: int,
     if compute is not None:
         compute()
     peers = [("send to", m.peer) for m in sends] + [("receive from", m.peer) for m in recvs]
-    for (what, peer), work in zip(peers, works):
-        where = f"dash_fa3.distributed: rank {rank} of the group, step {step} wave {wave}: {what} rank {peer}"
-        limit = f"did not complete within the process group's timeout ({timeout.total_seconds():g} s)"
-        try:
-            ok = work.wait(timeout)
-        except RuntimeError as e:
-            if "timed out" in str(e).lower():
-                raise CommunicationTimeout(f"{where} {limit}: {e}") from e
-            raise CommunicationError(f"{where} failed: {e}") from e
-        if ok is False:
-            raise CommunicationTimeout(f"{where} {limit}")
+    wait_works(works, peers, group, rank, f"step {step} wave {wave}", timeout)
     for m, buf in zip(recvs, bufs):
         store.unpack(m.transfers, buf)
 

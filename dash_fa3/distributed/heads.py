@@ -1,0 +1,207 @@
+"""Head-parallel context parallelism: each rank computes whole heads over the whole sequence.
+
+The plan (``dash_fa3/schedule/cp_heads.py``) gives each rank whole KV heads and their query heads.
+Per chunk of those heads, every rank sends each peer its tokens of the peer's heads and receives
+the peers' tokens of its own; it then calls the single-GPU kernels (on CPU, the reference, one KV
+group at a time) on the whole sequence and sends each peer its tokens of the result. So every
+head is one single-GPU call: output, LSE and gradients are bitwise ``flash_attn_func``'s on one
+GPU, in both modes, for every number of ranks and both layouts (the deterministic mode's default).
+
+Messages go through ``batch_isend_irecv`` (NCCL runs them on its own stream, ordered after the
+compute stream's producers; ``Work.wait()`` makes the compute stream wait, not the host). Chunk
+c+1's inputs are posted before chunk c computes, and chunk c's results right after it, so
+transfers overlap the kernels. Every rank posts the same sequence of batches (inputs 0, inputs 1,
+results 0, inputs 2, results 1, ...), each pairing with its peers' batch of the same position.
+Gathered tensors are stored sequence-major ((tokens, ...), the remaining dimensions in order), so
+that a peer's piece of tokens is one contiguous region its message fills in place; the kernels
+read them through strided views. On CPU (gloo) each wait is bounded by the process group's timeout
+and a failed or stalled peer raises :class:`~.runtime.CommunicationError`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import ops, reference
+from ..schedule import cp_heads
+from ..schedule.distributed import G
+from ..schedule.schedules import POSITION_FREE_SCHEDULES
+from . import runtime
+
+# The CPU compute's block edge: fixed, so a head's arithmetic does not depend on the call's shape.
+CPU_BLOCK = 128
+
+
+def det_schedule(causal: bool) -> str:
+    """The deterministic backward's schedule: the auto table's choice among the schedules whose dQ
+    add order is the same for a head in every call (for the lengths context parallelism is for,
+    the table picks ``spt`` causal at head dim 64 and ``fa3`` full beyond 128 KV tiles)."""
+    name = "spt" if causal else "fa3"
+    assert name in POSITION_FREE_SCHEDULES
+    return name
+
+
+def _seq_major(x: torch.Tensor, s: int) -> torch.Tensor:
+    """x with dimension s moved first, contiguous (a copy unless it already is)."""
+    return x.movedim(s, 0).contiguous()
+
+
+class _Exchange:
+    """One batch of messages: sends, and receives with what to do with each once it has arrived."""
+
+    def __init__(self, group, rank: int, what: str):
+        self.group, self.rank, self.what = group, rank, what
+        self.sends: list[tuple[int, torch.Tensor]] = []
+        self.recvs: list[tuple[int, torch.Tensor]] = []
+        self.works = []
+
+    def post(self) -> "_Exchange":
+        ops_ = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for p, t in self.sends]
+        ops_ += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for p, t in self.recvs]
+        self.works = dist.batch_isend_irecv(ops_) if ops_ else []
+        return self
+
+    def wait(self) -> None:
+        peers = [("send to", p) for p, _ in self.sends] + [("receive from", p) for p, _ in self.recvs]
+        runtime.wait_works(self.works, peers, self.group, self.rank, self.what)
+        self.works = []
+
+
+def _gather(x, s, hd, p: cp_heads.HeadPlan, rank, heads_of, ex: _Exchange):
+    """This rank's heads ``heads_of(rank)`` of x over all tokens, from the token shards: a view of a
+    sequence-major buffer whose peer pieces arrive through ``ex`` (x: local shard, sequence dim s,
+    head dim hd)."""
+    lo, hi = heads_of(rank)
+    shape = list(x.shape)
+    shape[s], shape[hd] = p.num_blocks * G, hi - lo
+    buf = x.new_empty([shape[s]] + [shape[i] for i in range(x.dim()) if i != s])
+    off = 0
+    for a, b in p.pieces[rank]:
+        buf[a * G:b * G].copy_(x.narrow(s, off * G, (b - a) * G).narrow(hd, lo, hi - lo).movedim(s, 0))
+        off += b - a
+    for peer in range(p.num_ranks):
+        if peer == rank:
+            continue
+        plo, phi = heads_of(peer)
+        for a, b, o in p.messages(rank, peer):
+            ex.sends.append((peer, _seq_major(x.narrow(s, o * G, (b - a) * G).narrow(hd, plo, phi - plo), s)))
+        for a, b, _ in p.messages(peer, rank):
+            ex.recvs.append((peer, buf[a * G:b * G]))
+    return buf.movedim(0, s)
+
+
+def _scatter(y, s, hd, p: cp_heads.HeadPlan, rank, heads_of, out, ex: _Exchange):
+    """Sends each peer its tokens of y (this rank's heads over all tokens) and posts the receives of
+    this rank's tokens of the peers' heads; returns the placements to run once ``ex`` has arrived.
+    This rank's own tokens go into ``out`` (the local shard, all heads) at once."""
+    lo, hi = heads_of(rank)
+    off = 0
+    for a, b in p.pieces[rank]:
+        out.narrow(s, off * G, (b - a) * G).narrow(hd, lo, hi - lo).copy_(y.narrow(s, a * G, (b - a) * G))
+        off += b - a
+    landing = []
+    for peer in range(p.num_ranks):
+        if peer == rank:
+            continue
+        for a, b, _ in p.messages(peer, rank):
+            ex.sends.append((peer, _seq_major(y.narrow(s, a * G, (b - a) * G), s)))
+        plo, phi = heads_of(peer)
+        for a, b, o in p.messages(rank, peer):
+            shape = list(out.shape)
+            shape[s], shape[hd] = (b - a) * G, phi - plo
+            buf = out.new_empty([shape[s]] + [shape[i] for i in range(out.dim()) if i != s])
+            ex.recvs.append((peer, buf))
+            landing.append((out.narrow(s, o * G, (b - a) * G).narrow(hd, plo, phi - plo), buf.movedim(0, s)))
+    return landing
+
+
+def _fwd_compute(q, k, v, softmax_scale, causal):
+    if q.device.type == "cuda":
+        return ops.fwd(q, k, v, softmax_scale, causal, 0)
+    outs, lses = [], []
+    g = q.shape[2] // k.shape[2]
+    for h in range(k.shape[2]):       # one KV group per call: the same shapes for every P
+        o, lse = reference.attention_ref(q[:, :, h * g:(h + 1) * g], k[:, :, h:h + 1], v[:, :, h:h + 1],
+                                         softmax_scale, causal, block_size=CPU_BLOCK)
+        outs.append(o.to(q.dtype))
+        lses.append(lse.float())
+    return torch.cat(outs, 2), torch.cat(lses, 1)
+
+
+def _bwd_compute(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    if q.device.type == "cuda":
+        schedule = det_schedule(causal) if deterministic else "auto"
+        return ops.bwd(dout, q, k, v, out, lse.contiguous(), softmax_scale, causal, deterministic, schedule, 0)
+    dqs, dks, dvs = [], [], []
+    g = q.shape[2] // k.shape[2]
+    for h in range(k.shape[2]):
+        sl = slice(h * g, (h + 1) * g)
+        dq, dk, dv = reference.attention_bwd_ref(dout[:, :, sl], q[:, :, sl], k[:, :, h:h + 1], v[:, :, h:h + 1],
+                                                 out[:, :, sl], softmax_scale, causal, block_size=CPU_BLOCK)
+        dqs.append(dq.to(q.dtype))
+        dks.append(dk.to(k.dtype))
+        dvs.append(dv.to(v.dtype))
+    return torch.cat(dqs, 2), torch.cat(dks, 2), torch.cat(dvs, 2)
+
+
+def _run(p, rank, group, inputs, compute, outputs, what):
+    """The chunk pipeline of one pass. ``inputs``: [(local tensor, seq dim, head dim, per query
+    head)]; ``compute(*gathered)`` -> results; ``outputs``: [(local result tensor, seq dim, head
+    dim, per query head)] filled in place."""
+
+    def heads_fn(c, per_q):
+        return (lambda r: p.q_heads(c, r)) if per_q else (lambda r: p.kv_heads(c, r))
+
+    def post_inputs(c):
+        ex = _Exchange(group, rank, f"{what} inputs, chunk {c}")
+        views = [_gather(x, s, hd, p, rank, heads_fn(c, pq), ex) for x, s, hd, pq in inputs]
+        return ex.post(), views
+
+    pending = [post_inputs(0)]
+    results = []
+    for c in range(len(p.chunks)):
+        if c + 1 < len(p.chunks):
+            pending.append(post_inputs(c + 1))
+        ex_in, views = pending[c]
+        ex_in.wait()
+        ys = compute(*views)
+        ex_out = _Exchange(group, rank, f"{what} results, chunk {c}")
+        landing = []
+        for y, (out, s, hd, pq) in zip(ys, outputs):
+            landing += _scatter(y, s, hd, p, rank, heads_fn(c, pq), out, ex_out)
+        results.append((ex_out.post(), landing))
+    for ex_out, landing in results:
+        ex_out.wait()
+        for dst, src in landing:
+            dst.copy_(src)
+
+
+def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, chunks: int = 2):
+    """This rank's (out (b, n, h, d), lse (b, h, n) fp32) for local shards q, k, v."""
+    runtime.ensure_communicator(group, q.device)
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    b, n, h, d = q.shape
+    p = cp_heads.plan(P, n * P, h, k.shape[2], layout, chunks)
+    out = q.new_empty((b, n, h, d))
+    lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
+    _run(p, rank, group, [(q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False)],
+         lambda qf, kf, vf: _fwd_compute(qf, kf, vf, softmax_scale, causal),
+         [(out, 1, 2, True), (lse, 2, 1, True)], "forward")
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softmax_scale: float,
+             deterministic: bool, chunks: int = 2):
+    """This rank's (dq, dk, dv) for local shards."""
+    runtime.ensure_communicator(group, q.device)
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    b, n, h, d = q.shape
+    p = cp_heads.plan(P, n * P, h, k.shape[2], layout, chunks)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _run(p, rank, group,
+         [(dout, 1, 2, True), (q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False), (out, 1, 2, True),
+          (lse, 2, 1, True)],
+         lambda *xs: _bwd_compute(*xs, softmax_scale, causal, deterministic),
+         [(dq, 1, 2, True), (dk, 1, 2, False), (dv, 1, 2, False)], "backward")
+    return dq, dk, dv
