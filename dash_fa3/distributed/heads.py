@@ -33,6 +33,10 @@ from . import runtime
 CPU_BLOCK = 128
 
 
+# Chunks of each rank's heads in the transfer/compute pipeline (at most the smallest rank's KV-head count).
+CHUNKS = 2
+
+
 def det_schedule(causal: bool) -> str:
     """The deterministic backward's schedule: the auto table's choice among the schedules whose dQ
     add order is the same for a head in every call (for the lengths context parallelism is for,
@@ -177,12 +181,12 @@ def _run(p, rank, group, inputs, compute, outputs, what):
             dst.copy_(src)
 
 
-def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, chunks: int = 2):
+def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, chunks: int | None = None):
     """This rank's (out (b, n, h, d), lse (b, h, n) fp32) for local shards q, k, v."""
     runtime.ensure_communicator(group, q.device)
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     b, n, h, d = q.shape
-    p = cp_heads.plan(P, n * P, h, k.shape[2], layout, chunks)
+    p = cp_heads.plan(P, n * P, h, k.shape[2], layout, chunks or CHUNKS)
     out = q.new_empty((b, n, h, d))
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     _run(p, rank, group, [(q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False)],
@@ -192,12 +196,12 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, 
 
 
 def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softmax_scale: float,
-             deterministic: bool, chunks: int = 2):
+             deterministic: bool, chunks: int | None = None):
     """This rank's (dq, dk, dv) for local shards."""
     runtime.ensure_communicator(group, q.device)
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     b, n, h, d = q.shape
-    p = cp_heads.plan(P, n * P, h, k.shape[2], layout, chunks)
+    p = cp_heads.plan(P, n * P, h, k.shape[2], layout, chunks or CHUNKS)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _run(p, rank, group,
          [(dout, 1, 2, True), (q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False), (out, 1, 2, True),
