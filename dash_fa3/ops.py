@@ -84,14 +84,9 @@ def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False, soft
     return total
 
 
-@functools.lru_cache(maxsize=1024)
-def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule, sm_margin,
-              device):
-    """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
-    (-1, 0) causal) runs, on the softcap kernels if ``softcap``, built once per shape (the
-    cap's value is the C++ op's argument, not the plan's): (schedule on the device, its header on
-    the host, the C++ op). A variant this build lacks is an error that says how to build it:
-    nothing falls back to a slow path."""
+def _bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule,
+                  sm_margin, device):
+    """(schedule metadata, the C++ op) of one backward call: see :func:`_bwd_plan`."""
     from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
     from .schedule.lowering import get_kernel_metadata
 
@@ -104,8 +99,49 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap: bool,
                         window_right=window_right)
     # "auto" depends on the mode: without ordering constraints the best-balanced order wins.
     name = resolve_schedule_name(schedule, geometry, deterministic, num_sms=total - sm_margin, headdim=hdim)
-    flat = torch.from_numpy(get_kernel_metadata(name, geometry, total - sm_margin).as_int32_array())
-    return flat.to(device), flat.clone(), _ext.ops().bwd.default
+    return get_kernel_metadata(name, geometry, total - sm_margin), _ext.ops().bwd.default
+
+
+def _as_plan(meta, run, device):
+    flat = torch.from_numpy(meta.as_int32_array())
+    return flat.to(device), flat.clone(), run
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule, sm_margin,
+              device):
+    """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
+    (-1, 0) causal) runs, on the softcap kernels if ``softcap``, built once per shape (the
+    cap's value is the C++ op's argument, not the plan's): (schedule on the device, its header on
+    the host, the C++ op). A variant this build lacks is an error that says how to build it:
+    nothing falls back to a slow path."""
+    return _as_plan(*_bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap, deterministic,
+                                   schedule, sm_margin, device), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_plan_part(q_shape, k_shape, dtype, causal, deterministic, device, heads, heads_kv, kv_lo):
+    """The plan of a call that holds KV heads [kv_lo, kv_lo + k_shape[2]) (and their query heads) of
+    a problem with ``heads`` / ``heads_kv`` heads: the whole problem's schedule restricted to them
+    (``metadata.restrict_heads``), so every head gets the dQ add order it has in the whole call."""
+    from .schedule.metadata import restrict_heads
+
+    full_q = (q_shape[0], q_shape[1], heads, q_shape[3])
+    full_k = (k_shape[0], k_shape[1], heads_kv, k_shape[3])
+    meta, run = _bwd_schedule(full_q, full_k, dtype, -1, 0 if causal else -1, False, deterministic, "auto", 0,
+                              device)
+    return _as_plan(restrict_heads(meta, kv_lo, kv_lo + k_shape[2]), run, device)
+
+
+def bwd_heads_part(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, heads, heads_kv, kv_lo):
+    """The backward of KV heads [kv_lo, kv_lo + k.shape[2]) of a problem with ``heads`` /
+    ``heads_kv`` heads, given only those heads' tensors (CUDA): bitwise what ``flash_attn_func``'s
+    backward (schedule "auto") gives those heads on the whole problem. For head-parallel context
+    parallelism (dash_fa3/distributed/heads.py)."""
+    flat, header, run = _bwd_plan_part(tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), bool(deterministic),
+                                       q.device, int(heads), int(heads_kv), int(kv_lo))
+    return run(dout, q, k, v, out, lse, flat, header, softmax_scale, -1, 0 if causal else -1, 0.0,
+               bool(deterministic))
 
 
 def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, deterministic,

@@ -364,11 +364,11 @@ def one_process_heads(seed, seqlen, cfg):
     whole tensors in one process (on a GPU: flash_attn_func)."""
     from dash_fa3.distributed import heads
 
-    causal, *_, d, _ = cfg
+    causal, _, h, hk, d, _ = cfg
     q, k, v, dout = make_inputs(seed, seqlen, cfg)
     scale = d ** -0.5
     out, lse = heads._fwd_compute(q, k, v, scale, causal)
-    return [out, *heads._bwd_compute(dout, q, k, v, out, lse, scale, causal, True)]
+    return [out, *heads._bwd_compute(dout, q, k, v, out, lse, scale, causal, True, h, hk, 0)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -4,7 +4,8 @@
 * non-deterministic gradients (the run plan, and the head-parallel algorithm) agree with the fp32
   reference within 2x a plain 16-bit implementation's error;
 * deterministic gradients (head-parallel) are bitwise those of flash_attn_func(deterministic=True)
-  on one GPU with the schedule the algorithm names;
+  on one GPU (its default schedule; the cases include shift orders, whose dQ add order depends on a
+  head's index);
 * algorithm="folds" is refused on CUDA before running anything.
 """
 
@@ -23,12 +24,14 @@ pytestmark = pytest.mark.gpu
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 P = 2
-# name: (causal, batch, heads, heads_kv, headdim, dtype, seqlen, layout)
+# name: (causal, batch, heads, heads_kv, headdim, dtype, seqlen, layout). Each runs a shift order
+# deterministically (the auto table's choice) whose units outnumber the 132 CTAs, so heads differ
+# in their dQ add order and a rank's call must take it from the whole problem's schedule.
 CASES = {
-    "causal_mha_bf16_h128_contig": (True, 1, 4, 4, 128, "bf16", 8192, "contiguous"),
+    "causal_mha_bf16_h128_contig": (True, 1, 4, 4, 128, "bf16", 16384, "contiguous"),
     "causal_mha_bf16_h128_zigzag": (True, 1, 4, 4, 128, "bf16", 8192, "zigzag"),
     "causal_gqa_fp16_h64_b2": (True, 2, 8, 2, 64, "fp16", 4096, "contiguous"),
-    "full_gqa_bf16_h128": (False, 1, 4, 2, 128, "bf16", 4096, "zigzag"),
+    "full_gqa_bf16_h128": (False, 1, 4, 2, 128, "bf16", 8192, "zigzag"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -153,13 +156,12 @@ def test_nondeterministic_gradients_match_reference(runs, name, which):
 @pytest.mark.parametrize("name", list(CASES))
 def test_deterministic_gradients_are_bitwise_one_gpus(runs, name):
     import dash_fa3
-    from dash_fa3.distributed import heads
 
     seed, out = runs
     case = CASES[name]
     causal = case[0]
     q, k, v, dout = (t.cuda().requires_grad_() for t in make_inputs(seed, case))
-    o = dash_fa3.flash_attn_func(q, k, v, causal=causal, deterministic=True, schedule=heads.det_schedule(causal))
+    o = dash_fa3.flash_attn_func(q, k, v, causal=causal, deterministic=True)
     o = o[0] if isinstance(o, tuple) else o
     single = torch.autograd.grad(o, (q, k, v), dout.detach())
     got = torch.load(out / f"{name}.pt")[1]

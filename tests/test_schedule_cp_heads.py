@@ -1,5 +1,6 @@
-"""The head-parallel plan (dash_fa3/schedule/cp_heads.py) and the kernel property it rests on: a
-head's backward bits do not depend on how many heads share the call."""
+"""The head-parallel plan (dash_fa3/schedule/cp_heads.py) and what its backward rests on: the whole
+problem's schedule restricted to a rank's heads (metadata.restrict_heads) gives each of them the dQ
+add order it has in the whole call."""
 
 import dataclasses
 
@@ -7,52 +8,67 @@ import numpy as np
 import pytest
 
 from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule, cp_heads
-from dash_fa3.schedule.schedules import POSITION_FREE_SCHEDULES
+from dash_fa3.schedule import metadata as M
+from dash_fa3.schedule.lowering import get_kernel_metadata
 from dash_fa3.schedule.distributed import G
 
 
-def dq_add_order(s, heads_kept):
-    """(batch, head, q tile, kv tile) -> the step's rank in its dQ tile's add order, for heads < heads_kept."""
-    out = {}
-    for t in range(len(s.task_kv)):
-        b, h, kv = int(s.task_batch[t]), int(s.task_head[t]), int(s.task_kv[t])
-        if h >= heads_kept:
-            continue
-        for i in range(s.step_offsets[t], s.step_offsets[t + 1]):
-            out[(b, h, int(s.step_q[i]), kv)] = int(s.step_rank[i])
-    return out
+def decoded(meta):
+    """{(batch, head, q tile, kv tile): rank} of every step of a kernel schedule."""
+    row, step, q, rank = meta.decode_all()
+    t = meta.tasks
+    return {(int(t[r, M.C_BATCH]), int(t[r, M.C_HEAD]), int(qq), int(t[r, M.C_KV])): int(k)
+            for r, qq, k in zip(row, q, rank)}
 
 
-def per_head_orders(name, mask, hdim, batch, heads, heads_kv, seqlen, num_sms=132):
-    """{(batch, head): {(q tile, kv tile): add rank}} of one schedule."""
-    bm, bn = bwd_block_sizes(hdim)
-    g = Geometry(batch=batch, heads=heads, heads_kv=heads_kv, seqlen_q=seqlen, seqlen_k=seqlen, block_m=bm,
-                 block_n=bn, mask=mask)
-    per = {}
-    for (b, h, q, kv), r in dq_add_order(build_schedule(name, g, num_sms), heads).items():
-        per.setdefault((b, h), {})[(q, kv)] = r
-    return per
-
-
+@pytest.mark.parametrize("dispatch", ["static", "dynamic"])
 @pytest.mark.parametrize("mask", ["causal", "full"])
-@pytest.mark.parametrize("name", POSITION_FREE_SCHEDULES)
-@pytest.mark.parametrize("hdim", [64, 128])
-def test_dq_add_order_of_a_head_is_the_same_in_every_call(name, mask, hdim):
-    """The head-parallel algorithm calls the kernel with one rank's heads, renumbered from 0: every
-    head must get the order it has in a call with all heads, wherever it sits and whatever the
-    number of heads, batch or SMs. 40 960 tokens: a head's tasks outnumber the SMs."""
-    want = None
-    for batch, heads, heads_kv, sms in ((2, 6, 3, 132), (1, 2, 2, 132), (1, 1, 1, 114), (3, 5, 5, 132)):
-        for order in per_head_orders(name, mask, hdim, batch, heads, heads_kv, 40960, sms).values():
-            want = want or order
-            assert order == want
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_restricted_schedule_gives_each_head_its_order_in_the_whole_call(name, mask, dispatch):
+    """12 query heads on 4 KV heads, batch 2, 5120 tokens (a head's units straddle waves of 132 CTAs,
+    so the shift orders differ from head to head): every kept step decodes to the whole call's
+    (q, rank), heads renumbered from 0; CTAs keep their rows' order."""
+    bm, bn = bwd_block_sizes(128)
+    g = Geometry(batch=2, heads=12, heads_kv=4, seqlen_q=5120, seqlen_k=5120, block_m=bm, block_n=bn, mask=mask)
+    full = get_kernel_metadata(name, g, 132, dispatch)
+    whole = decoded(full)
+    for lo, hi in ((0, 1), (1, 3), (3, 4), (0, 4)):
+        part = M.restrict_heads(full, lo, hi)
+        assert part.field("heads") == 3 * (hi - lo) and part.field("heads_kv") == hi - lo
+        assert part.num_tasks == 2 * 3 * (hi - lo) * g.n_kv
+        assert part.field("num_steps") == int(part.tasks[:, M.C_N_STEPS].sum())
+        want = {(b, h - 3 * lo, q, kv): r for (b, h, q, kv), r in whole.items() if 3 * lo <= h < 3 * hi}
+        assert decoded(part) == want
+        if not part.dynamic:
+            assert part.offsets[0] == 0 and part.offsets[-1] == part.num_tasks
+            assert part.field("num_ctas") + 1 == part.field("offsets_len") == part.offsets.size
+            assert np.all(np.diff(part.offsets) > 0)      # no CTA without rows
+            for c in range(part.field("num_ctas")):
+                rows = part.tasks[part.cta_rows(c)]
+                assert np.all(rows[:, M.C_CTA] == c)
+        flat = part.as_int32_array()
+        assert M.ScheduleMeta.from_int32_array(flat).num_tasks == part.num_tasks
 
 
-@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - set(POSITION_FREE_SCHEDULES)))
-def test_shift_orders_depend_on_the_heads_position(name):
-    """Why the head-parallel algorithm does not run the shift orders."""
-    orders = list(per_head_orders(name, "causal", 128, 2, 6, 3, 40960).values())
+def test_shift_orders_differ_between_heads():
+    """Why a call with some of the heads needs the restricted schedule: on its own it would give
+    them other orders."""
+    bm, bn = bwd_block_sizes(128)
+    g = Geometry(batch=2, heads=12, heads_kv=4, seqlen_q=5120, seqlen_k=5120, block_m=bm, block_n=bn,
+                 mask="causal")
+    full = decoded(get_kernel_metadata("symmetric_shift", g, 132))
+    per_head = {}
+    for (b, h, q, kv), r in full.items():
+        per_head.setdefault((b, h), {})[(q, kv)] = r
+    orders = list(per_head.values())
     assert any(o != orders[0] for o in orders[1:])
+
+
+def test_restrict_heads_refuses_heads_out_of_range():
+    g = Geometry(batch=1, heads=4, heads_kv=2, seqlen_q=512, seqlen_k=512, block_m=64, block_n=128, mask="causal")
+    meta = get_kernel_metadata("spt", g, 132)
+    with pytest.raises(ValueError, match=r"KV heads \[1, 3\) are not within the schedule's 2"):
+        M.restrict_heads(meta, 1, 3)
 
 
 @pytest.mark.parametrize("P,hk", [(1, 1), (2, 16), (3, 8), (4, 4), (8, 9)])

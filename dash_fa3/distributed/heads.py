@@ -26,24 +26,18 @@ import torch.distributed as dist
 from .. import ops, reference
 from ..schedule import cp_heads
 from ..schedule.distributed import G
-from ..schedule.schedules import POSITION_FREE_SCHEDULES
 from . import runtime
 
 # The CPU compute's block edge: fixed, so a head's arithmetic does not depend on the call's shape.
 CPU_BLOCK = 128
 
 
-# Chunks of each rank's heads in the transfer/compute pipeline (at most the smallest rank's KV-head count).
-CHUNKS = 2
-
-
-def det_schedule(causal: bool) -> str:
-    """The deterministic backward's schedule: the auto table's choice among the schedules whose dQ
-    add order is the same for a head in every call (for the lengths context parallelism is for,
-    the table picks ``spt`` causal at head dim 64 and ``fa3`` full beyond 128 KV tiles)."""
-    name = "spt" if causal else "fa3"
-    assert name in POSITION_FREE_SCHEDULES
-    return name
+# Chunks of each rank's heads in the transfer/compute pipeline (at most the smallest rank's KV-head
+# count). One: on two H200s (2026-11-24) two or four chunks were no faster (64k, 16 heads: 61.0 ms
+# with one chunk, 64.5 with two, 61.0 with four): the transfers did not overlap the kernels. Our
+# reading, not measured: NCCL's kernels find no free SM while the persistent attention kernels hold
+# every SM's registers.
+CHUNKS = 1
 
 
 def _seq_major(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -133,10 +127,11 @@ def _fwd_compute(q, k, v, softmax_scale, causal):
     return torch.cat(outs, 2), torch.cat(lses, 1)
 
 
-def _bwd_compute(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+def _bwd_compute(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, heads, heads_kv, kv_lo):
+    """Gradients of KV heads [kv_lo, kv_lo + k.shape[2]) of a problem with heads / heads_kv heads."""
     if q.device.type == "cuda":
-        schedule = det_schedule(causal) if deterministic else "auto"
-        return ops.bwd(dout, q, k, v, out, lse.contiguous(), softmax_scale, causal, deterministic, schedule, 0)
+        return ops.bwd_heads_part(dout, q, k, v, out, lse.contiguous(), softmax_scale, causal, deterministic,
+                                  heads, heads_kv, kv_lo)
     dqs, dks, dvs = [], [], []
     g = q.shape[2] // k.shape[2]
     for h in range(k.shape[2]):
@@ -151,7 +146,7 @@ def _bwd_compute(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
 
 def _run(p, rank, group, inputs, compute, outputs, what):
     """The chunk pipeline of one pass. ``inputs``: [(local tensor, seq dim, head dim, per query
-    head)]; ``compute(*gathered)`` -> results; ``outputs``: [(local result tensor, seq dim, head
+    head)]; ``compute(chunk, *gathered)`` -> results; ``outputs``: [(local result tensor, seq dim, head
     dim, per query head)] filled in place."""
 
     def heads_fn(c, per_q):
@@ -169,7 +164,7 @@ def _run(p, rank, group, inputs, compute, outputs, what):
             pending.append(post_inputs(c + 1))
         ex_in, views = pending[c]
         ex_in.wait()
-        ys = compute(*views)
+        ys = compute(c, *views)
         ex_out = _Exchange(group, rank, f"{what} results, chunk {c}")
         landing = []
         for y, (out, s, hd, pq) in zip(ys, outputs):
@@ -190,7 +185,7 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, 
     out = q.new_empty((b, n, h, d))
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     _run(p, rank, group, [(q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False)],
-         lambda qf, kf, vf: _fwd_compute(qf, kf, vf, softmax_scale, causal),
+         lambda c, qf, kf, vf: _fwd_compute(qf, kf, vf, softmax_scale, causal),
          [(out, 1, 2, True), (lse, 2, 1, True)], "forward")
     return out, lse
 
@@ -206,6 +201,7 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
     _run(p, rank, group,
          [(dout, 1, 2, True), (q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False), (out, 1, 2, True),
           (lse, 2, 1, True)],
-         lambda *xs: _bwd_compute(*xs, softmax_scale, causal, deterministic),
+         lambda c, *xs: _bwd_compute(*xs, softmax_scale, causal, deterministic, h, k.shape[2],
+                                      p.kv_heads(c, rank)[0]),
          [(dq, 1, 2, True), (dk, 1, 2, False), (dv, 1, 2, False)], "backward")
     return dq, dk, dv

@@ -189,3 +189,40 @@ class ScheduleMeta:
 
     def header_dict(self) -> dict[str, int]:
         return {k: int(v) for k, v in zip(HEADER_FIELDS, self.header)}
+
+
+def restrict_heads(meta: ScheduleMeta, kv_lo: int, kv_hi: int) -> ScheduleMeta:
+    """The metadata of a call that holds only KV heads [kv_lo, kv_hi) (and their query heads) of
+    the problem ``meta`` was built for: those heads' rows, renumbered from 0, in the same order.
+
+    Every kept step decodes to the same (Q tile, rank) as in ``meta`` (the rank rules read the row
+    and the per-head tile geometry only), so each head gets the dQ add order it has in the whole
+    call; this is what lets head-parallel context parallelism reproduce the shift orders, which
+    place a head's units by its index. Safe: a head's dQ tiles wait only on its own rows, and the
+    kept rows keep their order on every CTA (static) or in the queue (dynamic), so the wait-for
+    graph is a subgraph of the validated one."""
+    h = meta.header.copy()
+    heads, heads_kv = int(h[H_HEADS]), int(h[H_HEADS_KV])
+    if not 0 <= kv_lo < kv_hi <= heads_kv:
+        raise ValueError(f"KV heads [{kv_lo}, {kv_hi}) are not within the schedule's {heads_kv}")
+    group = heads // heads_kv
+    keep = (meta.tasks[:, C_HEAD_KV] >= kv_lo) & (meta.tasks[:, C_HEAD_KV] < kv_hi)
+    tasks = meta.tasks[keep].copy()
+    tasks[:, C_HEAD] -= kv_lo * group
+    tasks[:, C_HEAD_KV] -= kv_lo
+    h[H_HEADS], h[H_HEADS_KV] = (kv_hi - kv_lo) * group, kv_hi - kv_lo
+    h[H_NUM_TASKS] = tasks.shape[0]
+    h[H_NUM_STEPS] = int(tasks[:, C_N_STEPS].astype(np.int64).sum())
+    offsets = meta.offsets
+    if int(h[H_DISPATCH]) == DISPATCH_STATIC:
+        # per CTA, its kept rows; CTAs left without rows are dropped (the others renumbered)
+        kept_before = np.concatenate([[0], np.cumsum(keep)])
+        bounds = kept_before[meta.offsets.astype(np.int64)]
+        busy = np.flatnonzero(np.diff(bounds) > 0)
+        tasks[:, C_CTA] = np.searchsorted(busy, tasks[:, C_CTA])
+        offsets = np.concatenate([[0], np.cumsum(np.diff(bounds)[busy])]).astype(np.int32)
+        h[H_NUM_CTAS] = busy.size
+        h[H_OFFSETS_LEN] = busy.size + 1
+    else:
+        h[H_NUM_CTAS] = min(int(h[H_NUM_CTAS]), tasks.shape[0])
+    return ScheduleMeta(h, offsets.copy(), tasks)

@@ -34,12 +34,6 @@ from .geometry import Geometry, _cdiv
 SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES + ("auto",)
 DYNAMIC_SCHEDULES = ("fa3", "spt", "descending", "lpt")
 STATIC_SCHEDULES = ("shift", "symmetric_shift")
-#: Schedules whose dQ add order for one head is a function of its tile geometry alone: not of the
-#: head's position among the call's heads, the number of heads or the SM count (the queue orders
-#: rank a dQ tile's adds by KV tile). The shift orders place a head's units from its global index
-#: modulo the SM count, so the same head gets another order in a call with other heads.
-#: Head-parallel context parallelism (dash_fa3/distributed/heads.py) relies on it.
-POSITION_FREE_SCHEDULES = DYNAMIC_SCHEDULES
 
 
 #: How a deterministic ``auto`` is resolved: "table" (the default: the rule below, from
