@@ -87,8 +87,8 @@ def _job_attention(D, group, rank, P, job, outdir):
 
 
 def _job_fault(D, group, rank, P, job, outdir):
-    """Rank job['bad'] misbehaves at its second forward tile (folds) or forward chunk (heads); the
-    others record how they fail."""
+    """Rank job['bad'] misbehaves at its second forward tile (folds) or its forward compute (heads,
+    one chunk); the others record how they fail."""
     from dash_fa3.distributed import backend, heads
 
     algorithm = job["algorithm"]
@@ -99,10 +99,11 @@ def _job_fault(D, group, rank, P, job, outdir):
         calls = [0]
         owner, attr = (backend.TorchBlockBackend, "fwd_tile") if algorithm == "folds" else (heads, "_fwd_compute")
         healthy = getattr(owner, attr)
+        at = 2 if algorithm == "folds" else 1
 
         def faulty(*a, **kw):
             calls[0] += 1
-            if calls[0] == 2:
+            if calls[0] == at:
                 if job["fault"] == "raise":
                     raise RuntimeError("injected failure")
                 if job["fault"] == "exit":

@@ -41,32 +41,39 @@ def _group(name: str):
 
 @torch.library.custom_op("dash_fa3::cp_fwd", mutates_args=())
 def cp_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
-           softmax_scale: float, deterministic: bool, layout: str, algorithm: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context-parallel attention forward on local shards: (out, lse (b, h, n) fp32)."""
+           softmax_scale: float, deterministic: bool, layout: str,
+           algorithm: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Context-parallel attention forward on local shards: (out, lse (b, h, n) fp32, saved). saved:
+    with algorithm "heads", this rank's heads' q, k, v, out, lse over the whole sequence, which its
+    backward uses instead of gathering them again; else empty."""
     group = _group(group_name)
     if algorithm == "heads":
         return heads.forward(q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale)
     if algorithm == "folds":
         backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
-        return runtime.forward(q, k, v, group=group, causal=causal, layout=layout, backend=backend)
-    return cuda_runtime.forward(q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale)
+        return *runtime.forward(q, k, v, group=group, causal=causal, layout=layout, backend=backend), []
+    return *cuda_runtime.forward(q, k, v, group=group, causal=causal, layout=layout,
+                                 softmax_scale=softmax_scale), []
 
 
 @cp_fwd.register_fake
 def _cp_fwd_fake(q, k, v, group_name, causal, softmax_scale, deterministic, layout, algorithm):
     b, n, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+    saved = []
+    if algorithm == "heads":
+        group = _group(group_name)
+        p = heads.plan_of(q.shape, k.shape[2], group, layout)
+        saved = [q.new_empty(s, dtype=torch.float32 if len(s) == 3 else q.dtype)
+                 for s in heads.saved_shapes(q.shape, k.shape[2], p, dist.get_rank(group))]
+    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32), saved
 
 
 @torch.library.custom_op("dash_fa3::cp_bwd", mutates_args=())
 def cp_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, group_name: str, causal: bool, softmax_scale: float, deterministic: bool,
            layout: str, algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Context-parallel attention backward on local shards: (dq, dk, dv) like q, k, v."""
+    """Context-parallel attention backward on local shards ("runs", "folds"): (dq, dk, dv) like q, k, v."""
     group = _group(group_name)
-    if algorithm == "heads":
-        return heads.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
-                              softmax_scale=softmax_scale, deterministic=deterministic)
     if algorithm == "folds":
         backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
         return runtime.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
@@ -80,17 +87,38 @@ def _cp_bwd_fake(dout, q, k, v, out, lse, group_name, causal, softmax_scale, det
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("dash_fa3::cp_heads_bwd", mutates_args=())
+def cp_heads_bwd(dout: torch.Tensor, saved: list[torch.Tensor], heads_kv: int, group_name: str, causal: bool,
+                 softmax_scale: float, deterministic: bool,
+                 layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head-parallel backward from the forward's saved tensors: (dq, dk, dv) of the local shards."""
+    return heads.backward(dout, saved, heads_kv=heads_kv, group=_group(group_name), causal=causal, layout=layout,
+                          softmax_scale=softmax_scale, deterministic=deterministic)
+
+
+@cp_heads_bwd.register_fake
+def _cp_heads_bwd_fake(dout, saved, heads_kv, group_name, causal, softmax_scale, deterministic, layout):
+    b, n, _, d = dout.shape
+    return torch.empty_like(dout), dout.new_empty((b, n, heads_kv, d)), dout.new_empty((b, n, heads_kv, d))
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, group_name, causal, softmax_scale, deterministic, layout, algorithm = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    out, lse, saved = output
+    ctx.heads_kv = k.shape[2]
+    ctx.save_for_backward(*(saved if algorithm == "heads" else (q, k, v, out, lse)))
     ctx.args = (group_name, causal, softmax_scale, deterministic, layout, algorithm)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, *saved)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = cp_bwd(dout, q, k, v, out, lse, *ctx.args)
+def _backward(ctx, dout, dlse, dsaved):
+    group_name, causal, softmax_scale, deterministic, layout, algorithm = ctx.args
+    if algorithm == "heads":
+        dq, dk, dv = cp_heads_bwd(dout.contiguous(), list(ctx.saved_tensors), ctx.heads_kv, group_name, causal,
+                                  softmax_scale, deterministic, layout)
+    else:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = cp_bwd(dout, q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -174,6 +202,6 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    out, _ = cp_fwd(q, k, v, pg.group_name, bool(causal), float(softmax_scale), bool(deterministic), layout,
-                    algorithm)
+    out, _, _ = cp_fwd(q, k, v, pg.group_name, bool(causal), float(softmax_scale), bool(deterministic), layout,
+                       algorithm)
     return out

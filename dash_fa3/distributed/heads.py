@@ -176,32 +176,68 @@ def _run(p, rank, group, inputs, compute, outputs, what):
             dst.copy_(src)
 
 
+SAVED_PER_CHUNK = 5   # q, k, v, out, lse of the chunk's heads over the whole sequence
+
+
+def saved_shapes(q_shape, heads_kv: int, p: cp_heads.HeadPlan, rank: int) -> list[tuple[int, ...]]:
+    """Shapes of :func:`forward`'s saved tensors on ``rank`` (for the custom op's fake)."""
+    b, _, _, d = q_shape
+    N = p.num_blocks * G
+    out = []
+    for c in range(len(p.chunks)):
+        qlo, qhi = p.q_heads(c, rank)
+        klo, khi = p.kv_heads(c, rank)
+        out += [(b, N, qhi - qlo, d), (b, N, khi - klo, d), (b, N, khi - klo, d), (b, N, qhi - qlo, d),
+                (b, qhi - qlo, N)]
+    return out
+
+
+def plan_of(q_shape, heads_kv: int, group, layout: str, chunks: int | None = None) -> cp_heads.HeadPlan:
+    P = dist.get_world_size(group)
+    b, n, h, _ = q_shape
+    return cp_heads.plan(P, n * P, h, heads_kv, layout, chunks or CHUNKS)
+
+
 def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, chunks: int | None = None):
-    """This rank's (out (b, n, h, d), lse (b, h, n) fp32) for local shards q, k, v."""
+    """This rank's (out (b, n, h, d), lse (b, h, n) fp32) for local shards q, k, v, and what the
+    backward needs: per chunk, its heads' q, k, v, out and lse over the whole sequence (so the
+    backward moves only dO in and the gradients out)."""
     runtime.ensure_communicator(group, q.device)
-    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     b, n, h, d = q.shape
-    p = cp_heads.plan(P, n * P, h, k.shape[2], layout, chunks or CHUNKS)
+    p = plan_of(q.shape, k.shape[2], group, layout, chunks)
     out = q.new_empty((b, n, h, d))
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
-    _run(p, rank, group, [(q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False)],
-         lambda c, qf, kf, vf: _fwd_compute(qf, kf, vf, softmax_scale, causal),
+    saved = []
+
+    def compute(c, qf, kf, vf):
+        of, lf = _fwd_compute(qf, kf, vf, softmax_scale, causal)
+        saved.extend((qf, kf, vf, of, lf))
+        return of, lf
+
+    _run(p, rank, group, [(q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False)], compute,
          [(out, 1, 2, True), (lse, 2, 1, True)], "forward")
-    return out, lse
+    return out, lse, saved
 
 
-def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softmax_scale: float,
+def backward(dout, saved, *, heads_kv: int, group, causal: bool, layout: str, softmax_scale: float,
              deterministic: bool, chunks: int | None = None):
-    """This rank's (dq, dk, dv) for local shards."""
-    runtime.ensure_communicator(group, q.device)
-    P, rank = dist.get_world_size(group), dist.get_rank(group)
-    b, n, h, d = q.shape
-    p = cp_heads.plan(P, n * P, h, k.shape[2], layout, chunks or CHUNKS)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _run(p, rank, group,
-         [(dout, 1, 2, True), (q, 1, 2, True), (k, 1, 2, False), (v, 1, 2, False), (out, 1, 2, True),
-          (lse, 2, 1, True)],
-         lambda c, *xs: _bwd_compute(*xs, softmax_scale, causal, deterministic, h, k.shape[2],
-                                      p.kv_heads(c, rank)[0]),
+    """This rank's (dq, dk, dv) for its local dO and :func:`forward`'s saved tensors."""
+    runtime.ensure_communicator(group, dout.device)
+    rank = dist.get_rank(group)
+    b, n, h, d = dout.shape
+    p = plan_of(dout.shape, heads_kv, group, layout, chunks)
+    if len(saved) != SAVED_PER_CHUNK * len(p.chunks):
+        raise ValueError(f"the backward got {len(saved)} saved tensors for {len(p.chunks)} chunks")
+    dq = torch.empty_like(dout)
+    dk = dout.new_empty((b, n, heads_kv, d))
+    dv = dout.new_empty((b, n, heads_kv, d))
+
+    def compute(c, dof):
+        qf, kf, vf, of, lf = saved[SAVED_PER_CHUNK * c:SAVED_PER_CHUNK * (c + 1)]
+        return _bwd_compute(dof, qf, kf, vf, of, lf, softmax_scale, causal, deterministic, h, heads_kv,
+                            p.kv_heads(c, rank)[0])
+
+    _run(p, rank, group, [(dout, 1, 2, True)], compute,
          [(dq, 1, 2, True), (dk, 1, 2, False), (dv, 1, 2, False)], "backward")
     return dq, dk, dv
