@@ -1,7 +1,8 @@
 """Sequence parallelism (context parallelism) whose results are bitwise identical for every
 number of ranks. See docs/distributed.md.
 
-* :func:`context_parallel_attn` -- attention on local shards, differentiable;
+* :func:`context_parallel_attn` -- attention on local shards, differentiable; deterministic by
+  whole heads per rank (bitwise one GPU's result), non-deterministic by DistFlashAttn's run plan;
 * :func:`shard` / :func:`unshard` -- a full tensor to this rank's tokens and back;
 * :class:`CommunicationError`, :class:`CommunicationTimeout` -- a peer failed or stalled;
 * :class:`~.backend.BlockBackend` -- the interface a kernel backend implements;
