@@ -1,21 +1,25 @@
 """Head-parallel context parallelism: each rank computes whole heads over the whole sequence.
 
 The plan (``dash_fa3/schedule/cp_heads.py``) gives each rank whole KV heads and their query heads.
-Per chunk of those heads, every rank sends each peer its tokens of the peer's heads and receives
-the peers' tokens of its own; it then calls the single-GPU kernels (on CPU, the reference, one KV
-group at a time) on the whole sequence and sends each peer its tokens of the result. So every
-head is one single-GPU call: output, LSE and gradients are bitwise ``flash_attn_func``'s on one
-GPU, in both modes, for every number of ranks and both layouts (the deterministic mode's default).
+Every rank sends each peer its tokens of the peer's heads and receives the peers' tokens of its
+own; it then runs the single-GPU kernels (on CPU, the reference, one KV group at a time) on the
+whole sequence and sends each peer its tokens of the result. The forward's gathered q, k, v, out
+and lse are what autograd keeps, so the backward moves only dO in and dQ, dK, dV out. Every head is
+thus one single-GPU computation: output, LSE and gradients are bitwise ``flash_attn_func``'s on one
+GPU on the whole problem, in both modes (the deterministic one with its default schedule), for
+every number of ranks and both layouts. The backward runs the whole problem's schedule restricted
+to the rank's heads (``ops.bwd_heads_part``): the shift orders place a head's units by its index
+among all heads, so a call holding only some heads would otherwise give them other dQ orders.
 
 Messages go through ``batch_isend_irecv`` (NCCL runs them on its own stream, ordered after the
-compute stream's producers; ``Work.wait()`` makes the compute stream wait, not the host). Chunk
-c+1's inputs are posted before chunk c computes, and chunk c's results right after it, so
-transfers overlap the kernels. Every rank posts the same sequence of batches (inputs 0, inputs 1,
-results 0, inputs 2, results 1, ...), each pairing with its peers' batch of the same position.
-Gathered tensors are stored sequence-major ((tokens, ...), the remaining dimensions in order), so
-that a peer's piece of tokens is one contiguous region its message fills in place; the kernels
-read them through strided views. On CPU (gloo) each wait is bounded by the process group's timeout
-and a failed or stalled peer raises :class:`~.runtime.CommunicationError`.
+compute stream's producers; ``Work.wait()`` makes the compute stream wait, not the host). The
+rank's heads can be cut into chunks (:data:`CHUNKS`) whose transfers are posted around the other
+chunks' compute; every rank posts the same sequence of batches (inputs 0, inputs 1, results 0,
+inputs 2, results 1, ...), each pairing with its peers' batch of the same position. Gathered
+tensors are stored sequence-major ((tokens, ...), the remaining dimensions in order), so that a
+peer's piece of tokens is one contiguous region its message fills in place; the kernels read them
+through strided views. On CPU (gloo) each wait is bounded by the process group's timeout and a
+failed or stalled peer raises :class:`~.runtime.CommunicationError`.
 """
 
 from __future__ import annotations
