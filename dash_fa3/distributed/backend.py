@@ -217,11 +217,10 @@ class TorchBlockBackend(BlockBackend):
 
 
 def get_backend(device: torch.device, heads: int, heads_kv: int, softmax_scale: float) -> BlockBackend:
-    """The fold backend (the deterministic mode) for tensors on ``device``. Only the CPU one exists:
-    the CUDA one (the Hopper kernels with fp32 fold state in global memory) is still to come."""
+    """The fold backend (``algorithm="folds"``) for tensors on ``device``. Only the CPU one exists
+    (a CUDA one would need kernels with fp32 fold state in global memory)."""
     if device.type != "cpu":
         raise NotImplementedError(
-            f"dash_fa3.distributed: the deterministic mode's folds run on CPU tensors (gloo) only; {device.type} "
-            f"tensors need the kernel fold backend, which is not written yet (issue 16); deterministic=False "
-            f"runs on {device.type}")
+            f"dash_fa3.distributed: the folds run on CPU tensors (gloo) only; on {device.type} use "
+            f"algorithm='heads' (the deterministic default) or deterministic=False")
     return TorchBlockBackend(heads, heads_kv, softmax_scale, device)

@@ -14,9 +14,8 @@ them through a (batch, tokens, heads, headdim) view (TMA takes any 16-byte strid
 Forward: a query row is computed by one kernel call with the same key tiles as on one GPU, so the
 output and LSE are bitwise a single-GPU call's for every number of ranks (both modes). Backward,
 non-deterministic mode: a run's call gives its complete dQ and partial dK/dV over its key prefix;
-each key block's owner sums the partials in fp32 in ascending rank order. The deterministic
-backward (bitwise the same for every number of ranks) needs fold kernels that are not written yet;
-``attention.py`` refuses it on CUDA before the forward runs.
+each key block's owner sums the partials in fp32 in ascending rank order. (The deterministic mode
+runs whole heads per rank instead: ``heads.py``.)
 """
 
 from __future__ import annotations
