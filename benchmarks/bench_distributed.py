@@ -298,38 +298,40 @@ def ratio(a, b):
     return a / b if a is not None and b is not None and b > 0 else None
 
 
+def _calibrated(simulate, cfg: dict, P: int, t1_ms: float | None, **kw):
+    """``simulate(P, tokens, ...)`` with its kernel rates scaled so that its one-GPU time equals the
+    measured ``t1_ms`` (the calibration; the default rates without one); the communication terms
+    keep their defaults."""
+    kw.update(causal=cfg["causal"], batch=cfg["batch"], heads=cfg["heads"], heads_kv=cfg["heads_kv"],
+              headdim=cfg["hdim"])
+    scale = simulate(P, cfg["tokens"], **kw).single_ms / t1_ms if t1_ms else 1.0
+    return simulate(P, cfg["tokens"], fwd_tflops=650.0 * scale, bwd_tflops=500.0 * scale, **kw)
+
+
 def model_prediction(cfg: dict, P: int, layout: str, t1_ms: float | None = None) -> dict:
     """The head-parallel model's forward + backward for ours det
-    (dash_fa3.schedule.cp_heads.simulate): with ``t1_ms`` its kernel rates are scaled so that its
-    one-GPU time equals the measured ours T1 det (the calibration), else the defaults; the
-    communication terms keep their defaults. {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
+    (dash_fa3.schedule.cp_heads.simulate), calibrated on the measured ours T1 det when given
+    (``_calibrated``). {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
     from dash_fa3.schedule import cp_heads
 
     try:
         if P > 64:
             raise ValueError(f"the model is meant for P <= 64, not {P}")
-        kw = dict(causal=cfg["causal"], layout=layout, batch=cfg["batch"], heads=cfg["heads"],
-                  heads_kv=cfg["heads_kv"], headdim=cfg["hdim"], elem_bytes=DTYPES[cfg["dtype"]].itemsize)
-        scale = cp_heads.simulate(P, cfg["tokens"], **kw).single_ms / t1_ms if t1_ms else 1.0
-        r = cp_heads.simulate(P, cfg["tokens"], fwd_tflops=650.0 * scale, bwd_tflops=500.0 * scale, **kw)
+        r = _calibrated(cp_heads.simulate, cfg, P, t1_ms, layout=layout, elem_bytes=DTYPES[cfg["dtype"]].itemsize)
         return {"eff": r.efficiency, "ms": r.time_ms, "t1_ms": r.single_ms}
     except Exception as e:   # a shape the model refuses: report why
         return {"unavailable": f"{type(e).__name__}: {e}"}
 
 
 def run_plan_model(cfg: dict, P: int, layout: str, t1_ms: float | None) -> dict:
-    """The run plan's model (dash_fa3.schedule.cp_runs.simulate) for ours nd, its kernel rates
-    scaled so that its one-GPU time equals the measured ours T1 nd (the calibration); the
-    communication terms keep their defaults. {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
+    """The run plan's model (dash_fa3.schedule.cp_runs.simulate) for ours nd, calibrated on the
+    measured ours T1 nd (``_calibrated``). {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
     from dash_fa3.schedule import cp_runs
 
     if t1_ms is None:
         return {"unavailable": "no measured ours T1 nd to calibrate on"}
     try:
-        kw = dict(causal=cfg["causal"], layout=layout, batch=cfg["batch"], heads=cfg["heads"],
-                  heads_kv=cfg["heads_kv"], headdim=cfg["hdim"])
-        scale = cp_runs.simulate(P, cfg["tokens"], **kw).single_ms / t1_ms
-        r = cp_runs.simulate(P, cfg["tokens"], fwd_tflops=650.0 * scale, bwd_tflops=500.0 * scale, **kw)
+        r = _calibrated(cp_runs.simulate, cfg, P, t1_ms, layout=layout)
         return {"eff": r.efficiency, "ms": r.time_ms, "t1_ms": r.single_ms}
     except Exception as e:   # a shape the model refuses: report why
         return {"unavailable": f"{type(e).__name__}: {e}"}

@@ -28,13 +28,6 @@ from ..schedule import cp_runs
 from ..schedule.distributed import G
 from . import runtime
 
-def _exchange(sends, recvs, group):
-    """Post (peer, tensor) sends and receives in one batch; return the works (wait on them)."""
-    ops_ = [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
-    ops_ += [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
-    return dist.batch_isend_irecv(ops_) if ops_ else []
-
-
 def _wait(works) -> None:
     for w in works:
         w.wait()
@@ -194,7 +187,7 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
     mine = _Blocks(p, rank)
     kg, vg, sends, recvs = _gather_kv(p, rank, mine, k, v)
     received = _gather_rows(p, rank, mine, {"q": (q, 1)}, sends, recvs)
-    works = _exchange(sends, recvs, group)
+    works = runtime.post_p2p(sends, recvs, group)
     out = q.new_empty((b, n, h, d))
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
     results = _foreign_buffers(p, rank, lambda lo, hi: (
@@ -223,7 +216,7 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float):
             l_buf = torch.empty((b, h, (hi - lo) * G), dtype=torch.float32, device=q.device)
             recvs += [(peer, o_buf), (peer, l_buf)]
             landing.append((lo, hi, o_buf, l_buf))
-    _wait(_exchange(sends, recvs, group))
+    _wait(runtime.post_p2p(sends, recvs, group))
     for lo, hi, o_buf, l_buf in landing:
         sl = mine.rows(lo, hi)
         out[:, sl] = o_buf
@@ -242,7 +235,7 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
     kg, vg, sends, recvs = _gather_kv(p, rank, mine, k, v)
     rows = {"q": (q, 1), "dout": (dout, 1), "out": (out, 1), "lse": (lse, 2)}
     received = _gather_rows(p, rank, mine, rows, sends, recvs)
-    works = _exchange(sends, recvs, group)
+    works = runtime.post_p2p(sends, recvs, group)
     partials = []                        # per run, in call order: (dk, dv) over its key prefix
     dq = torch.empty_like(q)
     dq_out = _foreign_buffers(p, rank, lambda lo, hi: (q.new_empty((b, (hi - lo) * G, h, d)),))
@@ -291,7 +284,7 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, softm
     for i, lo, hi in partial_pieces(rank, rank):
         dk_run, dv_run = partials[i]
         contributions.append((rank, i, lo, hi, dk_run[:, lo * G:hi * G], dv_run[:, lo * G:hi * G]))
-    _wait(_exchange(sends, recvs, group))
+    _wait(runtime.post_p2p(sends, recvs, group))
     for lo, hi, buf in dq_landing:
         dq[:, mine.rows(lo, hi)] = buf
     dk, dv = torch.empty_like(k), torch.empty_like(v)

@@ -50,7 +50,8 @@ def _seq_major(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 class _Exchange:
-    """One batch of messages: sends, and receives with what to do with each once it has arrived."""
+    """One batch of messages: (peer, tensor) sends and receives, posted together and waited for
+    together (bounded on gloo: :func:`~.runtime.wait_works`)."""
 
     def __init__(self, group, rank: int, what: str):
         self.group, self.rank, self.what = group, rank, what
@@ -59,9 +60,7 @@ class _Exchange:
         self.works = []
 
     def post(self) -> "_Exchange":
-        ops_ = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for p, t in self.sends]
-        ops_ += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for p, t in self.recvs]
-        self.works = dist.batch_isend_irecv(ops_) if ops_ else []
+        self.works = runtime.post_p2p(self.sends, self.recvs, self.group)
         return self
 
     def wait(self) -> None:
@@ -78,10 +77,8 @@ def _gather(x, s, hd, p: cp_heads.HeadPlan, rank, heads_of, ex: _Exchange):
     shape = list(x.shape)
     shape[s], shape[hd] = p.num_blocks * G, hi - lo
     buf = x.new_empty([shape[s]] + [shape[i] for i in range(x.dim()) if i != s])
-    off = 0
-    for a, b in p.pieces[rank]:
-        buf[a * G:b * G].copy_(x.narrow(s, off * G, (b - a) * G).narrow(hd, lo, hi - lo).movedim(s, 0))
-        off += b - a
+    for a, b, o in p.local_pieces(rank):
+        buf[a * G:b * G].copy_(x.narrow(s, o * G, (b - a) * G).narrow(hd, lo, hi - lo).movedim(s, 0))
     for peer in range(p.num_ranks):
         if peer == rank:
             continue
@@ -98,10 +95,8 @@ def _scatter(y, s, hd, p: cp_heads.HeadPlan, rank, heads_of, out, ex: _Exchange)
     this rank's tokens of the peers' heads; returns the placements to run once ``ex`` has arrived.
     This rank's own tokens go into ``out`` (the local shard, all heads) at once."""
     lo, hi = heads_of(rank)
-    off = 0
-    for a, b in p.pieces[rank]:
-        out.narrow(s, off * G, (b - a) * G).narrow(hd, lo, hi - lo).copy_(y.narrow(s, a * G, (b - a) * G))
-        off += b - a
+    for a, b, o in p.local_pieces(rank):
+        out.narrow(s, o * G, (b - a) * G).narrow(hd, lo, hi - lo).copy_(y.narrow(s, a * G, (b - a) * G))
     landing = []
     for peer in range(p.num_ranks):
         if peer == rank:

@@ -59,6 +59,13 @@ def ensure_communicator(group, device) -> None:
     _warmed.add(group.group_name)
 
 
+def post_p2p(sends, recvs, group) -> list:
+    """Post (peer, tensor) sends and receives in one ``batch_isend_irecv``; return the works."""
+    ops_ = [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
+    ops_ += [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
+    return dist.batch_isend_irecv(ops_) if ops_ else []
+
+
 def wait_works(works, peers, group, rank: int, where: str, timeout=None) -> None:
     """Wait for posted P2P works; ``peers``: a ("send to" | "receive from", peer) per work.
 

@@ -24,6 +24,7 @@ The schedule is the list :meth:`HeadPlan.items` of (kv-head chunk, rank, step) a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from . import distributed as S
 from .distributed import G
@@ -80,18 +81,24 @@ class HeadPlan:
         heads) over the whole sequence."""
         return [(lo, hi, r, c) for c, per in enumerate(self.chunks) for r, (lo, hi) in enumerate(per)]
 
+    def local_pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """rank's token pieces as (lo, hi, offset in its local tokens), all in blocks."""
+        out, off = [], 0
+        for lo, hi in self.pieces[rank]:
+            out.append((lo, hi, off))
+            off += hi - lo
+        return out
+
     def messages(self, src: int, dst: int) -> list[tuple[int, int, int]]:
         """Token pieces (lo, hi, local offset in src's tokens) that src sends dst per chunk's inputs:
         src's own pieces, in src's local order (dst sends results back over the same pieces)."""
-        out, off = [], 0
-        for lo, hi in self.pieces[src]:
-            out.append((lo, hi, off))
-            off += hi - lo
-        return out if src != dst else []
+        return self.local_pieces(src) if src != dst else []
 
 
+@functools.lru_cache(maxsize=256)
 def plan(num_ranks: int, seqlen: int, heads: int, heads_kv: int, layout: str, chunks: int = 1) -> HeadPlan:
-    """The head-parallel plan; refuses lengths the layouts cannot split and Hk < P."""
+    """The head-parallel plan (validated; cached per shape, as each call asks for it); refuses
+    lengths the layouts cannot split and Hk < P."""
     nb = S.check_seqlen(seqlen, num_ranks)
     if layout not in S.LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(S.LAYOUTS)}")
@@ -211,12 +218,12 @@ def main(argv=None) -> int:
     """``python -m dash_fa3.schedule.cp_heads``: predicted efficiency per P and length."""
     import argparse
 
-    from .distributed import _int_list
+    from .distributed import _heads_pair, _int_list
 
     ap = argparse.ArgumentParser(prog="python -m dash_fa3.schedule.cp_heads", description=main.__doc__)
-    ap.add_argument("--P", default="2,4,8", help="rank counts, comma list")
-    ap.add_argument("--seqlen", default="64k,128k,1m", help="global lengths (k = 1024, m = 1024**2)")
-    ap.add_argument("--heads", default="16/16", help="heads/heads_kv")
+    ap.add_argument("--P", type=_int_list, default="2,4,8", help="rank counts, comma list")
+    ap.add_argument("--seqlen", type=_int_list, default="64k,128k,1m", help="global lengths (k = 1024, m = 1024**2)")
+    ap.add_argument("--heads", type=_heads_pair, default="16/16", help="heads/heads_kv")
     ap.add_argument("--hdim", type=int, default=128)
     ap.add_argument("--full", action="store_true", help="no causal mask")
     ap.add_argument("--layout", default="contiguous", choices=S.LAYOUTS)
@@ -224,14 +231,13 @@ def main(argv=None) -> int:
     ap.add_argument("--beta-gbs", type=float, default=160.0)
     ap.add_argument("--alpha-us", type=float, default=15.0)
     args = ap.parse_args(argv)
-    h, _, hk = args.heads.partition("/")
-    h, hk = int(h), int(hk or h)
-    lengths = _int_list(args.seqlen)
+    h, hk = args.heads
+    lengths = args.seqlen
     print(f"head-parallel, {'full' if args.full else 'causal'}, heads {h}/{hk}, hdim {args.hdim}, "
           f"{args.layout}, chunks {args.chunks}: predicted efficiency T1 / (P * T_P), fwd + bwd")
     print("| P | " + " | ".join(str(n) for n in lengths) + " |")
     print("|---|" + "---|" * len(lengths))
-    for P in _int_list(args.P):
+    for P in args.P:
         row = []
         for n in lengths:
             try:

@@ -241,22 +241,21 @@ def main(argv=None) -> int:
     """``python -m dash_fa3.schedule.cp_runs``: the run plan's predicted efficiency per P and length."""
     import argparse
 
-    from .distributed import _int_list
+    from .distributed import _heads_pair, _int_list
 
     ap = argparse.ArgumentParser(prog="python -m dash_fa3.schedule.cp_runs", description=main.__doc__)
     ap.add_argument("--P", type=_int_list, default=[2, 3, 4, 8])
     ap.add_argument("--seqlen", type=_int_list, default=[128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024])
     ap.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous")
     ap.add_argument("--full", action="store_true", help="full attention instead of causal")
-    ap.add_argument("--heads", default="32/8", help="heads/heads_kv")
+    ap.add_argument("--heads", type=_heads_pair, default="32/8", help="heads/heads_kv")
     ap.add_argument("--headdim", type=int, default=128)
     ap.add_argument("--fwd-tflops", type=float, default=650.0)
     ap.add_argument("--bwd-tflops", type=float, default=500.0)
     ap.add_argument("--beta-gbs", type=float, default=350.0)
     ap.add_argument("--hbm-gbs", type=float, default=3000.0)
     args = ap.parse_args(argv)
-    h, _, hk = args.heads.partition("/")
-    heads, heads_kv = int(h), int(hk or h)
+    heads, heads_kv = args.heads
     print(f"run plan, {args.layout}, {'full' if args.full else 'causal'}, heads {heads}/{heads_kv}, hdim "
           f"{args.headdim}: predicted forward+backward efficiency T1 / (P * T_P) (model, not a measurement)")
     print("| P | " + " | ".join(f"{n // 1024}k" for n in args.seqlen) + " |")

@@ -951,6 +951,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _heads_pair(text: str) -> tuple[int, int]:
+    """'32/8' -> (32, 8); '16' -> (16, 16): a CLI's --heads."""
+    h, _, hk = text.partition("/")
+    if not h.strip().isdigit() or not (hk.strip() or h).isdigit():
+        raise argparse.ArgumentTypeError(f"expected heads as H or H/H_KV, got {text!r}")
+    return int(h), int(hk or h)
+
+
 def _int_list(text: str) -> list[int]:
     """'8' or '2,4,8' or '64k,1m' (k = 1024, m = 1048576)."""
     vals = []
