@@ -116,7 +116,8 @@ def parse_args(argv=None, grid=None):
     grid = grid or json.load(open(GRID))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
-    ap.add_argument("--hdims", nargs="+", default=grid["headdims"], help="head dims (space or comma list)")
+    ap.add_argument("--hdims", nargs="+", default=grid["headdims"],
+                    help="head dims (space or comma list); 192v128: q/k 192 with v 128 (MLA)")
     ap.add_argument("--seqlens", nargs="+", default=grid["seqlens"], help="sequence lengths (space or comma list)")
     ap.add_argument("--masks", nargs="+", default=grid["masks"], help="full, causal")
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
@@ -143,7 +144,7 @@ def parse_args(argv=None, grid=None):
     args = ap.parse_args(argv)
 
     try:
-        args.hdims = _flat(args.hdims, int, "--hdims")
+        args.hdims = _flat(args.hdims, hdim_pair, "--hdims")
         args.seqlens = _flat(args.seqlens, int, "--seqlens")
         args.masks = _flat(args.masks, str, "--masks")
     except argparse.ArgumentTypeError as exc:
@@ -154,7 +155,7 @@ def parse_args(argv=None, grid=None):
     known = set(impl_names("both", SCHEDULES))
     if unknown := [n for n in args.skip if n not in known]:
         ap.error(f"--skip: unknown {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
-    for d in args.hdims:
+    for d, _ in args.hdims:
         if d <= 0 or d > grid["hidden"]:
             ap.error(f"--hdims: {d} must be in 1..{grid['hidden']} (the grid's hidden size)")
     for s in args.seqlens:
@@ -172,18 +173,36 @@ def parse_args(argv=None, grid=None):
     return args
 
 
+def hdim_pair(text) -> tuple[int, int]:
+    """A --hdims entry: "128" (or 128) is (128, 128), "192v128" q/k 192 with v 128; a pair stays."""
+    if isinstance(text, tuple):
+        return text
+    d, _, dv = str(text).partition("v")
+    return int(d), int(dv or d)
+
+
+def hdim_v(p: dict) -> int:
+    """A point's value head dim (points built elsewhere may leave it out: the head dim)."""
+    return p.get("hdim_v", p["hdim"])
+
+
+def hdim_label(p: dict) -> str:
+    return str(p["hdim"]) if hdim_v(p) == p["hdim"] else f"{p['hdim']}v{hdim_v(p)}"
+
+
 def grid_points(grid, hdims, seqlens, masks) -> list[dict]:
-    """The grid's shapes for the chosen head dims, lengths and masks (hdim-major,
-    then mask, then length): batch = tokens / seqlen, heads = hidden // hdim (as
+    """The grid's shapes for the chosen (head dim, value head dim) pairs, lengths and masks
+    (hdim-major, then mask, then length): batch = tokens / seqlen, heads = hidden // hdim (as
     FA3's benchmark: a head dim that does not divide the hidden size, e.g. 192 of
     2048, gets the largest whole number of heads, 10)."""
-    return [{"hdim": d, "mask": m, "seqlen": s, "batch": grid["total_tokens"] // s, "heads": grid["hidden"] // d}
-            for d in hdims for m in masks for s in seqlens]
+    return [{"hdim": d, "hdim_v": dv, "mask": m, "seqlen": s, "batch": grid["total_tokens"] // s,
+             "heads": grid["hidden"] // d}
+            for d, dv in map(hdim_pair, hdims) for m in masks for s in seqlens]
 
 
 def point_flops(p: dict, direction: str) -> float:
     return attention_flops(p["batch"], p["heads"], p["seqlen"], p["seqlen"], p["hdim"], p["mask"] == "causal",
-                           direction)
+                           direction, hdim_v(p))
 
 
 # ---------------------------------------------------------------- figures
@@ -269,7 +288,7 @@ def format_row(p: dict, tf: dict, ratios: dict, check: str, cols, schedules) -> 
             cells.append(f"{ratios[c]:.2f}" if ratios.get(c) is not None else "n/a")
         else:
             cells.append(f"{tf[c]:.0f}" if tf.get(c) is not None else "n/a")
-    return f"| {p['hdim']} | {p['mask']} | {p['seqlen']} | " + " | ".join(cells) + " |"
+    return f"| {hdim_label(p)} | {p['mask']} | {p['seqlen']} | " + " | ".join(cells) + " |"
 
 
 def format_summary(summary: dict, cols) -> list[str]:
@@ -283,7 +302,8 @@ def format_summary(summary: dict, cols) -> list[str]:
 
 def point_label(p: dict) -> str:
     s = p["seqlen"]
-    return f"d{p['hdim']} {p['mask']} {s // 1024}k" if s >= 1024 and s % 1024 == 0 else f"d{p['hdim']} {p['mask']} {s}"
+    return (f"d{hdim_label(p)} {p['mask']} {s // 1024}k" if s >= 1024 and s % 1024 == 0
+            else f"d{hdim_label(p)} {p['mask']} {s}")
 
 
 def draw_png(path: str, points: list[dict], ratio_rows: list[dict], title: str) -> None:
@@ -319,13 +339,14 @@ def _first_line(exc: BaseException) -> str:
 
 
 def point_seed(base: int, p: dict) -> int:
-    return base + 1000 * p["hdim"] + 2 * p["seqlen"] + (p["mask"] == "causal")
+    return base + 1000 * p["hdim"] + 7 * (p["hdim"] - hdim_v(p)) + 2 * p["seqlen"] + (p["mask"] == "causal")
 
 
 def make_inputs(p: dict, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape = (p["batch"], p["seqlen"], p["heads"], p["hdim"])
-    return tuple(torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    shape_v = (*shape[:3], hdim_v(p))  # v and dout
+    return tuple(torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) for s in (shape, shape, shape_v, shape_v))
 
 
 def _cudnn_fwd(q, k, v, causal, grad):
@@ -585,7 +606,7 @@ def main(argv=None) -> int:
         for name, err in errors.items():
             if (name, err) not in reported:  # each distinct failure once, not once per point
                 reported.add((name, err))
-                print(f"#   {name}: n/a at hdim {p['hdim']} {p['mask']} {p['seqlen']} and wherever it recurs: {err}",
+                print(f"#   {name}: n/a at hdim {hdim_label(p)} {p['mask']} {p['seqlen']} and wherever it recurs: {err}",
                       flush=True)
         del q, k, v, dout, fns
         torch.cuda.empty_cache()

@@ -10,10 +10,13 @@ import time
 import torch
 
 
-def attention_flops(batch, heads, seqlen_q, seqlen_k, headdim, causal, direction="fwd") -> float:
-    """FLOPs as the benchmark grid counts them: fwd = 4*b*h*sq*sk*d (halved when causal), bwd = 2.5x fwd."""
-    fwd = 4.0 * batch * heads * seqlen_q * seqlen_k * headdim / (2 if causal else 1)
-    return fwd * (2.5 if direction == "bwd" else 1.0)
+def attention_flops(batch, heads, seqlen_q, seqlen_k, headdim, causal, direction="fwd", headdim_v=None) -> float:
+    """FLOPs as the benchmark grid counts them: fwd = 4*b*h*sq*sk*d (halved when causal), bwd = 2.5x fwd.
+    With a value head dim dv (``headdim_v``), each GEMM counts its own: fwd QK^T (d) and PV (dv),
+    bwd S^T, dK, dQ (d) and dP^T, dV (dv): 2*b*h*sq*sk*(d + dv) and 2*b*h*sq*sk*(3d + 2dv)."""
+    dv = headdim if headdim_v is None else headdim_v
+    pairs = batch * heads * seqlen_q * seqlen_k / (2 if causal else 1)
+    return 2.0 * pairs * ((3 * headdim + 2 * dv) if direction == "bwd" else (headdim + dv))
 
 
 # A device-side wait queued ahead of a timed sample (`hide_host`): long enough

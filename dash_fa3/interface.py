@@ -93,8 +93,9 @@ def flash_attn_func(
 ):
     """Scaled dot-product attention, FA3 layout.
 
-    q: (batch, seqlen_q, heads, headdim); k, v: (batch, seqlen_k, heads_kv, headdim),
-    bf16 or fp16, last dim contiguous, heads % heads_kv == 0.
+    q: (batch, seqlen_q, heads, headdim); k: (batch, seqlen_k, heads_kv, headdim);
+    v: (batch, seqlen_k, heads_kv, headdim_v), headdim_v == headdim or (MLA) 128
+    with headdim 192; bf16 or fp16, last dim contiguous, heads % heads_kv == 0.
     softmax_scale defaults to 1/sqrt(headdim). causal aligns the mask to the
     bottom-right corner when seqlen_q != seqlen_k. window_size=(left, right)
     (FA3's: -1 unbounded, bottom-right aligned; causal sets the right side to 0
@@ -105,7 +106,7 @@ def flash_attn_func(
     only fixes the task order; "auto" then picks "lpt" (longest task first).
     sm_margin: SMs to leave free (e.g. for overlapped communication).
     Returns out, or (out, softmax_lse) with return_attn_probs; softmax_lse is
-    (batch, heads, seqlen_q) fp32, natural log.
+    (batch, heads, seqlen_q) fp32, natural log; out has v's head dim.
     """
     _check_fa3_extras("flash_attn_func", qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa,
                       (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)),
@@ -159,8 +160,9 @@ def flash_attn_varlen_func(
 ):
     """Attention over packed documents, FA3's varlen layout.
 
-    q: (total_q, heads, headdim); k, v: (total_k, heads_kv, headdim), bf16 or
-    fp16, last dim contiguous. cu_seqlens_q / cu_seqlens_k: int32, (batch + 1,),
+    q: (total_q, heads, headdim); k: (total_k, heads_kv, headdim); v: (total_k,
+    heads_kv, headdim_v) as in ``flash_attn_func``; bf16 or fp16, last dim
+    contiguous. cu_seqlens_q / cu_seqlens_k: int32, (batch + 1,),
     on q's device: document b is q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
     against k/v rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]); it attends only
     within itself, causal and window masks aligned to its own bottom-right
@@ -171,7 +173,7 @@ def flash_attn_varlen_func(
     the flags as in ``flash_attn_func``. seqused_q / seqused_k (int32, one
     entry per document) are accepted when they equal the documents' lengths
     (checked, which synchronizes); fewer used tokens raise NotImplementedError.
-    Returns out (total_q, heads, headdim), or (out, softmax_lse) with
+    Returns out (total_q, heads, headdim_v), or (out, softmax_lse) with
     return_attn_probs; softmax_lse is (heads, total_q) fp32, natural log.
 
     Runs on CPU tensors (the fp32 reference, differentiable in q, k, v) and on

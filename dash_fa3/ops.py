@@ -67,12 +67,13 @@ _lib.impl("fwd", _fwd_reference, "CPU")
 # ---------------------------------------------------------------- backward
 
 
-def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False, softcap=False) -> int:
-    """The device's SM count, after checking that the backward kernel of (hdim, dtype, mask) is
+def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False, softcap=False, hdim_v=None) -> int:
+    """The device's SM count, after checking that the backward kernel of (hdim, dtype, mask) (V's
+    head dim ``hdim_v``, default hdim) is
     built for dense tensors or, ``packed``, packed documents, with plain or, ``softcap``,
     softcapped scores (an error that says how to build it otherwise: nothing falls back to a
     slow path) and that sm_margin leaves an SM."""
-    variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask)
+    variant = variants.Variant(hdim, "bf16" if dtype == torch.bfloat16 else "fp16", mask, hdim_v)
     built = _ext.built_variants("bwd", packed, softcap)
     if variant.name not in built:
         raise RuntimeError(
@@ -85,14 +86,14 @@ def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False, soft
 
 
 def _bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule,
-                  sm_margin, device):
+                  sm_margin, device, hdim_v=None):
     """(schedule metadata, the C++ op) of one backward call: see :func:`_bwd_plan`."""
     from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
     from .schedule.lowering import get_kernel_metadata
 
     batch, seqlen_q, heads, hdim = q_shape
     mask = variants.mask_of_window(window_left, window_right)
-    total = _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, softcap=softcap)
+    total = _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, softcap=softcap, hdim_v=hdim_v)
     block_m, block_n = bwd_block_sizes(hdim)
     geometry = Geometry(batch=batch, heads=heads, heads_kv=k_shape[2], seqlen_q=seqlen_q, seqlen_k=k_shape[1],
                         block_m=block_m, block_n=block_n, mask=mask, window_left=window_left,
@@ -109,14 +110,14 @@ def _as_plan(meta, run, device):
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule, sm_margin,
-              device):
+              device, hdim_v=None):
     """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
     (-1, 0) causal) runs, on the softcap kernels if ``softcap``, built once per shape (the
     cap's value is the C++ op's argument, not the plan's): (schedule on the device, its header on
     the host, the C++ op). A variant this build lacks is an error that says how to build it:
     nothing falls back to a slow path."""
     return _as_plan(*_bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap, deterministic,
-                                   schedule, sm_margin, device), device)
+                                   schedule, sm_margin, device, hdim_v), device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -148,7 +149,8 @@ def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window
                      schedule, sm_margin):
     """The backward kernels for a window (full and causal included) and a softcap (0: none)."""
     schedule_flat, schedule_header, run = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right,
-                                                    softcap > 0, deterministic, schedule, sm_margin, q.device)
+                                                    softcap > 0, deterministic, schedule, sm_margin, q.device,
+                                                    v.shape[-1])
     return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, window_left, window_right,
                softcap, deterministic)
 
@@ -236,7 +238,7 @@ def remember_host_offsets(cu: torch.Tensor, values) -> None:
                           tuple(int(x) for x in values))
 
 
-def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
                  softcap: bool, deterministic, schedule, sm_margin):
     """(schedule on the device, its header on the host) of a backward over packed documents, on
     the softcap kernels if ``softcap``."""
@@ -245,7 +247,8 @@ def _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, w
 
     hdim = q.shape[-1]
     mask = variants.mask_of_window(window_left, window_right)
-    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device, packed=True, softcap=softcap)
+    total = _bwd_kernel_and_sms(hdim, q.dtype, mask, sm_margin, q.device, packed=True, softcap=softcap,
+                                hdim_v=v.shape[-1])
     cq, ck = host_offsets(cu_seqlens_q), host_offsets(cu_seqlens_k)
     # The checks flash_attn_varlen_func makes on CPU tensors, now that the values are on the host.
     validation.check_offsets("cu_seqlens_q", cq, q.shape[0], max_seqlen_q)
@@ -276,7 +279,7 @@ def _bwd_general_cuda(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     if cu_seqlens_q is not None:
         if q.shape[0] == 0 or k.shape[0] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        schedule_flat, schedule_header = _varlen_plan(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        schedule_flat, schedule_header = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                       window_left, window_right, softcap > 0, deterministic,
                                                       schedule, sm_margin)
         return _ext.ops().bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

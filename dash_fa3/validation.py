@@ -29,11 +29,16 @@ class AttnShape:
     heads_kv: int
     headdim: int
     dtype: str  # "bf16" / "fp16"
+    headdim_v: int | None = None  # v's (and out's) head dim; None: headdim
+
+    def __post_init__(self):
+        if self.headdim_v is None:
+            object.__setattr__(self, "headdim_v", self.headdim)
 
     def variant(self, causal: bool, mask: str | None = None) -> variants.Variant:
         """The kernel variant of this shape: mask kind ``mask`` (variants.MASKS), or by default
         causal / full."""
-        return variants.Variant(self.headdim, self.dtype, mask or ("causal" if causal else "full"))
+        return variants.Variant(self.headdim, self.dtype, mask or ("causal" if causal else "full"), self.headdim_v)
 
 
 def schedule_names() -> tuple[str, ...]:
@@ -66,17 +71,21 @@ def _check_tensors(q, k, v, dims: int, layout: str) -> None:
         raise ValueError(f"dash_fa3 runs on CUDA (Hopper) or, slowly, on the CPU; got device {q.device}")
 
 
-def _check_heads(heads: int, heads_kv: int, headdim: int) -> None:
+def _check_heads(heads: int, heads_kv: int, headdim: int, headdim_v: int) -> None:
     if heads == 0 or heads_kv == 0:
         raise ValueError(f"head counts must be >= 1, got heads={heads}, heads_kv={heads_kv}")
     if heads % heads_kv != 0:
         raise ValueError(
             f"GQA/MQA needs heads % heads_kv == 0, got heads={heads}, heads_kv={heads_kv}"
         )
-    if headdim not in variants.HEADDIMS:
-        raise ValueError(
-            f"head dim {headdim} is not supported; supported: {', '.join(map(str, variants.HEADDIMS))}"
-        )
+    variants.check_head_dims(headdim, headdim_v)
+
+
+def _check_kv(k, v) -> None:
+    """k and v agree on every dim but the head dim (v's may be narrower: MLA)."""
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree on all dims but the last (head dim), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
 
 
 def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto", mask: str | None = None,
@@ -88,19 +97,18 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto", mas
 
     batch, seqlen_q, heads, headdim = q.shape
     kb, seqlen_k, heads_kv, kd = k.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_kv(k, v)
     if kb != batch:
         raise ValueError(f"batch sizes differ: q has {batch}, k and v have {kb}")
     if kd != headdim:
-        raise ValueError(f"head dims differ: q has {headdim}, k and v have {kd}")
+        raise ValueError(f"head dims differ: q has {headdim}, k has {kd}")
     if batch == 0:
         raise ValueError("batch size must be >= 1, got 0")
     if seqlen_q == 0 or seqlen_k == 0:
         raise ValueError(f"zero-length sequence: seqlen_q={seqlen_q}, seqlen_k={seqlen_k}; both must be >= 1")
-    _check_heads(heads, heads_kv, headdim)
+    _check_heads(heads, heads_kv, headdim, v.shape[-1])
     check_schedule(schedule)
-    shape = AttnShape(batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, SUPPORTED_DTYPES[q.dtype])
+    shape = AttnShape(batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, SUPPORTED_DTYPES[q.dtype], v.shape[-1])
     if q.is_cuda:
         # Host lookups (device properties, the extension's variant list) that
         # torch.compile cannot trace; under compilation the C++ op re-checks at run time.
@@ -154,6 +162,11 @@ class VarlenShape:
     heads_kv: int
     headdim: int
     dtype: str  # "bf16" / "fp16"
+    headdim_v: int | None = None  # v's (and out's) head dim; None: headdim
+
+    def __post_init__(self):
+        if self.headdim_v is None:
+            object.__setattr__(self, "headdim_v", self.headdim)
 
 
 def check_seqused(name: str, seqused, cu_seqlens) -> None:
@@ -192,11 +205,10 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     _check_tensors(q, k, v, 3, "total_tokens, heads, headdim")
     total_q, heads, headdim = q.shape
     total_k, heads_kv, kd = k.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_kv(k, v)
     if kd != headdim:
-        raise ValueError(f"head dims differ: q has {headdim}, k and v have {kd}")
-    _check_heads(heads, heads_kv, headdim)
+        raise ValueError(f"head dims differ: q has {headdim}, k has {kd}")
+    _check_heads(heads, heads_kv, headdim, v.shape[-1])
     check_schedule(schedule)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
@@ -219,7 +231,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), total_q, max_seqlen_q)
         check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), total_k, max_seqlen_k)
     return VarlenShape(cu_seqlens_q.numel() - 1, total_q, total_k, heads, heads_kv, headdim,
-                       SUPPORTED_DTYPES[q.dtype])
+                       SUPPORTED_DTYPES[q.dtype], v.shape[-1])
 
 
 def check_offsets(name: str, values, total: int, max_seqlen: int) -> None:
@@ -244,7 +256,8 @@ def check_varlen_kernel(q, shape: VarlenShape, mask: str, softcap: bool = False)
     if ``softcap``) for the shape in the build."""
     if q.is_cuda and not torch.compiler.is_compiling():
         check_cuda_device(q.device)
-        check_built(variants.Variant(shape.headdim, shape.dtype, mask).name, packed=True, softcap=softcap)
+        check_built(variants.Variant(shape.headdim, shape.dtype, mask, shape.headdim_v).name, packed=True,
+                    softcap=softcap)
 
 
 @functools.lru_cache(maxsize=None)

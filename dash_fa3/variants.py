@@ -4,7 +4,9 @@ Every consumer reads this module: ``setup.py`` (which instantiation files to
 compile and the generated C++ variant table), the C++ dispatch (through that
 generated table), the tests (their parameters) and the benchmarks.
 
-A variant is (head dim, dtype, mask kind). ``DASH_FA3_VARIANTS`` narrows the
+A variant is (head dim, dtype, mask kind), plus the value head dim where it
+differs from the query/key one (``hdim192v128``: DeepSeek-style MLA, 192 for Q
+and K, 128 for V, O and their gradients). ``DASH_FA3_VARIANTS`` narrows the
 list at build time; at run time the extension reports what it was built with
 (``built_variants()``), and that is the list the tests and benchmarks use.
 
@@ -22,11 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Iterable
 
 ENV_VAR = "DASH_FA3_VARIANTS"
 
 HEADDIMS: tuple[int, ...] = (64, 96, 128, 192, 256)
+# (head dim, value head dim) pairs with kernels: every head dim with V of its
+# own width, and (192, 128), the MLA shape FA3 supports (its "hdimdiff").
+HEADDIM_PAIRS: tuple[tuple[int, int], ...] = tuple((d, d) for d in HEADDIMS) + ((192, 128),)
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
 # Mask kinds. full and causal are fixed windows; local is any other (left,
 # right) window, FA3's window_size with causal folded in, taken at run time.
@@ -60,10 +66,21 @@ class Variant:
     hdim: int
     dtype: str
     mask: str
+    # The value head dim (V, O, dO, dV); None: hdim's.
+    hdim_v: int | None = None
+
+    def __post_init__(self):
+        if self.hdim_v is None:
+            object.__setattr__(self, "hdim_v", self.hdim)
+
+    @property
+    def hdims(self) -> str:
+        """The head-dim token: hdim128, or hdim192v128 where V is narrower."""
+        return f"hdim{self.hdim}" + ("" if self.hdim_v == self.hdim else f"v{self.hdim_v}")
 
     @property
     def name(self) -> str:
-        return f"hdim{self.hdim}-{self.dtype}-{self.mask}"
+        return f"{self.hdims}-{self.dtype}-{self.mask}"
 
     @property
     def causal(self) -> bool:
@@ -78,18 +95,29 @@ class Variant:
         return self.hdim in BWD_HEADDIMS
 
     def tokens(self) -> frozenset[str]:
-        return frozenset((f"hdim{self.hdim}", self.dtype, self.mask))
+        return frozenset((self.hdims, self.dtype, self.mask))
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         parts = name.split("-")
-        if len(parts) != 3 or not parts[0].startswith("hdim"):
-            raise ValueError(f"not a variant name: {name!r} (expected e.g. 'hdim128-bf16-causal')")
-        return cls(int(parts[0][4:]), parts[1], parts[2])
+        match = re.fullmatch(r"hdim(\d+)(?:v(\d+))?", parts[0]) if len(parts) == 3 else None
+        if match is None:
+            raise ValueError(f"not a variant name: {name!r} (expected e.g. 'hdim128-bf16-causal' or "
+                             f"'hdim192v128-bf16-causal')")
+        hdim = int(match.group(1))
+        return cls(hdim, parts[1], parts[2], int(match.group(2)) if match.group(2) else hdim)
+
+
+def check_head_dims(hdim: int, hdim_v: int) -> None:
+    """ValueError naming the supported pairs unless (hdim, hdim_v) has kernels (HEADDIM_PAIRS)."""
+    if (hdim, hdim_v) not in HEADDIM_PAIRS:
+        pairs = ", ".join(f"{d}" if d == dv else f"q/k {d} with v {dv}" for d, dv in HEADDIM_PAIRS)
+        what = f"head dim {hdim}" if hdim == hdim_v else f"head dims q/k {hdim} with v {hdim_v}"
+        raise ValueError(f"{what} is not supported; supported: {pairs}")
 
 
 ALL_VARIANTS: tuple[Variant, ...] = tuple(
-    Variant(h, d, m) for h in HEADDIMS for d in DTYPES for m in MASKS
+    Variant(h, d, m, hv) for h, hv in HEADDIM_PAIRS for d in DTYPES for m in MASKS
 )
 
 _KNOWN_TOKENS = frozenset().union(*(v.tokens() for v in ALL_VARIANTS))

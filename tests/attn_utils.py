@@ -66,16 +66,16 @@ def require_built(v, direction, layout="dense", softcap=False):
 
 
 def make_inputs(v, shape, seed):
-    """Fresh random q, k, v and dout on the GPU for variant ``v`` and
-    shape (batch, seqlen_q, seqlen_k, heads, heads_kv)."""
+    """Fresh random q, k, v and dout on the GPU for variant ``v`` (v and dout with its value
+    head dim) and shape (batch, seqlen_q, seqlen_k, heads, heads_kv)."""
     b, sq, sk, h, hkv = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
     dt = TORCH_DTYPES[v.dtype]
     return (
         torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g),
         torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g),
-        torch.randn(b, sk, hkv, v.hdim, device="cuda", dtype=dt, generator=g),
-        torch.randn(b, sq, h, v.hdim, device="cuda", dtype=dt, generator=g),
+        torch.randn(b, sk, hkv, v.hdim_v, device="cuda", dtype=dt, generator=g),
+        torch.randn(b, sq, h, v.hdim_v, device="cuda", dtype=dt, generator=g),
     )
 
 

@@ -102,6 +102,18 @@ def test_flops_formula():
     assert bp.point_flops(p[0], "bwd") == 2.5 * full
 
 
+def test_value_head_dim_points():
+    """--hdims 192v128: MLA points with v's head dim, flops counted per GEMM, labelled 192v128."""
+    args = bp.parse_args(["--hdims", "192v128,128", "--seqlens", "4096", "--masks", "full"], grid=GRID)
+    assert args.hdims == [(192, 128), (128, 128)]
+    mla, plain = bp.grid_points(GRID, args.hdims, args.seqlens, args.masks)
+    assert (mla["hdim"], mla["hdim_v"], mla["heads"]) == (192, 128, GRID["hidden"] // 192)
+    pairs = mla["batch"] * mla["heads"] * 4096 * 4096
+    assert bp.point_flops(mla, "fwd") == 2 * pairs * (192 + 128)
+    assert bp.point_flops(mla, "bwd") == 2 * pairs * (3 * 192 + 2 * 128)
+    assert bp.point_label(mla) == "d192v128 full 4k" and bp.point_label(plain) == "d128 full 4k"
+
+
 def test_tflops_is_the_median_over_rounds():
     flops = {"fwd": 1e12, "bwd": 2.5e12}
     tf = bp.tflops_from_rounds({"ours nd": [5.0, 4.0, 10.0], "ours fwd": [2.0, 2.5], "FA3 nd": []}, flops)

@@ -61,20 +61,26 @@ def test_gradients_match_reference(v, shape):
     check_case(v, shape, seed=sum(shape) + 1, schedule="auto", deterministic=False)
 
 
-# 128: the row split; 192, 256: the head-dim split (csrc/kernels/bwd/bwd_traits.h).
+# 128: the row split; 192, 256 and MLA's (192, v 128): the head-dim split
+# (csrc/kernels/bwd/bwd_traits.h).
+HDIM_PAIRS = [(128, 128), (192, 192), (256, 256), (192, 128)]
+SPLIT_HDIM_PAIRS = [p for p in HDIM_PAIRS if p[0] > 128]
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("hdim", [128, 192, 256])
-def test_every_schedule_is_correct(hdim, schedule, causal):
-    v = variants.Variant(hdim, "bf16", "causal" if causal else "full")
+@pytest.mark.parametrize("hdims", HDIM_PAIRS, ids=lambda p: variants.Variant(p[0], "bf16", "full", p[1]).hdims)
+def test_every_schedule_is_correct(hdims, schedule, causal):
+    v = variants.Variant(hdims[0], "bf16", "causal" if causal else "full", hdims[1])
     require_built(v, "bwd")
     check_case(v, (2, 1000, 1000, 4, 2), seed=3, schedule=schedule, deterministic=True)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("hdim", [192, 256])
-def test_head_dim_split_is_bitwise_for_every_schedule(hdim, schedule):
-    v = variants.Variant(hdim, "bf16", "causal")
+@pytest.mark.parametrize("hdims", SPLIT_HDIM_PAIRS,
+                         ids=lambda p: variants.Variant(p[0], "bf16", "full", p[1]).hdims)
+def test_head_dim_split_is_bitwise_for_every_schedule(hdims, schedule):
+    v = variants.Variant(hdims[0], "bf16", "causal", hdims[1])
     require_built(v, "bwd")
     q, k, vv, dout = make_inputs(v, (2, 1536, 1536, 4, 2), 5)
     assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:], 19)

@@ -33,7 +33,7 @@ def run_case(v, shape, seed):
     torch.cuda.synchronize()
     ref_out, ref_lse = reference.attention_ref(q, k, vv, scale, v.causal)
     lp_out, lp_lse = attention_lowp(q, k, vv, scale, v.causal)
-    assert out.shape == q.shape and lse.shape == (b, h, sq)
+    assert out.shape == (b, sq, h, v.hdim_v) and lse.shape == (b, h, sq)
     assert_close_to_ref("out", out, lp_out, ref_out)
     assert_close_to_ref("lse", lse, lp_lse, ref_lse)
 

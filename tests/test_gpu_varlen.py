@@ -42,14 +42,14 @@ def packed_inputs(v, lq, lk, heads, heads_kv, seed):
     dt = TORCH_DTYPES[v.dtype]
     q = torch.randn(sum(lq), heads, v.hdim, device="cuda", dtype=dt, generator=g)
     k = torch.randn(sum(lk), heads_kv, v.hdim, device="cuda", dtype=dt, generator=g)
-    vv = torch.randn(sum(lk), heads_kv, v.hdim, device="cuda", dtype=dt, generator=g)
+    vv = torch.randn(sum(lk), heads_kv, v.hdim_v, device="cuda", dtype=dt, generator=g)
     return q, k, vv
 
 
 def lowp_per_doc(q, k, v, cu_q, cu_k, scale, window, causal, softcap=0.0):
     """The 16-bit baseline, one document at a time, in FA3's varlen layout (scores capped by
     ``softcap`` > 0 as attention_lowp does)."""
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(len(cq) - 1):
@@ -71,8 +71,9 @@ def equal_documents(v, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dt = TORCH_DTYPES[v.dtype]
     q = torch.randn(b, s, 4, v.hdim, device="cuda", dtype=dt, generator=g)
-    k, vv = (torch.randn(b, s, 2, v.hdim, device="cuda", dtype=dt, generator=g) for _ in range(2))
-    return q, k, vv, torch.randn_like(q)
+    k = torch.randn(b, s, 2, v.hdim, device="cuda", dtype=dt, generator=g)
+    vv = torch.randn(b, s, 2, v.hdim_v, device="cuda", dtype=dt, generator=g)
+    return q, k, vv, torch.randn(b, s, 4, v.hdim_v, device="cuda", dtype=dt, generator=g)
 
 
 def run_varlen(q, k, v, cu_q, cu_k, lq, lk, scale, window, causal):
@@ -90,14 +91,14 @@ def run_varlen(q, k, v, cu_q, cu_k, lq, lk, scale, window, causal):
                                   (3, 1, 2048, True, 3, 3)])
 def test_varlen_forward_matches_reference(v, mask, case):
     window, causal, kind = mask
-    require_built(variants.Variant(v.hdim, v.dtype, kind), "fwd", "packed")
+    require_built(variants.Variant(v.hdim, v.dtype, kind, v.hdim_v), "fwd", "packed")
     seed, docs, longest, same_qk, heads, heads_kv = case
     lq, lk = doc_mix(seed, docs, longest, same_qk)
     q, k, vv = packed_inputs(v, lq, lk, heads, heads_kv, seed)
     cu_q, cu_k = cumsum(lq), cumsum(lk)
     scale = 1.0 / math.sqrt(v.hdim) * (0.5 + seed % 3 * 0.5)
     out, lse = run_varlen(q, k, vv, cu_q, cu_k, lq, lk, scale, window, causal)
-    assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    assert out.shape == (*q.shape[:2], v.hdim_v) and lse.shape == (heads, q.shape[0])
     ref_out, ref_lse = reference.attention_varlen_ref(q, k, vv, cu_q, cu_k, scale, causal, window_size=window)
     lp_out, lp_lse = lowp_per_doc(q, k, vv, cu_q, cu_k, scale, window, causal)
     # Rows that attend no key: out exactly 0, lse -inf (the reference's too).
@@ -174,11 +175,11 @@ def varlen_grads(q, k, v, dout, cu_q, cu_k, lq, lk, scale, window, causal, **kw)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
 def test_varlen_gradients_match_reference(v, mask, case, deterministic):
     window, causal, kind = mask
-    require_built(variants.Variant(v.hdim, v.dtype, kind), "bwd", "packed")
+    require_built(variants.Variant(v.hdim, v.dtype, kind, v.hdim_v), "bwd", "packed")
     seed, docs, longest, same_qk, heads, heads_kv = case
     lq, lk = doc_mix(seed, docs, longest, same_qk)
     q, k, vv = packed_inputs(v, lq, lk, heads, heads_kv, seed)
-    dout = torch.randn_like(q)
+    dout = torch.randn(*q.shape[:2], v.hdim_v, device="cuda", dtype=q.dtype)
     cu_q, cu_k = cumsum(lq), cumsum(lk)
     scale = 1.0 / math.sqrt(v.hdim)
     got = varlen_grads(q, k, vv, dout, cu_q, cu_k, lq, lk, scale, window, causal, deterministic=deterministic)

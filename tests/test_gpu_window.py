@@ -59,7 +59,7 @@ def check_forward(v, shape, window, causal, seed):
     out, lse = forward(q, k, vv, scale, window, causal)
     ref_out, ref_lse = reference.attention_ref(q, k, vv, scale, causal, window_size=window)
     lp_out, lp_lse = attention_lowp(q, k, vv, scale, causal, window)
-    assert out.shape == q.shape and lse.shape == (b, h, sq)
+    assert out.shape == (b, sq, h, v.hdim_v) and lse.shape == (b, h, sq)
     assert_close_to_ref("out", out, lp_out, ref_out)
     assert_close_to_ref("lse", lse, lp_lse, ref_lse)
 

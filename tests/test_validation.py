@@ -27,7 +27,8 @@ def test_valid_inputs_pass():
         (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "bfloat16 or torch.float16"),
         (lambda q, k, v: (q, k.half(), v), TypeError, "share a dtype"),
         (lambda q, k, v: (q[0], k, v), ValueError, "4 dims"),
-        (lambda q, k, v: (q, k, v[:, :8]), ValueError, "same shape"),
+        (lambda q, k, v: (q, k, v[:, :8]), ValueError, "agree on all dims but the last"),
+        (lambda q, k, v: (q, k, v[..., :32]), ValueError, "q/k 64 with v 32 is not supported"),
         (lambda q, k, v: (q[:1], k, v), ValueError, "batch sizes differ"),
         (lambda q, k, v: (q[..., :32], k, v), ValueError, "head dims differ"),
         (lambda q, k, v: (q[:, :0], k, v), ValueError, "zero-length"),
@@ -47,6 +48,15 @@ def test_unsupported_head_dim():
     q, k, v = qkv(d=80)
     with pytest.raises(ValueError, match="head dim 80 is not supported"):
         dash_fa3.flash_attn_func(q, k, v)
+
+
+def test_value_head_dim_of_mla_is_accepted():
+    """(192, v 128) runs (here on the CPU reference); out has v's head dim."""
+    q, k, v = qkv(d=192)
+    shape = validation.check_attention_inputs(q, k, v[..., :128], causal=True)
+    assert (shape.headdim, shape.headdim_v) == (192, 128)
+    assert shape.variant(True).name == "hdim192v128-bf16-causal"
+    assert dash_fa3.flash_attn_func(q, k, v[..., :128].contiguous(), causal=True).shape == (2, 16, 4, 128)
 
 
 def test_non_contiguous_last_dim_names_the_fix():

@@ -54,6 +54,27 @@ def test_variant_name_roundtrip():
         variants.Variant.parse("128-bf16")
 
 
+def test_value_head_dim_variants():
+    """MLA's (192, v 128) is its own token: hdim192 selects the equal dims only, and
+    variant_of names the supported pairs for any other."""
+    mla = variants.select("hdim192v128-bf16-causal")
+    assert mla == (variants.Variant(192, "bf16", "causal", 128),)
+    assert mla[0].name == "hdim192v128-bf16-causal" and mla[0].hdim_v == 128
+    assert all(v.hdim_v == 192 for v in variants.select("hdim192"))
+    assert variants.Variant(128, "bf16", "full").hdim_v == 128
+    variants.check_head_dims(192, 128)
+    variants.check_head_dims(64, 64)
+    with pytest.raises(ValueError, match="q/k 128 with v 64 is not supported; supported: 64, 96, 128, 192, 256, "
+                                         "q/k 192 with v 128"):
+        variants.check_head_dims(128, 64)
+    with pytest.raises(ValueError, match="head dim 80 is not"):
+        variants.check_head_dims(80, 80)
+    with pytest.raises(ValueError):
+        variants.Variant.parse("hdim192x128-bf16-full")
+    assert build_config.instantiation_name("bwd", mla[0], "packed") == "bwd_hdim192v128_bf16_causal_packed.cu"
+    assert "run_bwd<192, 128, dash_fa3::DType::kBF16" in build_config.instantiation_source("bwd", mla[0])
+
+
 def test_checked_in_instantiations_match_generator():
     """csrc/instantiations/ holds exactly one generated file per known (direction, variant, layout, softcap)."""
     insts = build_config.instantiations(variants.ALL_VARIANTS)
@@ -78,13 +99,13 @@ def test_build_sources_follow_selection():
     table = build_config.variant_table_source(sel)
     # fwd and bwd, dense and packed, plain scores
     assert table.count('"hdim128-bf16-causal"') == 4 and "hdim64" not in table
-    assert 'X(128, kBF16, kCausal, true, false, "hdim128-bf16-causal")' in table and ", true, \"" not in table
+    assert 'X(128, 128, kBF16, kCausal, true, false, "hdim128-bf16-causal")' in table and ", true, \"" not in table
     table = build_config.variant_table_source(variants.select("hdim256-bf16-full"))
     assert "DASH_FA3_FOR_EACH_BWD_KERNEL(X)" in table and table.count('"hdim256-bf16-full"') == 4
     # softcap kernels too: each entry twice
     table = build_config.variant_table_source(sel, variants.LAYOUTS, (False, True))
     assert table.count('"hdim128-bf16-causal"') == 8
-    assert 'X(128, kBF16, kCausal, false, true, "hdim128-bf16-causal")' in table
+    assert 'X(128, 128, kBF16, kCausal, false, true, "hdim128-bf16-causal")' in table
     table = build_config.variant_table_source(sel, ("dense",))
     assert table.count('"hdim128-bf16-causal"') == 2 and "true" not in table
     only = build_config.variant_table_source(sel, ("packed",), (True,))
@@ -118,7 +139,7 @@ def test_layouts_select(monkeypatch, tmp_path):
         "csrc/instantiations/fwd_hdim128_bf16_causal.cu", "csrc/instantiations/bwd_hdim128_bf16_causal.cu",
         "csrc/instantiations/fwd_hdim128_bf16_causal_softcap.cu",
         "csrc/instantiations/bwd_hdim128_bf16_causal_softcap.cu"]
-    assert "X(128, kBF16, kCausal, false, true" in (tmp_path / "variant_table.h").read_text()
+    assert "X(128, 128, kBF16, kCausal, false, true" in (tmp_path / "variant_table.h").read_text()
 
 
 def test_softcap_axis_select(monkeypatch):

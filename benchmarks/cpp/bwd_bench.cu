@@ -57,7 +57,7 @@ static dash_fa3::MaskKind mask_of(bool causal) {
 static bool dispatch_bwd(int hdim, DType dtype, bool causal, const dash_fa3::BwdParams& p, cudaStream_t st) {
 #define DASH_BWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME)                                      \
   if (!PACKED && !SOFTCAP && hdim == H && dtype == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) { \
-    dash_fa3::run_bwd<H, DType::T, dash_fa3::MaskKind::M, false, false>(p, st);                 \
+    dash_fa3::run_bwd<H, H, DType::T, dash_fa3::MaskKind::M, false, false>(p, st);                 \
     return true;                                                                  \
   }
   DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_BWD_VARIANT)
@@ -378,7 +378,7 @@ struct Problem {
     p.dk = dk; p.dv = dv; p.dk_partial = dk_partial; p.dv_partial = dv_partial;
     p.schedule = sched_dev; p.schedule_header_host = sched_host.data();
     p.batch = g.b; p.seqlen_q = g.sq; p.seqlen_k = g.sk; p.seqlen_q_rounded = sq_rounded;
-    p.heads = g.h; p.heads_kv = g.hkv; p.headdim = g.d;
+    p.heads = g.h; p.heads_kv = g.hkv; p.headdim = g.d; p.headdim_v = g.d;
     p.softmax_scale = g.scale;
     p.deterministic = det;
     if (!dispatch_bwd(g.d, dtype, g.causal, p, stream))
@@ -387,7 +387,7 @@ struct Problem {
     post.dq_accum = dq_accum; post.block_m = bm; post.dq = dq;
     post.dq_stride = {int64_t(g.sq) * g.h * g.d, int64_t(g.h) * g.d, g.d};
     post.softmax_scale = g.scale; post.batch = g.b; post.seqlen_q = g.sq; post.seqlen_q_rounded = sq_rounded;
-    post.heads = g.h; post.headdim = g.d;
+    post.heads = g.h; post.headdim = g.d; post.headdim_v = g.d;
     post.dk_partial = dk_partial; post.dv_partial = dv_partial; post.dk = dk; post.dv = dv;
     post.dk_stride = post.dv_stride = p.dk_stride;
     post.heads_kv = g.hkv; post.seqlen_k = g.sk;

@@ -1,7 +1,7 @@
 // Forward-kernel harness without Python: correctness against a naive fp32
 // reference, and timing with CUDA events (GPU time only: see hide_host_time).
 //
-//   fwd_bench [--hdim 128] [--dtype bf16|fp16] [--causal 0|1] [--batch 2]
+//   fwd_bench [--hdim 128] [--hdim_v HDIM] [--dtype bf16|fp16] [--causal 0|1] [--batch 2]
 //             [--seqlen_q 1024] [--seqlen_k SQ] [--heads 16] [--heads_kv H]
 //             [--pad 0|1] [--check 1] [--time 1] [--iters 20] [--warmup 5]
 //             [--seed 1] [--scale 1/sqrt(d)]
@@ -10,7 +10,8 @@
 //             causal; timing only.
 //
 // --pad 1 allocates Q, K, V and O with padded row and batch strides (still
-// multiples of 8 elements), to exercise arbitrary strides.
+// multiples of 8 elements), to exercise arbitrary strides. --hdim_v: V's and
+// O's head dim where it differs from Q's and K's (MLA: --hdim 192 --hdim_v 128).
 //
 // Correctness: O and LSE are poisoned with NaN before the call. The reference
 // runs in fp32 on the same bf16/fp16 inputs (one warp per query row, two
@@ -38,15 +39,15 @@
 
 using dash_fa3::DType;
 
-// Calls the instantiation for (hdim, dtype, causal); false if it was not built.
-// (This harness runs the full and causal kernels only.)
-static bool dispatch_fwd(int hdim, DType dtype, bool causal, const dash_fa3::FwdParams& p,
+// Calls the instantiation for (hdim, hdim_v, dtype, causal); false if it was
+// not built. (This harness runs the full and causal kernels only.)
+static bool dispatch_fwd(int hdim, int hdim_v, DType dtype, bool causal, const dash_fa3::FwdParams& p,
                          cudaStream_t stream) {
   dash_fa3::MaskKind const mask = causal ? dash_fa3::MaskKind::kCausal : dash_fa3::MaskKind::kFull;
-#define DASH_FWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME)                              \
-  if (!PACKED && !SOFTCAP && hdim == H && dtype == DType::T && mask == dash_fa3::MaskKind::M) { \
-    dash_fa3::run_fwd<H, DType::T, dash_fa3::MaskKind::M, false, false>(p, stream);    \
-    return true;                                                         \
+#define DASH_FWD_VARIANT(H, HV, T, M, PACKED, SOFTCAP, NAME)                                                  \
+  if (!PACKED && !SOFTCAP && hdim == H && hdim_v == HV && dtype == DType::T && mask == dash_fa3::MaskKind::M) { \
+    dash_fa3::run_fwd<H, HV, DType::T, dash_fa3::MaskKind::M, false, false>(p, stream);                       \
+    return true;                                                                                            \
   }
   DASH_FA3_FOR_EACH_FWD_KERNEL(DASH_FWD_VARIANT)
 #undef DASH_FWD_VARIANT
@@ -88,10 +89,10 @@ __global__ void fill_float(float* x, int64_t n, float value) {
 struct RefArgs {
   const void* q; const void* k; const void* v;
   dash_fa3::TensorStrides qs, ks, vs;
-  float* o32;    // (b, sq, h, d) contiguous, fp32 P
+  float* o32;    // (b, sq, h, dv) contiguous, fp32 P
   float* o16p;   // same, P rounded to the input type, O rounded too
   float* lse;    // (b, h, sq)
-  int b, sq, sk, h, hkv, d;
+  int b, sq, sk, h, hkv, d, dv;  // d: q and k, dv: v and o
   float scale;
   bool causal;
 };
@@ -142,7 +143,7 @@ __global__ void reference_fwd(RefArgs a) {
     float const p16 = to_float(from_float<T>(p));
     for (int t = 0; t < kRefMaxDimPerLane; ++t) {
       int const di = lane + 32 * t;
-      if (di < a.d) {
+      if (di < a.dv) {
         float const vv = to_float(v[j * a.vs.row + di]);
         o32[t] += p * vv;
         o16[t] += p16 * vv;
@@ -150,10 +151,10 @@ __global__ void reference_fwd(RefArgs a) {
     }
   }
   float const inv = j_end > 0 ? 1.f / l : 0.f;
-  int64_t const orow = ((int64_t(bi) * a.sq + i) * a.h + hi) * a.d;
+  int64_t const orow = ((int64_t(bi) * a.sq + i) * a.h + hi) * a.dv;
   for (int t = 0; t < kRefMaxDimPerLane; ++t) {
     int const di = lane + 32 * t;
-    if (di < a.d) {
+    if (di < a.dv) {
       a.o32[orow + di] = o32[t] * inv;
       a.o16p[orow + di] = to_float(from_float<T>(o16[t] * inv));
     }
@@ -168,6 +169,7 @@ __global__ void reference_fwd(RefArgs a) {
 
 struct Config {
   int hdim = 128;
+  int hdim_v = -1;  // -1: hdim
   DType dtype = DType::kBF16;
   bool causal = false;
   int batch = 2, seqlen_q = 1024, seqlen_k = -1, heads = 16, heads_kv = -1;
@@ -215,22 +217,23 @@ static Result run_one(const Config& c) {
   int const sk = c.seqlen_k > 0 ? c.seqlen_k : c.seqlen_q;
   int const hkv = c.heads_kv > 0 ? c.heads_kv : c.heads;
   int const d = c.hdim;
+  int const dv = c.hdim_v > 0 ? c.hdim_v : d;
   float const scale = c.scale > 0 ? c.scale : 1.f / std::sqrt(float(d));
   Tensor4 q = alloc_bshd(c.batch, c.seqlen_q, c.heads, d, c.pad);
   Tensor4 k = alloc_bshd(c.batch, sk, hkv, d, c.pad);
-  Tensor4 v = alloc_bshd(c.batch, sk, hkv, d, c.pad);
-  Tensor4 o = alloc_bshd(c.batch, c.seqlen_q, c.heads, d, c.pad);
+  Tensor4 v = alloc_bshd(c.batch, sk, hkv, dv, c.pad);
+  Tensor4 o = alloc_bshd(c.batch, c.seqlen_q, c.heads, dv, c.pad);
   int64_t const lse_n = int64_t(c.batch) * c.heads * c.seqlen_q;
   float* lse = nullptr;
   CHECK_CUDA(cudaMalloc(&lse, lse_n * sizeof(float)));
   bool const bf16 = c.dtype == DType::kBF16;
-  auto fill = [&](Tensor4& t, int s, int h, uint64_t seed) {
-    if (bf16) launch_fill<__nv_bfloat16>(t.ptr, t, c.batch, s, h, d, seed);
-    else launch_fill<__half>(t.ptr, t, c.batch, s, h, d, seed);
+  auto fill = [&](Tensor4& t, int s, int h, int dim, uint64_t seed) {
+    if (bf16) launch_fill<__nv_bfloat16>(t.ptr, t, c.batch, s, h, dim, seed);
+    else launch_fill<__half>(t.ptr, t, c.batch, s, h, dim, seed);
   };
-  fill(q, c.seqlen_q, c.heads, c.seed * 3 + 0);
-  fill(k, sk, hkv, c.seed * 3 + 1);
-  fill(v, sk, hkv, c.seed * 3 + 2);
+  fill(q, c.seqlen_q, c.heads, d, c.seed * 3 + 0);
+  fill(k, sk, hkv, d, c.seed * 3 + 1);
+  fill(v, sk, hkv, dv, c.seed * 3 + 2);
   auto poison = [&]() {
     if (bf16) fill_value<__nv_bfloat16><<<1024, 256>>>(static_cast<__nv_bfloat16*>(o.ptr), o.numel, NAN);
     else fill_value<__half><<<1024, 256>>>(static_cast<__half*>(o.ptr), o.numel, NAN);
@@ -245,25 +248,26 @@ static Result run_one(const Config& c) {
   p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr; p.lse = lse;
   p.q_stride = q.st; p.k_stride = k.st; p.v_stride = v.st; p.o_stride = o.st;
   p.batch = c.batch; p.seqlen_q = c.seqlen_q; p.seqlen_k = sk; p.heads = c.heads; p.heads_kv = hkv;
-  p.headdim = d; p.softmax_scale = scale;
+  p.headdim = d; p.headdim_v = dv; p.softmax_scale = scale;
   p.num_sms = num_sms; p.packed_order = nullptr;
 
   Result r;
   poison();
-  if (!dispatch_fwd(d, c.dtype, c.causal, p, 0)) {
-    throw std::runtime_error("variant not built: hdim " + std::to_string(d) + " " + dtype_name(c.dtype) +
-                             (c.causal ? " causal" : " full"));
+  if (!dispatch_fwd(d, dv, c.dtype, c.causal, p, 0)) {
+    throw std::runtime_error("variant not built: hdim " + std::to_string(d) +
+                             (dv != d ? " hdim_v " + std::to_string(dv) : std::string()) + " " +
+                             dtype_name(c.dtype) + (c.causal ? " causal" : " full"));
   }
   CHECK_CUDA(cudaDeviceSynchronize());
 
   if (c.check) {
-    int64_t const on = int64_t(c.batch) * c.seqlen_q * c.heads * d;
+    int64_t const on = int64_t(c.batch) * c.seqlen_q * c.heads * dv;
     float *o32, *o16p, *lse_ref;
     CHECK_CUDA(cudaMalloc(&o32, on * 4));
     CHECK_CUDA(cudaMalloc(&o16p, on * 4));
     CHECK_CUDA(cudaMalloc(&lse_ref, lse_n * 4));
     RefArgs a{q.ptr, k.ptr, v.ptr, q.st, k.st, v.st, o32, o16p, lse_ref,
-              c.batch, c.seqlen_q, sk, c.heads, hkv, d, scale, c.causal};
+              c.batch, c.seqlen_q, sk, c.heads, hkv, d, dv, scale, c.causal};
     int const rows = c.batch * c.heads * c.seqlen_q;
     int const blocks = (rows + 3) / 4;
     if (bf16) reference_fwd<__nv_bfloat16><<<blocks, 128>>>(a);
@@ -285,8 +289,8 @@ static Result run_one(const Config& c) {
     for (int bi = 0; bi < c.batch; ++bi)
       for (int i = 0; i < c.seqlen_q; ++i)
         for (int hi = 0; hi < c.heads; ++hi)
-          for (int di = 0; di < d; ++di) {
-            int64_t const ri = ((int64_t(bi) * c.seqlen_q + i) * c.heads + hi) * d + di;
+          for (int di = 0; di < dv; ++di) {
+            int64_t const ri = ((int64_t(bi) * c.seqlen_q + i) * c.heads + hi) * dv + di;
             float const got = half_bits_to_float(ho[bi * o.st.batch + i * o.st.row + hi * o.st.head + di]);
             if (!std::isfinite(got)) { ++r.nan_o; continue; }
             double const e = double(got) - h32[ri], e16 = double(h16[ri]) - h32[ri];
@@ -319,12 +323,12 @@ static Result run_one(const Config& c) {
     cudaEvent_t e0, e1;
     CHECK_CUDA(cudaEventCreate(&e0));
     CHECK_CUDA(cudaEventCreate(&e1));
-    for (int i = 0; i < c.warmup; ++i) dispatch_fwd(d, c.dtype, c.causal, p, 0);
+    for (int i = 0; i < c.warmup; ++i) dispatch_fwd(d, dv, c.dtype, c.causal, p, 0);
     std::vector<float> times;
     for (int i = 0; i < c.iters; ++i) {
       hide_host_time();
       CHECK_CUDA(cudaEventRecord(e0));
-      dispatch_fwd(d, c.dtype, c.causal, p, 0);
+      dispatch_fwd(d, dv, c.dtype, c.causal, p, 0);
       CHECK_CUDA(cudaEventRecord(e1));
       CHECK_CUDA(cudaEventSynchronize(e1));
       float ms = 0;
@@ -333,7 +337,8 @@ static Result run_one(const Config& c) {
     }
     std::sort(times.begin(), times.end());
     r.ms = times[times.size() / 2];
-    double flops = 4.0 * c.batch * c.heads * double(c.seqlen_q) * sk * d;
+    // QK^T over d, PV over dv.
+    double flops = 2.0 * c.batch * c.heads * double(c.seqlen_q) * sk * (d + dv);
     if (c.causal) flops /= 2;
     r.tflops = flops / (r.ms * 1e-3) / 1e12;
     CHECK_CUDA(cudaEventDestroy(e0));
@@ -347,8 +352,10 @@ static Result run_one(const Config& c) {
 static void print_result(const Config& c, const Result& r) {
   int const sk = c.seqlen_k > 0 ? c.seqlen_k : c.seqlen_q;
   int const hkv = c.heads_kv > 0 ? c.heads_kv : c.heads;
-  std::printf("hdim=%3d %s %-6s b=%d sq=%d sk=%d h=%d hkv=%d pad=%d", c.hdim, dtype_name(c.dtype),
-              c.causal ? "causal" : "full", c.batch, c.seqlen_q, sk, c.heads, hkv, int(c.pad));
+  std::printf("hdim=%3d", c.hdim);
+  if (c.hdim_v > 0 && c.hdim_v != c.hdim) std::printf(" hdim_v=%3d", c.hdim_v);
+  std::printf(" %s %-6s b=%d sq=%d sk=%d h=%d hkv=%d pad=%d", dtype_name(c.dtype), c.causal ? "causal" : "full",
+              c.batch, c.seqlen_q, sk, c.heads, hkv, int(c.pad));
   if (c.check) {
     std::printf(" | %s err_l2=%.2e (ref16 %.2e) err_max=%.2e (ref16 %.2e) lse_err=%.2e nan_o=%lld bad_lse=%lld",
                 r.ok ? "PASS" : "FAIL", r.err_l2, r.ref16_l2, r.err_max, r.ref16_max, r.lse_err,
@@ -370,6 +377,7 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--hdim") c.hdim = std::stoi(next());
+    else if (a == "--hdim_v") c.hdim_v = std::stoi(next());
     else if (a == "--dtype") { std::string t = next(); c.dtype = t == "fp16" ? DType::kFP16 : DType::kBF16; }
     else if (a == "--causal") c.causal = std::stoi(next()) != 0;
     else if (a == "--batch") c.batch = std::stoi(next());
@@ -414,7 +422,7 @@ int main(int argc, char** argv) {
       for (int causal = 0; causal < 2; ++causal) {
         for (int s = 512; s <= 16384; s *= 2) {
           Config g = c;
-          g.hdim = hd; g.causal = causal; g.dtype = DType::kBF16;
+          g.hdim = hd; g.hdim_v = hd; g.causal = causal; g.dtype = DType::kBF16;
           g.seqlen_q = s; g.seqlen_k = s; g.heads = 2048 / hd; g.heads_kv = g.heads; g.batch = 16384 / s;
           print_result(g, run_one(g));
         }

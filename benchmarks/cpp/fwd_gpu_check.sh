@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-call GPU check of the forward kernel: correctness suite, then timing.
 #   benchmarks/cpp/fwd_gpu_check.sh BENCH "HDIMS" "DTYPES" [GRID_HDIMS]
-# e.g. fwd_gpu_check.sh carry/fwd/fwd_bench "64 128" "bf16 fp16" "64,128"
+# e.g. fwd_gpu_check.sh carry/fwd/fwd_bench "64 128 192v128" "bf16 fp16" "64,128"
+# (DvDV: head dim D for Q and K, DV for V and O.)
 # Prints one line per case; exits non-zero if any case fails.
 set -uo pipefail
 BENCH=$1; HDIMS=$2; DTYPES=$3; GRID=${4:-}
@@ -11,7 +12,7 @@ run() { timeout 30 "$BENCH" --time 0 "$@" | grep -v '^device' || { fails=$((fail
 # Smoke test first: if the kernel hangs or fails here, stop at once.
 timeout 30 "$BENCH" --time 0 --hdim 128 --seqlen 300 --batch 1 --heads 2 || { echo "smoke test failed"; exit 99; }
 for h in $HDIMS; do for t in $DTYPES; do for c in 0 1; do
-  a="--hdim $h --dtype $t --causal $c"
+  a="--hdim ${h%v*} --hdim_v ${h#*v} --dtype $t --causal $c"
   run $a --batch 2 --seqlen_q 1024 --heads 4
   run $a --batch 1 --seqlen_q 1000 --heads 3 --heads_kv 1 --seed 2
   run $a --batch 2 --seqlen_q 300 --seqlen_k 777 --heads 6 --heads_kv 2 --pad 1 --seed 3

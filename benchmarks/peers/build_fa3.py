@@ -71,6 +71,8 @@ FEATURES = {
     "cluster": ("CLUSTER",),
     "sm80": ("SM80",),
     "hdimdiff": ("HDIMDIFF64", "HDIMDIFF192"),
+    # Only (192, v 128), MLA's forward; needs hdim 192 (its backward runs the d = 192 kernel).
+    "hdimdiff192": ("HDIMDIFF192",),
 }
 
 

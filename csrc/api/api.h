@@ -70,12 +70,14 @@ DType dtype_of(const at::Tensor& t, const char* name);
 void check_softcap(double softcap);
 TensorStrides bshd_strides(const at::Tensor& t, const char* name);
 
-// q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_kv, d): one
-// dtype and device, kernel-addressable strides, heads % heads_kv == 0.
+// q (batch, seqlen_q, heads, d), k (batch, seqlen_k, heads_kv, d) and v
+// (batch, seqlen_k, heads_kv, d_v): one dtype and device, kernel-addressable
+// strides, heads % heads_kv == 0. (Which (d, d_v) pairs have kernels is the
+// variant table's to say.)
 struct QkvShape {
   DType dtype;
   TensorStrides q_stride, k_stride, v_stride;
-  int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, hdim;
+  int64_t batch, seqlen_q, seqlen_k, heads, heads_kv, hdim, hdim_v;
 };
 QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 

@@ -25,9 +25,9 @@
 namespace dash_fa3 {
 namespace {
 
-#define DASH_FA3_BWD_ENTRY(HDIM, DTYPE, MASK, PACKED, SOFTCAP, NAME)                        \
-  KernelVariant<BwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP, NAME,                \
-                           &run_bwd<HDIM, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP>},
+#define DASH_FA3_BWD_ENTRY(HDIM, HDIM_V, DTYPE, MASK, PACKED, SOFTCAP, NAME)                        \
+  KernelVariant<BwdParams>{HDIM, HDIM_V, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP, NAME,                \
+                           &run_bwd<HDIM, HDIM_V, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP>},
 // A vector, not an array: a build may select no variant of a direction.
 const std::vector<KernelVariant<BwdParams>> kBwdKernels = {DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_FA3_BWD_ENTRY)};
 #undef DASH_FA3_BWD_ENTRY
@@ -57,7 +57,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   const QkvShape sh = check_qkv(q, k, v);
   const at::Device dev = q.device();
   TORCH_CHECK(dout.device() == dev && out.device() == dev, "dash_fa3: dout and out must be on q's device");
-  TORCH_CHECK(out.sizes() == q.sizes(), msg("dash_fa3: out must have q's shape ", q.sizes(), ", got ", out.sizes()));
+  TORCH_CHECK(out.dim() == 4 && out.size(0) == sh.batch && out.size(1) == sh.seqlen_q && out.size(2) == sh.heads &&
+                  out.size(3) == sh.hdim_v,
+              msg("dash_fa3: out must be (", sh.batch, ", ", sh.seqlen_q, ", ", sh.heads, ", ", sh.hdim_v,
+                  ") (q's batch, seqlen and heads, v's head dim), got ", out.sizes()));
   check_preprocess_inputs(out, dout, lse);
   TORCH_CHECK(window_left >= -1 && window_right >= -1 && window_left < (int64_t(1) << 30) &&
                   window_right < (int64_t(1) << 30),
@@ -65,9 +68,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
   check_softcap(softcap);
-  const auto& chosen = find_variant(kBwdKernels, "backward", sh.hdim, sh.dtype, mask, packed != nullptr, softcap > 0);
+  const auto& chosen = find_variant(kBwdKernels, "backward", sh.hdim, sh.hdim_v, sh.dtype, mask, packed != nullptr, softcap > 0);
   const int64_t seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads, heads_kv = sh.heads_kv,
-                hdim = sh.hdim;
+                hdim = sh.hdim, hdim_v = sh.hdim_v;
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));
   // Dense: (batch, heads, seqlen_q rounded up to block_m) statistics rows;
   // packed: (heads, padded total) (common/seqlen_info.h).
@@ -93,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const bool gqa = heads != heads_kv;
   const BwdWorkspace ws =
-      make_bwd_workspace({sh.batch, heads, rounded, seqlen_k, hdim, rounded / block_m, gqa}, dev);
+      make_bwd_workspace({sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, gqa}, dev);
   launch_bwd_preprocess(out, dout, lse, ws, rounded, stream, packed, block_m);
 
   at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));
@@ -135,6 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   p.heads = static_cast<int>(heads);
   p.heads_kv = static_cast<int>(heads_kv);
   p.headdim = static_cast<int>(hdim);
+  p.headdim_v = static_cast<int>(hdim_v);
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softcap = static_cast<float>(softcap);
   p.window_left = static_cast<int>(window_left);

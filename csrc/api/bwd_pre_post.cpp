@@ -73,6 +73,7 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
   p.seqlen_q_rounded = static_cast<int>(seqlen_q_rounded);
   p.heads = static_cast<int>(heads);
   p.headdim = static_cast<int>(hdim);
+  p.headdim_v = static_cast<int>(hdim);
   if (dkv != nullptr) {
     p.dk_partial = dkv->dk_partial;
     p.dv_partial = dkv->dv_partial;
@@ -81,6 +82,7 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
     p.dk_stride = bshd_strides(dkv->dk, "dk");
     p.dv_stride = bshd_strides(dkv->dv, "dv");
     p.heads_kv = static_cast<int>(dkv->dk.size(2));
+    p.headdim_v = static_cast<int>(dkv->dv.size(3));
     p.seqlen_k = static_cast<int>(dkv->dk.size(1));
   }
   if (docs != nullptr) {
@@ -108,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_preprocess(const 
   const int64_t n_q = (seqlen_q + block_m - 1) / block_m;
   const int64_t rounded = n_q * block_m;
   const BwdWorkspace ws =
-      make_bwd_workspace({batch, heads, rounded, 0, hdim, n_q, false}, out.device());
+      make_bwd_workspace({batch, heads, rounded, 0, hdim, hdim, n_q, false}, out.device());
   launch_bwd_preprocess(out, dout, lse, ws, rounded, c10::cuda::getCurrentCUDAStream().stream());
   auto region = [&](int64_t offset, at::ScalarType type, at::IntArrayRef sizes) {
     int64_t numel = 1;

@@ -14,7 +14,8 @@ int64_t round_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& device) {
   const int64_t rows = s.batch * s.heads * s.seqlen_q_rounded;
-  const int64_t partial = s.gqa ? s.batch * s.heads * s.seqlen_k * s.headdim : 0;
+  const int64_t partial_k = s.gqa ? s.batch * s.heads * s.seqlen_k * s.headdim : 0;
+  const int64_t partial_v = s.gqa ? s.batch * s.heads * s.seqlen_k * s.headdim_v : 0;
   BwdWorkspace w{};
   int64_t off = 0;
   w.dpsum_offset = off;
@@ -22,9 +23,9 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   w.lse_log2_offset = off;
   off = round_up(off + rows * int64_t(sizeof(float)));
   const int64_t dk_offset = off;
-  off = round_up(off + partial * int64_t(sizeof(float)));
+  off = round_up(off + partial_k * int64_t(sizeof(float)));
   const int64_t dv_offset = off;
-  off = round_up(off + partial * int64_t(sizeof(float)));
+  off = round_up(off + partial_v * int64_t(sizeof(float)));
   const int64_t zero_begin = off;
   w.dq_accum_offset = off;
   off = round_up(off + rows * s.headdim * int64_t(sizeof(float)));

@@ -33,7 +33,7 @@ struct BwdWorkspace {
 };
 
 struct BwdWorkspaceShape {
-  int64_t batch, heads, seqlen_q_rounded, seqlen_k, headdim, n_q;
+  int64_t batch, heads, seqlen_q_rounded, seqlen_k, headdim, headdim_v, n_q;
   bool gqa;
 };
 

@@ -51,7 +51,10 @@ QkvShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   s.seqlen_k = k.size(1), s.heads_kv = k.size(2);
   TORCH_CHECK(k.size(0) == s.batch && k.size(3) == s.hdim,
               msg("dash_fa3: k must be (", s.batch, ", seqlen_k, heads_kv, ", s.hdim, "), got ", k.sizes()));
-  TORCH_CHECK(v.sizes() == k.sizes(), msg("dash_fa3: v must have k's shape ", k.sizes(), ", got ", v.sizes()));
+  s.hdim_v = v.size(3);
+  TORCH_CHECK(v.size(0) == s.batch && v.size(1) == s.seqlen_k && v.size(2) == s.heads_kv,
+              msg("dash_fa3: v must be (", s.batch, ", ", s.seqlen_k, ", ", s.heads_kv, ", headdim_v), got ",
+                  v.sizes()));
   TORCH_CHECK(s.seqlen_q >= 1 && s.seqlen_k >= 1, "dash_fa3: sequence lengths must be >= 1");
   TORCH_CHECK(s.heads_kv >= 1 && s.heads % s.heads_kv == 0,
               msg("dash_fa3: heads (", s.heads, ") must be a multiple of heads_kv (", s.heads_kv, ")"));

@@ -16,9 +16,9 @@
 namespace dash_fa3 {
 namespace {
 
-#define DASH_FA3_FWD_ENTRY(HDIM, DTYPE, MASK, PACKED, SOFTCAP, NAME)                        \
-  KernelVariant<FwdParams>{HDIM, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP, NAME,                \
-                           &run_fwd<HDIM, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP>},
+#define DASH_FA3_FWD_ENTRY(HDIM, HDIM_V, DTYPE, MASK, PACKED, SOFTCAP, NAME)                        \
+  KernelVariant<FwdParams>{HDIM, HDIM_V, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP, NAME,                \
+                           &run_fwd<HDIM, HDIM_V, DType::DTYPE, MaskKind::MASK, PACKED, SOFTCAP>},
 // A vector, not an array: a build may select no variant of a direction.
 const std::vector<KernelVariant<FwdParams>> kFwdKernels = {DASH_FA3_FOR_EACH_FWD_KERNEL(DASH_FA3_FWD_ENTRY)};
 #undef DASH_FA3_FWD_ENTRY
@@ -49,11 +49,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
   check_softcap(softcap);
-  const auto& chosen = find_variant(kFwdKernels, "forward", sh.hdim, sh.dtype, mask, packed != nullptr, softcap > 0);
-  const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, heads = sh.heads, hdim = sh.hdim;
+  const auto& chosen = find_variant(kFwdKernels, "forward", sh.hdim, sh.hdim_v, sh.dtype, mask, packed != nullptr, softcap > 0);
+  const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, heads = sh.heads, hdim = sh.hdim, hdim_v = sh.hdim_v;
 
   c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty({batch, seqlen_q, heads, hdim}, q.options());
+  at::Tensor out = at::empty({batch, seqlen_q, heads, hdim_v}, q.options());
   at::Tensor lse = packed ? at::empty({heads, seqlen_q}, q.options().dtype(at::kFloat))
                           : at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
 
@@ -83,6 +83,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
   p.heads = static_cast<int>(heads);
   p.heads_kv = static_cast<int>(sh.heads_kv);
   p.headdim = static_cast<int>(hdim);
+  p.headdim_v = static_cast<int>(hdim_v);
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softcap = static_cast<float>(softcap);
   p.window_left = static_cast<int>(window_left);

@@ -12,8 +12,9 @@ namespace dash_fa3 {
 
 // kPacked: the instantiation for packed documents (FwdParams::cu_seqlens_q
 // given); the dense one carries no per-document code. kSoftcap: the one for
-// softcap > 0 (common/softcap.h); the others carry no tanh.
-template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
+// softcap > 0 (common/softcap.h); the others carry no tanh. kHeadDimV: the
+// head dim of V and O (equal to kHeadDim but for MLA's (192, 128)).
+template <int kHeadDim, int kHeadDimV, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 
 // Before a packed forward (run_fwd<..., true> launches it).
@@ -28,8 +29,9 @@ namespace dash_fa3 {
 
 // Backward main kernel (csrc/kernels/bwd/bwd_launch.cuh). Its tiles are
 // bwd_block_m(headdim) x bwd_block_n(headdim) (kernel_contract.h); block_m is
-// also the preprocess's rounding of seqlen_q. kPacked and kSoftcap as for run_fwd.
-template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
+// also the preprocess's rounding of seqlen_q. kHeadDimV, kPacked and kSoftcap
+// as for run_fwd.
+template <int kHeadDim, int kHeadDimV, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_bwd(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace dash_fa3

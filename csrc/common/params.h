@@ -51,7 +51,8 @@ struct FwdParams {
   int seqlen_k;
   int heads;     // query heads
   int heads_kv;  // heads % heads_kv == 0 (GQA/MQA)
-  int headdim;
+  int headdim;    // q, k
+  int headdim_v;  // v, o (MLA: narrower than headdim)
 
   float softmax_scale;  // applied to QK^T (the launcher derives the kernels' exp2 scales)
   // > 0: scores softcap * tanh(softmax_scale * QK^T / softcap) (common/softcap.h),
@@ -114,7 +115,7 @@ struct BwdPreprocessParams {
   int seqlen_q;
   int seqlen_q_rounded;
   int heads;
-  int headdim;
+  int headdim;  // of out and dout (V's head dim)
 
   // Packed documents (common/seqlen_info.h), nullptr for a dense batch. Then
   // batch counts documents, seqlen_q is total_q, out/dout hold it as batch 0,
@@ -154,7 +155,8 @@ struct BwdPostprocessParams {
   int seqlen_q;
   int seqlen_q_rounded;
   int heads;
-  int headdim;
+  int headdim;    // dq, dk_partial, dk
+  int headdim_v;  // dv_partial, dv
 
   // Packed documents, as in BwdPreprocessParams: dq_accum is (heads,
   // seqlen_q_rounded, headdim) in the padded layout, dq holds total_q =
@@ -172,8 +174,8 @@ namespace dash_fa3 {
 struct BwdParams {
   const void* q;     // (batch, seqlen_q, heads, headdim)
   const void* k;     // (batch, seqlen_k, heads_kv, headdim)
-  const void* v;     // (batch, seqlen_k, heads_kv, headdim)
-  const void* dout;  // (batch, seqlen_q, heads, headdim)
+  const void* v;     // (batch, seqlen_k, heads_kv, headdim_v)
+  const void* dout;  // (batch, seqlen_q, heads, headdim_v)
   TensorStrides q_stride, k_stride, v_stride, do_stride;
 
   // From the preprocess, all (batch, heads, seqlen_q_rounded[, headdim]):
@@ -217,7 +219,8 @@ struct BwdParams {
   int seqlen_q_rounded;  // multiple of block_m
   int heads;
   int heads_kv;
-  int headdim;
+  int headdim;    // q, k, dq, dk
+  int headdim_v;  // v, dout, dv (MLA: narrower than headdim)
 
   float softmax_scale;
   float softcap;  // as in FwdParams

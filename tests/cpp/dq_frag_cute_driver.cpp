@@ -17,7 +17,7 @@ namespace {
 template <int kHeadDim>
 void emit_tile(std::vector<int32_t>& out) {
   using namespace cute;
-  using Traits = dash_fa3::bwd::BwdTraits<kHeadDim, cutlass::bfloat16_t, dash_fa3::MaskKind::kFull, false, false>;
+  using Traits = dash_fa3::bwd::BwdTraits<kHeadDim, kHeadDim, cutlass::bfloat16_t, dash_fa3::MaskKind::kFull, false, false>;
   using Tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
   typename Traits::TiledMmaDq mma;
   auto const id = make_identity_tensor(Tile{});

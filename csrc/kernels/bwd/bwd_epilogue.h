@@ -23,7 +23,7 @@
 //
 // GQA/MQA: the q heads of a group all contribute to the same dK/dV rows. Each
 // task stores its fp32 registers into its own query head's slab of the
-// partials (batch, heads, seqlen_k, d); the postprocess sums each group's
+// partials (batch, heads, seqlen_k, d; dV's with dv columns); the postprocess sums each group's
 // slabs in ascending head order and casts. The sum's order is fixed, so dK/dV
 // are deterministic in both modes, and no task waits for another here (adds
 // into one shared accumulator would need atomics, and ordered adds would make
@@ -46,9 +46,11 @@ template <class Traits>
 struct BwdEpilogue {
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
-  using FragDkv = typename BwdMainloop<Traits>::FragDkv;
+  using FragDk = typename BwdMainloop<Traits>::FragDk;
+  using FragDv = typename BwdMainloop<Traits>::FragDv;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   static constexpr int kMmaThreads = Traits::kNumMmaThreads;
 
   using SharedStorage = typename Traits::SharedStorage;
@@ -56,23 +58,25 @@ struct BwdEpilogue {
   // MHA, a task with steps: every GEMM of this warpgroup has retired. Releases
   // sK and sV to the producer (kKEmpty, kVEmpty) and returns once sdS may be
   // written again.
-  CUTE_DEVICE static void store_tma(Params const& p, SharedStorage& smem, FragDkv& tdKrdK, FragDkv& tdVrdV,
+  CUTE_DEVICE static void store_tma(Params const& p, SharedStorage& smem, FragDk& tdKrdK, FragDv& tdVrdV,
                                     int32_t const* row, int mma_tid) {
     CUTE_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) { tdKrdK(i) *= p.softmax_scale; }
-    Tensor tdKout = make_tensor<Element>(typename FragDkv::layout_type{});
-    Tensor tdVout = make_tensor<Element>(typename FragDkv::layout_type{});
+    Tensor tdKout = make_tensor<Element>(typename FragDk::layout_type{});
+    Tensor tdVout = make_tensor<Element>(typename FragDv::layout_type{});
     convert_fragment(tdKrdK, tdKout);
     convert_fragment(tdVrdV, tdVout);
 
-    // The staging tiles, in the K tile's layout (the TMA stores' source layout).
+    // The staging tiles, in the K and V tiles' layouts (the TMA stores' source layouts).
     Element* const dk_stage = Traits::kDkStagedInDs ? smem.ds.data() : smem.k.data();
     Element* const dv_stage =
         Traits::kDvStagedInDs ? smem.ds.data() + Traits::kKvTileElements : smem.v.data();
     Tensor sdK = make_tensor(make_smem_ptr(dk_stage), typename Traits::SmemLayoutK{});
-    Tensor sdV = make_tensor(make_smem_ptr(dv_stage), typename Traits::SmemLayoutK{});
-    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmaDkv{});
-    auto thr_r2s = r2s.get_thread_slice(mma_tid);
+    Tensor sdV = make_tensor(make_smem_ptr(dv_stage), typename Traits::SmemLayoutV{});
+    auto r2s_dk = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmaDk{});
+    auto r2s_dv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmaDv{});
+    auto thr_r2s_dk = r2s_dk.get_thread_slice(mma_tid);
+    auto thr_r2s_dv = r2s_dv.get_thread_slice(mma_tid);
     // Wait until the other warpgroup's GEMMs have retired too: its dQ GEMM
     // reads all of sK and of the last step's sdS.
     named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
@@ -83,8 +87,8 @@ struct BwdEpilogue {
     if constexpr (Traits::kDvStagedInDs) {
       named_barrier_arrive(BwdBarrier::kVEmpty, kMmaThreads + Traits::kWarpThreads);
     }
-    copy(r2s, thr_r2s.retile_S(tdKout), thr_r2s.partition_D(sdK));
-    copy(r2s, thr_r2s.retile_S(tdVout), thr_r2s.partition_D(sdV));
+    copy(r2s_dk, thr_r2s_dk.retile_S(tdKout), thr_r2s_dk.partition_D(sdK));
+    copy(r2s_dv, thr_r2s_dv.retile_S(tdVout), thr_r2s_dv.partition_D(sdV));
     // The generic-proxy stores above are read by the TMA store (async proxy).
     cutlass::arch::fence_view_async_shared();
     // Wait until both warpgroups have written their rows of dK and dV.
@@ -93,8 +97,8 @@ struct BwdEpilogue {
       SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
       int const h_kv = row[schedule::kCHeadKv];
       int const kv = row[schedule::kCKvTile];
-      Tensor gdK = Traits::kv_tile(p.tma_dk, p, sl, h_kv, kv);
-      Tensor gdV = Traits::kv_tile(p.tma_dv, p, sl, h_kv, kv);
+      Tensor gdK = Traits::template kv_tile<false>(p.tma_dk, p, sl, h_kv, kv);
+      Tensor gdV = Traits::template kv_tile<true>(p.tma_dv, p, sl, h_kv, kv);
       auto tma_dk = p.tma_dk.get_slice(_0{});
       auto tma_dv = p.tma_dv.get_slice(_0{});
       copy(p.tma_dk, tma_dk.partition_S(sdK), tma_dk.partition_D(gdK));
@@ -131,65 +135,62 @@ struct BwdEpilogue {
   // Tasks without steps (dK = dV = 0, nothing loaded), GQA, and MHA tiles that
   // cross a packed document's end: straight from registers, rows past the
   // problem's seqlen_k not written.
-  CUTE_DEVICE static void store_direct(Params const& p, FragDkv& tdKrdK, FragDkv& tdVrdV, int32_t const* row,
+  CUTE_DEVICE static void store_direct(Params const& p, FragDk& tdKrdK, FragDv& tdVrdV, int32_t const* row,
                                        int mma_tid) {
-    typename Traits::TiledMmaDkv mma_dkv;
-    auto thr = mma_dkv.get_thread_slice(mma_tid);
-    Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     CUTE_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) { tdKrdK(i) *= p.softmax_scale; }
-
     SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
     int const h_kv = row[schedule::kCHeadKv];
-    int const kv = row[schedule::kCKvTile];
-    int const n0 = kv * kBlockN;
-    constexpr int kV = decltype(size<0, 2>(tdKrdK))::value;
-    static_assert(decltype(size<1>(tdKrdK))::value == 1 && decltype(size<2>(tdKrdK))::value == 1,
-                  "one WGMMA atom per warpgroup: registers (2, 2, kV)");
-
+    int const n0 = row[schedule::kCKvTile] * kBlockN;
     if (p.dk_partial == nullptr) {
-      Tensor tdKout = make_tensor<Element>(typename FragDkv::layout_type{});
-      Tensor tdVout = make_tensor<Element>(typename FragDkv::layout_type{});
+      Tensor tdKout = make_tensor<Element>(typename FragDk::layout_type{});
+      Tensor tdVout = make_tensor<Element>(typename FragDv::layout_type{});
       convert_fragment(tdKrdK, tdKout);
       convert_fragment(tdVrdV, tdVout);
       Element* dk = static_cast<Element*>(p.dk) + sl.tensor_batch * p.dk_batch_stride +
                     sl.offset_k * p.dk_row_stride + h_kv * p.dk_head_stride;
       Element* dv = static_cast<Element*>(p.dv) + sl.tensor_batch * p.dv_batch_stride +
                     sl.offset_k * p.dv_row_stride + h_kv * p.dv_head_stride;
-      CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        int const n = n0 + get<0>(tDcD(2 * r));
-        if (n < sl.seqlen_k) {
-          CUTE_UNROLL
-          for (int v = 0; v < kV; ++v) {
-            int const i = 4 * v + 2 * r;  // registers i, i + 1: columns d, d + 1 of row n
-            int const d = get<1>(tDcD(i));
-            *reinterpret_cast<uint32_t*>(dk + n * p.dk_row_stride + d) =
-                *reinterpret_cast<uint32_t const*>(&tdKout(i));
-            *reinterpret_cast<uint32_t*>(dv + n * p.dv_row_stride + d) =
-                *reinterpret_cast<uint32_t const*>(&tdVout(i));
-          }
-        }
-      }
+      // Registers i, i + 1: columns d, d + 1 of row n, one 4-byte store.
+      store_rows<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
+        *reinterpret_cast<uint32_t*>(dk + n * p.dk_row_stride + d) = *reinterpret_cast<uint32_t const*>(&tdKout(i));
+      });
+      store_rows<typename Traits::TiledMmaDv, kHeadDimV>(sl, n0, mma_tid, [&](int n, int d, int i) {
+        *reinterpret_cast<uint32_t*>(dv + n * p.dv_row_stride + d) = *reinterpret_cast<uint32_t const*>(&tdVout(i));
+      });
       return;
     }
-
     // GQA: this query head's slab; every (batch, head, KV tile) has exactly one
     // task, so plain stores suffice: no zeroing, no atomics, no turn-taking.
-    int const h = row[schedule::kCHead];
-    int64_t const base = (int64_t(sl.tensor_batch) * p.heads + h) * p.partial_rows + sl.offset_k;
+    int64_t const base =
+        (int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead]) * p.partial_rows + sl.offset_k;
+    store_rows<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
+      *reinterpret_cast<float2*>(p.dk_partial + (base + n) * kHeadDim + d) = make_float2(tdKrdK(i), tdKrdK(i + 1));
+    });
+    store_rows<typename Traits::TiledMmaDv, kHeadDimV>(sl, n0, mma_tid, [&](int n, int d, int i) {
+      *reinterpret_cast<float2*>(p.dv_partial + (base + n) * kHeadDimV + d) = make_float2(tdVrdV(i), tdVrdV(i + 1));
+    });
+  }
+
+ private:
+  // Calls store(n, d, i) for each register pair i, i + 1 of an accumulator of
+  // TiledMma over a kBlockN x kDim tile (columns d, d + 1 of problem row n)
+  // whose row is below the problem's seqlen_k.
+  template <class TiledMma, int kDim, class Store>
+  CUTE_DEVICE static void store_rows(SeqlenInfo const& sl, int n0, int mma_tid, Store&& store) {
+    auto thr = TiledMma{}.get_thread_slice(mma_tid);
+    Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDim>>{}));
+    constexpr int kV = decltype(size<0, 2>(tDcD))::value;
+    static_assert(decltype(size<1>(tDcD))::value == 1 && decltype(size<2>(tDcD))::value == 1,
+                  "one WGMMA atom per warpgroup: registers (2, 2, kV)");
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       int const n = n0 + get<0>(tDcD(2 * r));
       if (n < sl.seqlen_k) {
-        float* dk_row = p.dk_partial + (base + n) * kHeadDim;
-        float* dv_row = p.dv_partial + (base + n) * kHeadDim;
         CUTE_UNROLL
         for (int v = 0; v < kV; ++v) {
-          int const i = 4 * v + 2 * r;  // registers i, i + 1: columns d, d + 1 of row n
-          int const d = get<1>(tDcD(i));
-          *reinterpret_cast<float2*>(dk_row + d) = make_float2(tdKrdK(i), tdKrdK(i + 1));
-          *reinterpret_cast<float2*>(dv_row + d) = make_float2(tdVrdV(i), tdVrdV(i + 1));
+          int const i = 4 * v + 2 * r;
+          store(n, get<1>(tDcD(i)), i);
         }
       }
     }

@@ -22,14 +22,14 @@
 namespace dash_fa3::bwd {
 
 // The Q and dO pipelines' parameters: the producer warpgroup fills each stage
-// (Q or dO and its row statistic), every MMA thread releases it.
+// (Q or dO, tile_bytes, and its row statistic), every MMA thread releases it.
 template <class Traits, class Pipeline>
-CUTE_DEVICE typename Pipeline::Params pipeline_params(int warpgroup) {
+CUTE_DEVICE typename Pipeline::Params pipeline_params(int warpgroup, uint32_t tile_bytes) {
   typename Pipeline::Params params;
   params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   params.is_leader = threadIdx.x == 0;
   params.num_consumers = Traits::kNumMmaThreads;
-  params.transaction_bytes = Traits::kTmaBytesQ + Traits::kRowStatBytes;
+  params.transaction_bytes = tile_bytes + Traits::kRowStatBytes;
   return params;
 }
 
@@ -59,8 +59,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
   }
 
   // Warp 0 initialises the stage barriers (and fences the inits).
-  PipelineQ pipeline_q(smem.pipeline_q, pipeline_params<Traits, PipelineQ>(warpgroup), Shape<_1, _1, _1>{});
-  PipelineDo pipeline_do(smem.pipeline_do, pipeline_params<Traits, PipelineDo>(warpgroup), Shape<_1, _1, _1>{});
+  PipelineQ pipeline_q(smem.pipeline_q, pipeline_params<Traits, PipelineQ>(warpgroup, Traits::kTmaBytesQ), Shape<_1, _1, _1>{});
+  PipelineDo pipeline_do(smem.pipeline_do, pipeline_params<Traits, PipelineDo>(warpgroup, Traits::kTmaBytesDo), Shape<_1, _1, _1>{});
   // Barrier inits must be visible to every thread before anyone waits.
   __syncthreads();
 
@@ -91,7 +91,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       if (task < 0) { break; }
       int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
-      typename Mainloop::FragDkv tdKrdK, tdVrdV;
+      typename Mainloop::FragDk tdKrdK;
+      typename Mainloop::FragDv tdVrdV;
       clear(tdKrdK);
       clear(tdVrdV);
       if (n_steps == 0) {

@@ -5,7 +5,7 @@
 // Requirements on the inputs (checked here, cheaply, with a clear error):
 //   - q, k, v, dout, dk, dv 16-byte aligned, their strides multiples of 8
 //     elements (TMA needs 16-byte aligned strides);
-//   - headdim == kHeadDim; heads % heads_kv == 0; seqlen_q_rounded is seqlen_q
+//   - headdim == kHeadDim, headdim_v == kHeadDimV; heads % heads_kv == 0; seqlen_q_rounded is seqlen_q
 //     rounded up to bwd_block_m(kHeadDim) (kernel_contract.h), or with packed
 //     documents (cu_seqlens_q/k) the padded total of common/seqlen_info.h;
 //   - dq_accum (batch, heads, seqlen_q_rounded, headdim) fp32, zeroed, 128-byte
@@ -102,27 +102,33 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   constexpr bool packed = Traits::kPacked;
   int const tensor_batch = tensor_batches(a.batch, a.cu_seqlens_q);
   auto shape_q = make_shape(packed ? a.total_q : a.seqlen_q, a.headdim, a.heads, tensor_batch);
+  auto shape_do = make_shape(packed ? a.total_q : a.seqlen_q, a.headdim_v, a.heads, tensor_batch);
   auto shape_k = make_shape(packed ? a.total_k : a.seqlen_k, a.headdim, a.heads_kv, tensor_batch);
+  auto shape_v = make_shape(packed ? a.total_k : a.seqlen_k, a.headdim_v, a.heads_kv, tensor_batch);
   // (row, dim, head, batch) view of a (batch, seqlen, heads, d) tensor; ptr an Element pointer.
   auto gmem = [](auto* ptr, auto shape, TensorStrides const& s) {
     return make_tensor(make_gmem_ptr(ptr), shape, make_stride(s.row, _1{}, s.head, s.batch));
   };
   Tensor gQ = gmem(static_cast<Element const*>(a.q), shape_q, a.q_stride);
-  Tensor gdO = gmem(static_cast<Element const*>(a.dout), shape_q, a.do_stride);
+  Tensor gdO = gmem(static_cast<Element const*>(a.dout), shape_do, a.do_stride);
   Tensor gK = gmem(static_cast<Element const*>(a.k), shape_k, a.k_stride);
-  Tensor gV = gmem(static_cast<Element const*>(a.v), shape_k, a.v_stride);
+  Tensor gV = gmem(static_cast<Element const*>(a.v), shape_v, a.v_stride);
   using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  using TileDo = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDimV>>;
   using TileK = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  using TileV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDimV>>;
   p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, _1{});
-  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, _1{});
+  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdO, take<0, 2>(typename Traits::SmemLayoutDo{}), TileDo{}, _1{});
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, typename Traits::SmemLayoutK{}, TileK{}, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gV, typename Traits::SmemLayoutK{}, TileK{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gV, typename Traits::SmemLayoutV{}, TileV{}, _1{});
   p.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gmem(static_cast<Element*>(a.dk), shape_k, a.dk_stride),
                            typename Traits::SmemLayoutK{}, TileK{}, _1{});
-  p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gmem(static_cast<Element*>(a.dv), shape_k, a.dv_stride),
-                           typename Traits::SmemLayoutK{}, TileK{}, _1{});
+  p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gmem(static_cast<Element*>(a.dv), shape_v, a.dv_stride),
+                           typename Traits::SmemLayoutV{}, TileV{}, _1{});
   p.shape_q = shape_q;
+  p.shape_do = shape_do;
   p.shape_k = shape_k;
+  p.shape_v = shape_v;
   p.lse_log2 = a.lse_log2;
   p.dpsum = a.dpsum;
   p.dq_accum = a.dq_accum;  // a 1-D bulk reduce-add target: no tensor map
@@ -169,11 +175,12 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
 
 }  // namespace bwd
 
-template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
+template <int kHeadDim, int kHeadDimV, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Traits = bwd::BwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap>;
+  using Traits = bwd::BwdTraits<kHeadDim, kHeadDimV, Element<kDType>, kMask, kPacked, kSoftcap>;
   using bwd::require;
-  require(params.headdim == kHeadDim, "headdim does not match the instantiation");
+  require(params.headdim == kHeadDim && params.headdim_v == kHeadDimV,
+          "headdim and headdim_v do not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
   require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
   require(params.heads % params.heads_kv == 0, "heads must be a multiple of heads_kv");

@@ -65,8 +65,10 @@ struct BwdMainloop {
 
   using FragSdP = decltype(partition_fragment_C(typename Traits::TiledMmaSdP{},
                                                 Shape<Int<kBlockN>, Int<kBlockM>>{}));
-  using FragDkv = decltype(partition_fragment_C(typename Traits::TiledMmaDkv{},
-                                                Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using FragDk = decltype(partition_fragment_C(typename Traits::TiledMmaDk{},
+                                               Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using FragDv = decltype(partition_fragment_C(typename Traits::TiledMmaDv{},
+                                               Shape<Int<kBlockN>, Int<Traits::kHeadDimV>>{}));
   using FragDq = decltype(partition_fragment_C(typename Traits::TiledMmaDq{},
                                                Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // One warpgroup's dQ accumulator: ((2, 2, A/8), 1, N/A) registers (N columns
@@ -140,14 +142,14 @@ struct BwdMainloop {
   CUTE_DEVICE static void run_task(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
                                    PipelineDo& pipeline_do, PipelineStateQ& read_q, PipelineStateDo& read_do,
                                    int& ds_stage, int& dq_stage, int32_t const* row, int n_steps, int mma_tid,
-                                   FragDkv& tdKrdK, FragDkv& tdVrdV) {
+                                   FragDk& tdKrdK, FragDv& tdVrdV) {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
     Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDo{});
     Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDot{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
     Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
     // sdS is written from registers through a position-independent swizzle
     // tensor: the 128-byte swizzle acts on the 32-bit element offset (exact
@@ -170,7 +172,8 @@ struct BwdMainloop {
         cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
 
     typename Traits::TiledMmaSdP mma_sdp;
-    typename Traits::TiledMmaDkv mma_dkv;
+    typename Traits::TiledMmaDk mma_dk;
+    typename Traits::TiledMmaDv mma_dv;
     typename Traits::TiledMmaDq mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
     // The shared-memory operand descriptors of a WGMMA depend only on the
@@ -183,21 +186,22 @@ struct BwdMainloop {
     int const wg = __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0);
     int const wg_first_tid = wg * Traits::kThreadsPerWarpgroup;
     auto wg_sdp = mma_sdp.get_slice(wg_first_tid);
-    auto wg_dkv = mma_dkv.get_slice(wg_first_tid);
+    auto wg_dk = mma_dk.get_slice(wg_first_tid);
+    auto wg_dv = mma_dv.get_slice(wg_first_tid);
     auto wg_dq = mma_dq.get_slice(wg_first_tid);
     Tensor tSrK = wg_sdp.partition_fragment_A(sK);
     Tensor tSrV = wg_sdp.partition_fragment_A(sV);
     Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (.., stage)
     Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);    // (.., stage)
-    Tensor tDrdOt = wg_dkv.partition_fragment_B(sdOt);  // (.., stage)
-    Tensor tDrQt = wg_dkv.partition_fragment_B(sQt);    // (.., stage)
+    Tensor tDrdOt = wg_dv.partition_fragment_B(sdOt);  // (.., stage)
+    Tensor tDrQt = wg_dk.partition_fragment_B(sQt);    // (.., stage)
     Tensor tQrDs = wg_dq.partition_fragment_A(sDs);     // (.., stage)
     // Head-dim split: P^T and dS^T as the shared-memory A operands of dV, dK (.., stage).
     auto tDrPt = [&] {
-      if constexpr (kSplitHeadDim) { return wg_dkv.partition_fragment_A(sPt); } else { return 0; }
+      if constexpr (kSplitHeadDim) { return wg_dv.partition_fragment_A(sPt); } else { return 0; }
     }();
     auto tDrDst = [&] {
-      if constexpr (kSplitHeadDim) { return wg_dkv.partition_fragment_A(sDsT); } else { return 0; }
+      if constexpr (kSplitHeadDim) { return wg_dk.partition_fragment_A(sDsT); } else { return 0; }
     }();
     Tensor tQrKt = wg_dq.partition_fragment_B(sKt);
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
@@ -364,9 +368,9 @@ struct BwdMainloop {
         Tensor tDrDs = make_tensor<Element>(LayoutA{});
         convert_fragment(make_tensor(tdPrdP.data(), LayoutA{}), tDrDs);
 
-        warpgroup_gemm<false, -1>(mma_dkv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
+        warpgroup_gemm<false, -1>(mma_dv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
         if constexpr (kDkBeforeDq) {
-          warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+          warpgroup_gemm<false, -1>(mma_dk, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
         }
 
         // dS^T -> sdS with stmatrix: each 8 x 8 block of the accumulator (8 KV
@@ -383,7 +387,7 @@ struct BwdMainloop {
         named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
         warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
         if constexpr (!kDkBeforeDq) {
-          warpgroup_gemm<false, -1>(mma_dkv, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+          warpgroup_gemm<false, -1>(mma_dk, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
         }
       } else {
         // P^T and dS^T of this warpgroup's Q rows -> sP, sdS (stmatrix, as above).
@@ -398,9 +402,9 @@ struct BwdMainloop {
 
         // Wait until both warpgroups have written their Q rows of P^T and dS^T.
         named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
-        warpgroup_gemm<false, -1>(mma_dkv, tDrPt(_, _, _, ds_stage), tDrdOt(_, _, _, read_do.index()), tdVrdV);
+        warpgroup_gemm<false, -1>(mma_dv, tDrPt(_, _, _, ds_stage), tDrdOt(_, _, _, read_do.index()), tdVrdV);
         warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
-        warpgroup_gemm<false, -1>(mma_dkv, tDrDst(_, _, _, ds_stage), tDrQt(_, _, _, read_q.index()), tdKrdK);
+        warpgroup_gemm<false, -1>(mma_dk, tDrDst(_, _, _, ds_stage), tDrQt(_, _, _, read_q.index()), tdKrdK);
       }
       // One 128-bit store per group of 4 registers, in fragment order: a warp's
       // stores of one group cover 512 contiguous bytes, so each is 4

@@ -63,18 +63,25 @@ __host__ __device__ constexpr int row_pairs(int seqlen_q) {
   return (seqlen_q + 2 * kRowPair - 1) / (2 * kRowPair) * kRowPair;
 }
 
+// kVec-wide chunks of one GQA dK/dV row step: the wider of the two.
+__host__ __device__ inline int kv_chunks_per_row(BwdPostprocessParams const& p) {
+  return (p.headdim > p.headdim_v ? p.headdim : p.headdim_v) / kVec;
+}
+
 // One grid-stride loop over the dQ work (row pair, chunk) and then, with GQA,
-// the dK/dV chunks (both tensors of a chunk in one step).
+// the dK/dV chunks (both tensors of a chunk in one step; with MLA's narrower
+// dV the chunks past its width hold dK's only).
 // Packed documents: the pairs of the padded accumulator rows, each row mapped
 // to its document's packed row (common/seqlen_info.h), padding not written.
 template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p) {
   const int tensor_batch = tensor_batches(p.batch, p.cu_seqlens_q);
   const int chunks_per_row = p.headdim / kVec;
+  const int chunks_per_kv_row = kv_chunks_per_row(p);
   const int pairs = row_pairs(p.cu_seqlens_q != nullptr ? p.seqlen_q_rounded : p.seqlen_q);
   const int64_t total_q = int64_t(tensor_batch) * p.heads * pairs * chunks_per_row;
   const int64_t total_kv =
-      p.dk_partial != nullptr ? int64_t(tensor_batch) * p.heads_kv * p.seqlen_k * chunks_per_row : 0;
+      p.dk_partial != nullptr ? int64_t(tensor_batch) * p.heads_kv * p.seqlen_k * chunks_per_kv_row : 0;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total_q + total_kv; i += stride) {
     // dQ: (b, h, row pair, chunk); dK/dV: (b, h_kv, s, chunk); chunk fastest.
@@ -82,8 +89,9 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
     const int64_t e = is_q ? i : i - total_q;
     const int rows = is_q ? pairs : p.seqlen_k;
     const int heads = is_q ? p.heads : p.heads_kv;
-    const int c = static_cast<int>(e % chunks_per_row);
-    int64_t rest = e / chunks_per_row;
+    const int chunks = is_q ? chunks_per_row : chunks_per_kv_row;
+    const int c = static_cast<int>(e % chunks);
+    int64_t rest = e / chunks;
     const int s = static_cast<int>(rest % rows);  // dQ: the row pair
     rest /= rows;
     const int h = static_cast<int>(rest % heads);
@@ -113,14 +121,17 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
     } else {
       // Query heads h * group ... h * group + group - 1 share KV head h.
       const int group = p.heads / p.heads_kv;
-      const int64_t head_stride = int64_t(p.seqlen_k) * p.headdim;
-      const int64_t src = ((int64_t(b) * p.heads + int64_t(h) * group) * p.seqlen_k + s) * p.headdim + c * kVec;
-      Elem* dk = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head;
-      Elem* dv = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head;
-      group_sum(vals, p.dk_partial + src, group, head_stride);
-      store_vec<Elem>(dk + c * kVec, vals, 1.f);
-      group_sum(vals, p.dv_partial + src, group, head_stride);
-      store_vec<Elem>(dv + c * kVec, vals, 1.f);
+      const int64_t row = (int64_t(b) * p.heads + int64_t(h) * group) * p.seqlen_k + s;
+      if (c * kVec < p.headdim) {
+        Elem* dk = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head;
+        group_sum(vals, p.dk_partial + row * p.headdim + c * kVec, group, int64_t(p.seqlen_k) * p.headdim);
+        store_vec<Elem>(dk + c * kVec, vals, 1.f);
+      }
+      if (c * kVec < p.headdim_v) {
+        Elem* dv = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head;
+        group_sum(vals, p.dv_partial + row * p.headdim_v + c * kVec, group, int64_t(p.seqlen_k) * p.headdim_v);
+        store_vec<Elem>(dv + c * kVec, vals, 1.f);
+      }
     }
   }
 }
@@ -128,19 +139,22 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
 }  // namespace
 
 void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaStream_t stream) {
-  if (params.headdim % kVec != 0) throw std::invalid_argument("dash_fa3: postprocess needs headdim % 8 == 0");
+  if (params.headdim % kVec != 0 || params.headdim_v % kVec != 0 || params.headdim_v < 1) {
+    throw std::invalid_argument("dash_fa3: postprocess needs headdim and headdim_v multiples of 8");
+  }
   if (!dq_frag_layout_ok(params.block_m, params.headdim) || params.seqlen_q_rounded % params.block_m != 0 ||
       params.seqlen_q > params.seqlen_q_rounded) {
     throw std::invalid_argument("dash_fa3: postprocess needs a dQ fragment order for (block_m, headdim) and "
                                 "seqlen_q <= seqlen_q_rounded, a multiple of block_m");
   }
   const int tensor_batch = tensor_batches(params.batch, params.cu_seqlens_q);
-  const int64_t total_kv =
-      params.dk_partial != nullptr ? int64_t(tensor_batch) * params.heads_kv * params.seqlen_k : 0;
-  const int64_t total =
-      (int64_t(tensor_batch) * params.heads *
-           row_pairs(params.cu_seqlens_q != nullptr ? params.seqlen_q_rounded : params.seqlen_q) +
-       total_kv) * (params.headdim / kVec);
+  const int64_t total_kv = params.dk_partial != nullptr
+                               ? int64_t(tensor_batch) * params.heads_kv * params.seqlen_k * kv_chunks_per_row(params)
+                               : 0;
+  const int64_t total = int64_t(tensor_batch) * params.heads *
+                            row_pairs(params.cu_seqlens_q != nullptr ? params.seqlen_q_rounded : params.seqlen_q) *
+                            (params.headdim / kVec) +
+                        total_kv;
   if (total == 0) return;
   int device = 0, sms = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");

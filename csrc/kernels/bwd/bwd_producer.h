@@ -56,8 +56,8 @@ struct BwdProducer {
       SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
       int const h_kv = row[schedule::kCHeadKv];
       int const kv = row[schedule::kCKvTile];
-      Tensor gK = Traits::kv_tile(p.tma_k, p, sl, h_kv, kv);
-      Tensor gV = Traits::kv_tile(p.tma_v, p, sl, h_kv, kv);
+      Tensor gK = Traits::template kv_tile<false>(p.tma_k, p, sl, h_kv, kv);
+      Tensor gV = Traits::template kv_tile<true>(p.tma_v, p, sl, h_kv, kv);
       cute::prefetch(p.tma_k, p.tma_k.get_slice(_0{}).partition_S(gK));
       cute::prefetch(p.tma_v, p.tma_v.get_slice(_0{}).partition_S(gV));
       return;
@@ -72,7 +72,7 @@ struct BwdProducer {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDo{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
     auto tma_q = p.tma_q.get_slice(_0{});
     auto tma_do = p.tma_do.get_slice(_0{});
     auto tma_k = p.tma_k.get_slice(_0{});
@@ -106,13 +106,16 @@ struct BwdProducer {
       // A packed document's Q tiles start at its first row; its last tile
       // also reads the next document's rows, whose statistics rows are
       // padding (common/seqlen_info.h).
-      auto q_rows = [&](auto const& tma) {
-        return rows_from<Traits::kPacked>(tma.get_tma_tensor(p.shape_q)(_, _, h, sl.tensor_batch), sl.offset_q);
+      auto q_rows = [&](auto const& tma, auto const& shape) {
+        return rows_from<Traits::kPacked>(tma.get_tma_tensor(shape)(_, _, h, sl.tensor_batch), sl.offset_q);
       };
-      Tensor gQ = local_tile(q_rows(p.tma_q), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(q_rows(p.tma_do), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor gK = Traits::kv_tile(p.tma_k, p, sl, h_kv, kv);
-      Tensor gV = Traits::kv_tile(p.tma_v, p, sl, h_kv, kv);
+      Tensor gQ = local_tile(q_rows(p.tma_q, p.shape_q), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(_, _0{}));  // (M, D, m)
+      Tensor gdO = local_tile(q_rows(p.tma_do, Traits::template shape_of<true>(p.shape_q, p.shape_do)),
+                              Shape<Int<kBlockM>, Int<Traits::kHeadDimV>>{},
+                              make_coord(_, _0{}));
+      Tensor gK = Traits::template kv_tile<false>(p.tma_k, p, sl, h_kv, kv);
+      Tensor gV = Traits::template kv_tile<true>(p.tma_v, p, sl, h_kv, kv);
       Tensor tQgQ = tma_q.partition_S(gQ);    // (TMA, TMA_M, TMA_D, m)
       Tensor tdOgdO = tma_do.partition_S(gdO);
       Tensor tKgK = tma_k.partition_S(gK);
@@ -154,12 +157,12 @@ struct BwdProducer {
       if (leader) {
         // The announcement of this task and its K land on k_full together.
         smem.task_ring.announced = task;
-        smem.k_full.arrive_and_expect_tx(loads ? Traits::kTmaBytesKV : 0u);
+        smem.k_full.arrive_and_expect_tx(loads ? Traits::kTmaBytesK : 0u);
         if (loads) { copy(p.tma_k.with(k_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK); }
       }
       named_barrier_sync(BwdBarrier::kVEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
       if (leader) {
-        smem.v_full.arrive_and_expect_tx(loads ? Traits::kTmaBytesKV : 0u);
+        smem.v_full.arrive_and_expect_tx(loads ? Traits::kTmaBytesV : 0u);
         if (loads) { copy(p.tma_v.with(v_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV); }
         // Static dispatch knows this CTA's next task (dynamic: not yet claimed).
         if (!cursor.dynamic()) { prefetch_next_kv(p, task, cursor.end); }

@@ -30,6 +30,10 @@
 // dK/dV GEMMs need all Q rows of them. Every GEMM is then shared-memory
 // sourced.
 //
+// MLA (kHeadDimV < kHeadDim, (192, 128) only): V, dO and dV have the value
+// head dim. dP^T = V dO^T runs over it, and dV += P^T dO splits it between
+// the warpgroups as dK splits the head dim; the rest is the head-dim split's.
+//
 // Both: the partial dQ goes to shared memory and on to the fp32 accumulator
 // in the accumulator registers' own order (common/dq_accum_layout.h): 128-bit
 // stores without bank conflicts, and one 1-D bulk reduce-add per tile.
@@ -97,10 +101,12 @@ enum class BwdBarrier : uint32_t {
 #define DASH_FA3_BWD_FIXED_STEPS 0
 #endif
 
-template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_>
+template <int kHeadDim_, int kHeadDimV_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  // V's, dO's and dV's head dim (MLA: narrower than Q's and K's).
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr MaskKind kMask = kMask_;
   static constexpr bool kCausal = kMask == MaskKind::kCausal;
   // A runtime window (Params::window_left/right), masked on both sides.
@@ -121,12 +127,15 @@ struct BwdTraits {
   static constexpr bool kSplitHeadDim = kHeadDim > 128;
   static_assert(kBlockN == (kSplitHeadDim ? 64 : 64 * kNumMmaWarpgroups),
                 "row split: each MMA warpgroup owns 64 KV rows; head-dim split: both share 64");
+  static_assert(kHeadDimV == kHeadDim || (kSplitHeadDim && kHeadDimV < kHeadDim && kHeadDimV % 64 == 0),
+                "a narrower value head dim only with the head-dim split, each warpgroup's half of dV a "
+                "multiple of 32 columns");
   // Pipeline depths. Shared memory bounds them at d = 256: K, V, two Q and
   // one dO stage, sP, sdS and half an sdQ tile (kDqSharedHalf) take 224 KB.
   // Q keeps two stages there: a Q stage is released only at the end of a
   // step, so with one the next step's S^T waited for the whole load.
   static constexpr int kStagesQ = 2;                        // Q (+LSE) pipeline
-  static constexpr int kStagesDo = kHeadDim > 192 ? 1 : 2;  // dO (+dPsum) pipeline
+  static constexpr int kStagesDo = kHeadDimV > 192 ? 1 : 2;  // dO (+dPsum) pipeline
   static constexpr int kStagesDs = 2;    // sdS (and sP) double buffer: no barrier before the next write
   // dQ-writer warps (warps 1..kDqWriters of warpgroup 0): writer b takes the
   // CTA's steps = b (mod 2) and the hand-off barriers of set b, so the
@@ -144,7 +153,7 @@ struct BwdTraits {
   // as the task's GEMMs retire, so the next task's load runs under the
   // epilogue instead of after its TMA store has read the buffer.
   static constexpr int kDsElements = kBlockM * kBlockN * kStagesDs;
-  static constexpr int kKvTileElements = kBlockN * kHeadDim;
+  static constexpr int kKvTileElements = kBlockN * kHeadDim;  // row split: kHeadDimV == kHeadDim
   static constexpr bool kDkStagedInDs = !kSplitHeadDim && kDsElements >= kKvTileElements;
   static constexpr bool kDvStagedInDs = !kSplitHeadDim && kDsElements >= 2 * kKvTileElements;
   // The sdQ buffer of hand-off set b.
@@ -209,18 +218,24 @@ struct BwdTraits {
       decltype(make_tiled_mma(
           GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
           AtomLayoutKv{}))>;
-  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim, kBlockM). Row split: A
-  // (P^T, dS^T) from registers. Head-dim split: from sP / sdS (K-major views).
-  using TiledMmaDkv = std::conditional_t<
+  // (The K extent of a tile shape only selects nothing: dP^T, whose K is
+  // kHeadDimV, runs on the same MMA.)
+  // dK += dS^T Q: (kBlockN, kHeadDim, kBlockM), dV += P^T dO: (kBlockN,
+  // kHeadDimV, kBlockM). Row split: A (P^T, dS^T) from registers. Head-dim
+  // split: from sP / sdS (K-major views).
+  template <int kDim>
+  using TiledMmaDkvOf = std::conditional_t<
       kSplitHeadDim,
       decltype(make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDim / 2>, Int<kBlockM>>,
                                GMMA::Major::K, GMMA::Major::MN>(),
           AtomLayoutN{})),
       decltype(make_tiled_mma(
-          GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+          GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kDim>, Int<kBlockM>>,
                                GMMA::Major::K, GMMA::Major::MN>(),
           AtomLayoutKv{}))>;
+  using TiledMmaDk = TiledMmaDkvOf<kHeadDim>;
+  using TiledMmaDv = TiledMmaDkvOf<kHeadDimV>;
   // dQ = dS K: (kBlockM, kHeadDim, kBlockN), warpgroups along M if kBlockM = 128, else along N.
   static constexpr int kDqWgM = kBlockM / 64;
   static constexpr int kDqWgN = kNumMmaWarpgroups / kDqWgM;
@@ -239,27 +254,31 @@ struct BwdTraits {
                 "dQ WGMMA atom differs from dq_frag_atom_cols");
 
   // ---- shared-memory layouts
-  // The swizzle of Q, dO, K, V: the widest whose atom divides the head-dim
-  // slice of one warpgroup in the MN-major GEMMs (dK/dV: B = Q^T, dO^T; dQ:
-  // B = K^T), so that warpgroup 1's slice starts on an atom: at d = 192 the
-  // slices are 96 wide, 128-byte atoms 64.
-  static constexpr int kSwizzleExtent = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
-  // Q, dO: (kBlockM, kHeadDim, stage), head dim contiguous (as TMA writes it).
-  template <int kStageCount>
-  using SmemLayoutQOf = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, kSwizzleExtent>(),
-                                               Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStageCount>>{}));
-  // The same bytes viewed (kHeadDim, kBlockM, stage): the MN-major B operand of dK/dV.
-  template <int kStageCount>
+  // The swizzle of a kDim-wide tile of Q, dO, K or V: the widest whose atom
+  // divides the head-dim slice of one warpgroup in the MN-major GEMMs (dK/dV:
+  // B = Q^T, dO^T; dQ: B = K^T), so that warpgroup 1's slice starts on an
+  // atom: at d = 192 the slices are 96 wide, 128-byte atoms 64.
+  static constexpr int swizzle_extent(int dim) { return kSplitHeadDim ? dim / 2 : dim; }
+  // Q (kDim = kHeadDim), dO (kHeadDimV): (kBlockM, kDim, stage), head dim
+  // contiguous (as TMA writes it).
+  template <int kStageCount, int kDim = kHeadDim>
+  using SmemLayoutQOf = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, swizzle_extent(kDim)>(),
+                                               Shape<Int<kBlockM>, Int<kDim>, Int<kStageCount>>{}));
+  // The same bytes viewed (kDim, kBlockM, stage): the MN-major B operand of dK/dV.
+  template <int kStageCount, int kDim = kHeadDim>
   using SmemLayoutQtOf = decltype(composition(
-      SmemLayoutQOf<kStageCount>{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStageCount>>{},
-                                                Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+      SmemLayoutQOf<kStageCount, kDim>{}, make_layout(Shape<Int<kDim>, Int<kBlockM>, Int<kStageCount>>{},
+                                                      Stride<Int<kBlockM>, _1, Int<kBlockM * kDim>>{})));
   using SmemLayoutQ = SmemLayoutQOf<kStagesQ>;
   using SmemLayoutQt = SmemLayoutQtOf<kStagesQ>;
-  using SmemLayoutDo = SmemLayoutQOf<kStagesDo>;
-  using SmemLayoutDot = SmemLayoutQtOf<kStagesDo>;
-  // K, V: (kBlockN, kHeadDim), loaded once per task.
-  using SmemLayoutK = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, kSwizzleExtent>(),
-                                             Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutDo = SmemLayoutQOf<kStagesDo, kHeadDimV>;
+  using SmemLayoutDot = SmemLayoutQtOf<kStagesDo, kHeadDimV>;
+  // K (kDim = kHeadDim), V (kHeadDimV): (kBlockN, kDim), loaded once per task.
+  template <int kDim>
+  using SmemLayoutKvOf = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::K, Element, swizzle_extent(kDim)>(),
+                                                Shape<Int<kBlockN>, Int<kDim>>{}));
+  using SmemLayoutK = SmemLayoutKvOf<kHeadDim>;
+  using SmemLayoutV = SmemLayoutKvOf<kHeadDimV>;
   // K viewed (kHeadDim, kBlockN): the MN-major B operand of dQ.
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
@@ -297,29 +316,35 @@ struct BwdTraits {
   // Threads of one dq_empty / dq_full barrier: one MMA warpgroup and one dQ writer warp.
   static constexpr int kDqHandoffThreads = kThreadsPerWarpgroup + kWarpThreads;
 
-  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or dPsum of one tile
-  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesDo = kBlockM * kHeadDimV * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
   static_assert(kRowStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
   // ---- TMA
   // Q, K, V, dO as (row, dim, head, batch).
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
   using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using TmaQ = decltype(make_tma_copy(
+  // Loads of a Q-shaped tensor (Q: kDim = kHeadDim, dO: kHeadDimV), one stage.
+  template <int kDim>
+  using TmaQOf = decltype(make_tma_copy(
       SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
-      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(
-      SM90_TMA_LOAD{},
-      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
-      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-  // dK, dV (MHA): TMA stores of the whole (kBlockN, kHeadDim) tile from sK/sV
-  // (the K/V tile layout), rows past seqlen_k clipped by the copy engine.
-  using TmaDkv = decltype(make_tma_copy(
-      SM90_TMA_STORE{},
-      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
-      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+      take<0, 2>(SmemLayoutQOf<1, kDim>{}), Shape<Int<kBlockM>, Int<kDim>>{}, _1{}));
+  // Loads (K, V) and, for MHA, stores (dK, dV: the whole (kBlockN, kDim) tile
+  // from its staging tile in the K/V tile layout, rows past seqlen_k clipped
+  // by the copy engine) of a K-shaped tensor.
+  template <class Op, class Ptr, int kDim>
+  using TmaKvOf = decltype(make_tma_copy(Op{}, make_tensor(make_gmem_ptr(Ptr{}), GmemShape{}, GmemStride{}),
+                                         SmemLayoutKvOf<kDim>{}, Shape<Int<kBlockN>, Int<kDim>>{}, _1{}));
+  using TmaQ = TmaQOf<kHeadDim>;
+  using TmaDo = TmaQOf<kHeadDimV>;
+  using TmaK = TmaKvOf<SM90_TMA_LOAD, Element const*, kHeadDim>;
+  using TmaV = TmaKvOf<SM90_TMA_LOAD, Element const*, kHeadDimV>;
+  using TmaDk = TmaKvOf<SM90_TMA_STORE, Element*, kHeadDim>;
+  using TmaDv = TmaKvOf<SM90_TMA_STORE, Element*, kHeadDimV>;
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelineDo = cutlass::PipelineTmaAsync<kStagesDo>;
@@ -336,7 +361,7 @@ struct BwdTraits {
   // bulk-copy source, needs 16; it keeps 1024).
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDo>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDs>> ds;
@@ -363,13 +388,15 @@ struct BwdTraits {
   // parameter space).
   struct Params {
     TmaQ tma_q;
-    TmaQ tma_do;
-    TmaKV tma_k;
-    TmaKV tma_v;
-    TmaDkv tma_dk;  // MHA only: GQA writes fp32 partials (dk_partial) instead
-    TmaDkv tma_dv;
-    GmemShape shape_q;   // (seqlen_q, d, heads, batch), also dO; packed: (total_q, d, heads, 1)
-    GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch), also V; packed: (total_k, d, heads_kv, 1)
+    TmaDo tma_do;
+    TmaK tma_k;
+    TmaV tma_v;
+    TmaDk tma_dk;  // MHA only: GQA writes fp32 partials (dk_partial) instead
+    TmaDv tma_dv;
+    GmemShape shape_q;   // (seqlen_q, d, heads, batch); packed: (total_q, d, heads, 1)
+    GmemShape shape_do;  // shape_q with dv for d
+    GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch); packed: (total_k, d, heads_kv, 1)
+    GmemShape shape_v;   // shape_k with dv for d
     // Packed documents (common/seqlen_info.h): batch + 1 offsets each, nullptr
     // for a dense batch. Packed, batch counts documents and seqlen_q /
     // seqlen_k are the longest document's.
@@ -392,7 +419,7 @@ struct BwdTraits {
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
     // GQA: fp32 partials (batch, heads, seqlen_k, d) (packed: (heads, total_k,
-    // d)), one slab per query head, each element written once; the
+    // d)), dV's with dv columns, one slab per query head, each element written once; the
     // postprocess sums a group's slabs in a fixed order. nullptr for MHA.
     float* dk_partial;
     float* dv_partial;
@@ -446,11 +473,28 @@ struct BwdTraits {
   }
 
   // KV tile kv of (problem sl, KV head h_kv) in the TMA view of a K-shaped
-  // tensor (K, V loads; dK, dV stores): (kBlockN, kHeadDim).
-  template <class TmaCopy>
+  // tensor: (kBlockN, kHeadDim) of K and dK, (kBlockN, kHeadDimV) of V and dV
+  // (kValue).
+  template <bool kValue, class TmaCopy>
   CUTE_DEVICE static auto kv_tile(TmaCopy const& tma, Params const& p, SeqlenInfo const& sl, int h_kv, int kv) {
-    return local_tile(rows_from<kPacked>(tma.get_tma_tensor(p.shape_k)(_, _, h_kv, sl.tensor_batch), sl.offset_k),
-                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(kv, _0{}));
+    constexpr int kDim = kValue ? kHeadDimV : kHeadDim;
+    return local_tile(rows_from<kPacked>(tma.get_tma_tensor(shape_of<kValue>(p.shape_k, p.shape_v))(
+                                             _, _, h_kv, sl.tensor_batch),
+                                         sl.offset_k),
+                      Shape<Int<kBlockN>, Int<kDim>>{}, make_coord(kv, _0{}));
+  }
+
+  // The shape of a value-head-dim tensor (kValue: V, dO, dV) or of its
+  // head-dim counterpart (K, Q, dK). With equal head dims both are the
+  // head-dim one, so those kernels address dO and V as they always did (the
+  // producer warp has 24 registers at hdim 64).
+  template <bool kValue>
+  CUTE_HOST_DEVICE static GmemShape const& shape_of(GmemShape const& head_dim_shape, GmemShape const& value_shape) {
+    if constexpr (kValue && kHeadDimV != kHeadDim) {
+      return value_shape;
+    } else {
+      return head_dim_shape;
+    }
   }
 };
 

@@ -1,8 +1,8 @@
 // Epilogue role of the forward kernel: each MMA warpgroup writes its 64 rows
 // of O (converted to the input type) and each thread the LSE of its two rows.
 //
-// At hdim <= 128 (Traits::kTmaEpilogue): O goes into a 64-row
-// slot of shared memory with stmatrix and leaves with one TMA store per
+// At hdim <= 128 and at (192, 128) (Traits::kTmaEpilogue): O goes into a
+// 64-row slot of shared memory with stmatrix and leaves with one TMA store per
 // warpgroup, which runs while the warpgroup starts its next tile. Why: written
 // straight from registers (a 4-byte store per register pair, the four threads
 // of a quad covering 16 contiguous bytes of a row) the epilogue cost about as
@@ -11,15 +11,16 @@
 // Slot hand-offs: with a slot per warpgroup, the warpgroup's issuing thread
 // waits until the copy engine has read its previous store before the
 // warpgroup writes the slot again; with one slot for two warpgroups (hdim 128,
-// 128 x 176 tiles) they take turns on it in warpgroup order (kOutputTurn0/1),
-// the issuing warp passing the turn once its store has been read. That wait
-// sits on the second warpgroup's path and cost 2-3% from 4k keys on (H100,
-// 2026-11-23, docs/fwd_kernel.md), so run_fwd launches the shared-slot kernel
-// only below kSharedOutputSlotBelowKeys keys, where a tile has few key blocks
-// and the register stores cost more, and a kernel without slots above.
+// 128 x 176 tiles, and (192, 128)) they take turns on it in warpgroup order
+// (kOutputTurn0/1), the issuing warp passing the turn once its store has been
+// read. That wait sits on the second warpgroup's path and cost 2-3% from 4k
+// keys on (H100, 2026-11-23, docs/fwd_kernel.md), so run_fwd launches the
+// shared-slot kernel only below kSharedOutputSlotBelowKeys keys, where a tile
+// has few key blocks and the register stores cost more, and a kernel without
+// slots above.
 //
-// hdim >= 192 (no room in shared memory) stores from registers, rows past the
-// problem's seqlen_q not written; so do a packed document's tiles that reach
+// hdim 192 and 256 (no room in shared memory) store from registers, rows past
+// the problem's seqlen_q not written; so do a packed document's tiles that reach
 // past its last row (those rows belong to the next document; both warpgroups
 // of such a tile store from registers, so the shared slot's turns stay in
 // step) and tiles whose rows attend no key (store_empty), whatever the build.
@@ -46,7 +47,7 @@ struct FwdEpilogue {
   using Params = typename Traits::Params;
   using FragO = typename FwdMainloop<Traits>::FragO;
   static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;  // O's head dim
 
   static constexpr int kWarpgroupThreads = Traits::kThreadsPerWarpgroup;
   static constexpr int kSlots = Traits::kOutputSlots;
@@ -97,7 +98,7 @@ struct FwdEpilogue {
   CUTE_DEVICE static void store_tma(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
                                     FwdTile const& t, SeqlenInfo const& sl, int wg, int mma_tid) {
     using MmaWg = typename Traits::TiledMmaPVWarpgroup;
-    using FragOWg = decltype(partition_fragment_C(MmaWg{}, Shape<_64, Int<kHeadDim>>{}));
+    using FragOWg = decltype(partition_fragment_C(MmaWg{}, Shape<_64, Int<kHeadDimV>>{}));
     static_assert(cosize_v<typename FragOWg::layout_type> == cosize_v<typename FragO::layout_type>,
                   "a warpgroup's rows of O hold the same registers in both MMA views");
     Tensor tOrOut = make_tensor<Element>(typename FragOWg::layout_type{});
@@ -123,8 +124,9 @@ struct FwdEpilogue {
     named_barrier_sync(output_barrier(wg), kWarpgroupThreads);
     if (issues_store(mma_tid)) {
       Tensor gO = local_tile(
-          rows_from<Traits::kPacked>(p.tma_o.get_tma_tensor(p.shape_q)(_, _, t.head, sl.tensor_batch), sl.offset_q),
-          Shape<_64, Int<kHeadDim>>{}, make_coord(t.m_block * Traits::kNumMmaWarpgroups + wg, _0{}));
+          rows_from<Traits::kPacked>(p.tma_o.get_tma_tensor(Traits::shape_o(p))(_, _, t.head, sl.tensor_batch),
+                                     sl.offset_q),
+          Shape<_64, Int<kHeadDimV>>{}, make_coord(t.m_block * Traits::kNumMmaWarpgroups + wg, _0{}));
       auto tma_o = p.tma_o.get_slice(_0{});
       copy(p.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
       tma_store_arrive();
@@ -158,7 +160,7 @@ struct FwdEpilogue {
   // This thread's (row, column) coordinates of O in the tile.
   CUTE_DEVICE static auto output_coords(int mma_tid) {
     typename Traits::TiledMmaPV mma_pv;
-    return mma_pv.get_thread_slice(mma_tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    return mma_pv.get_thread_slice(mma_tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   }
 
   // O from registers: pairs of adjacent elements (4 bytes), rows past the

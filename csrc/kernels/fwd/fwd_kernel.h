@@ -39,10 +39,13 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
                                                  : PipelineKV::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x == 0;
   pipe_params.num_consumers = Traits::kNumMmaThreads;  // every MMA thread releases each stage
-  pipe_params.transaction_bytes = Traits::kTmaBytesKV;
+  pipe_params.transaction_bytes = Traits::kTmaBytesK;
   // Warp 0 initialises the stage barriers (and fences the inits).
   PipelineKV pipeline_k(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
-  PipelineKV pipeline_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  // V's tiles are narrower than K's where kHeadDimV < kHeadDim (MLA).
+  typename PipelineKV::Params v_params = pipe_params;
+  v_params.transaction_bytes = Traits::kTmaBytesV;
+  PipelineKV pipeline_v(smem.pipeline_v, v_params, Shape<_1, _1, _1>{});
   typename PipelineQ::Params q_params;
   q_params.role = pipe_params.role == PipelineKV::ThreadCategory::Producer
                       ? PipelineQ::ThreadCategory::Producer

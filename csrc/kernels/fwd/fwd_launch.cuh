@@ -5,7 +5,8 @@
 //   - q, k, v, o 16-byte aligned; every stride (batch, row, head) a multiple of
 //     8 elements (TMA needs 16-byte aligned global strides; o's only where it
 //     leaves by TMA, else even); last dim contiguous;
-//   - headdim == kHeadDim, seqlen_q, seqlen_k >= 1, heads % heads_kv == 0,
+//   - headdim == kHeadDim, headdim_v == kHeadDimV (v's and o's last dim),
+//     seqlen_q, seqlen_k >= 1, heads % heads_kv == 0,
 //     softmax_scale > 0; lse is (batch, heads, seqlen_q) contiguous fp32, or
 //     (heads, total_q) with packed documents (cu_seqlens_q/k, whose values the
 //     caller guarantees: monotonic, ending at total_q/k, no document longer
@@ -68,7 +69,7 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   int const tensor_batch = tensor_batches(a.batch, a.cu_seqlens_q);
   auto shape_q = make_shape(rows_q, a.headdim, a.heads, tensor_batch);
   auto shape_k = make_shape(rows_k, a.headdim, a.heads_kv, tensor_batch);
-  auto shape_vt = make_shape(a.headdim, rows_k, a.heads_kv, tensor_batch);
+  auto shape_vt = make_shape(a.headdim_v, rows_k, a.heads_kv, tensor_batch);
   auto gQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), shape_q,
                         make_stride(a.q_stride.row, _1{}, a.q_stride.head, a.q_stride.batch));
   auto gK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), shape_k,
@@ -80,14 +81,14 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(typename Traits::SmemLayoutK{}),
                           Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(typename Traits::SmemLayoutVt{}),
-                          Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
+                          Shape<Int<Traits::kHeadDimV>, Int<Traits::kBlockN>>{}, _1{});
+  p.shape_q = shape_q;
   if constexpr (Traits::kTmaEpilogue) {
-    auto gO = make_tensor(make_gmem_ptr(static_cast<Element*>(a.o)), shape_q,
+    auto gO = make_tensor(make_gmem_ptr(static_cast<Element*>(a.o)), Traits::shape_o(p),
                           make_stride(a.o_stride.row, _1{}, a.o_stride.head, a.o_stride.batch));
     p.tma_o = make_tma_copy(SM90_TMA_STORE{}, gO, take<0, 2>(typename Traits::SmemLayoutO{}),
-                            Shape<_64, Int<Traits::kHeadDim>>{}, _1{});
+                            Shape<_64, Int<Traits::kHeadDimV>>{}, _1{});
   }
-  p.shape_q = shape_q;
   p.shape_k = shape_k;
   p.shape_vt = shape_vt;
   p.o = a.o;
@@ -121,7 +122,7 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
       int64_t(FwdTileScheduler<Traits>::units_per_head(p.num_m_blocks)) * a.heads * a.batch;
   require(units < (int64_t(1) << 30), "too many tiles (batch * heads * seqlen_q / 128 >= 2^30)");
   p.num_units = int(units);
-  int64_t const kv_bytes_per_head = 2 * int64_t(a.seqlen_k) * a.headdim * int64_t(sizeof(Element));
+  int64_t const kv_bytes_per_head = int64_t(a.seqlen_k) * (a.headdim + a.headdim_v) * int64_t(sizeof(Element));
   // Heads that share a KV head read the same K/V: count KV bytes per KV head.
   int const pairs = FwdTileScheduler<Traits>::heads_per_section(kv_bytes_per_head, kL2SectionBudgetBytes) *
                     p.q_heads_per_kv_head;
@@ -173,18 +174,20 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 constexpr int kCausalThreeWarpgroupsFrom = 4096;
 
 // A kernel whose two MMA warpgroups share one O slot (FwdTraits::kOutputSlots
-// == 1: hdim 128 without a diagonal) runs below this many keys, one that
-// stores O from registers from here on: measured on an H100 (2026-11-23,
-// docs/fwd_kernel.md) the shared slot was 1.04-1.06x the register stores at
-// 512-1k keys, level at 2k, 0.97-0.98x from 4k on. (A single kernel holding
-// both stores, picked per launch, ran the long lengths 3% slower still.)
+// == 1: hdim 128 without a diagonal, and (192, 128)) runs below this many
+// keys, one that stores O from registers from here on: measured at hdim 128
+// on an H100 (2026-11-23, docs/fwd_kernel.md) the shared slot was 1.04-1.06x
+// the register stores at 512-1k keys, level at 2k, 0.97-0.98x from 4k on. (A
+// single kernel holding both stores, picked per launch, ran the long lengths
+// 3% slower still.) (192, 128) takes the same switch, not measured there.
 constexpr int kSharedOutputSlotBelowKeys = 4096;
 
-template <int kHeadDim, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
+template <int kHeadDim, int kHeadDimV, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
-  using Traits = fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap>;
+  using Traits = fwd::FwdTraits<kHeadDim, kHeadDimV, Element<kDType>, kMask, kPacked, kSoftcap>;
   using fwd::require;
   require(params.headdim == kHeadDim, "headdim does not match the instantiation");
+  require(params.headdim_v == kHeadDimV, "headdim_v does not match the instantiation");
   require(params.batch >= 1 && params.heads >= 1 && params.heads_kv >= 1, "batch and heads must be >= 1");
   require(params.seqlen_q >= 1 && params.seqlen_k >= 1, "seqlen_q and seqlen_k must be >= 1");
   require(params.heads % params.heads_kv == 0, "heads must be a multiple of heads_kv");
@@ -214,13 +217,15 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
 
   if constexpr (kHeadDim == 64 && kMask == MaskKind::kCausal && !kPacked) {
     if (params.seqlen_q >= kCausalThreeWarpgroupsFrom) {
-      fwd::launch_fwd<fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap, 3>>(params, stream);
+      fwd::launch_fwd<fwd::FwdTraits<kHeadDim, kHeadDimV, Element<kDType>, kMask, kPacked, kSoftcap, 3>>(params,
+                                                                                                      stream);
       return;
     }
   }
   if constexpr (Traits::kOutputSlots == 1) {
     if (params.seqlen_k >= kSharedOutputSlotBelowKeys) {
-      fwd::launch_fwd<fwd::FwdTraits<kHeadDim, Element<kDType>, kMask, kPacked, kSoftcap, 0, true>>(params, stream);
+      fwd::launch_fwd<fwd::FwdTraits<kHeadDim, kHeadDimV, Element<kDType>, kMask, kPacked, kSoftcap, 0, true>>(
+          params, stream);
       return;
     }
   }

@@ -42,7 +42,7 @@ struct FwdMainloop {
   using PipelineState = typename Traits::PipelineState;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   static constexpr bool kCausal = Traits::kCausal;
   static constexpr bool kLocal = Traits::kLocal;
   static constexpr bool kSoftcap = Traits::kSoftcap;
@@ -50,9 +50,9 @@ struct FwdMainloop {
   static constexpr int kTurnThreads = 2 * Traits::kThreadsPerWarpgroup;
   static constexpr int kWarpgroups = Traits::kNumMmaWarpgroups;
 
-  // Output accumulator type of one thread.
+  // Output accumulator type of one thread: (kBlockM, kHeadDimV).
   using FragO = decltype(partition_fragment_C(typename Traits::TiledMmaPV{},
-                                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+                                              Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
 
   // mma_tid: thread index among the MMA threads, [0, 128 * kWarpgroups).
   CUTE_DEVICE static int warpgroup(int mma_tid) {

@@ -32,6 +32,7 @@ struct FwdProducer {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
@@ -83,7 +84,7 @@ struct FwdProducer {
       // V^T is (d, rows): its rows are mode 1.
       Tensor gVt = local_tile(rows_from<kPacked, 1>(p.tma_v.get_tma_tensor(p.shape_vt)(_, _, head_kv, sl.tensor_batch),
                                                     sl.offset_k),
-                              Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (D, N, n)
+                              Shape<Int<kHeadDimV>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (DV, N, n)
       Tensor tQgQ = tma_q.partition_S(gQ);
       Tensor tKgK = tma_k.partition_S(gK);
       Tensor tVgV = tma_v.partition_S(gVt);

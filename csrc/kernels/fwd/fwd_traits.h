@@ -1,7 +1,7 @@
 // Compile-time configuration of the Hopper forward kernel: tile sizes, warp
 // roles, register budgets, shared-memory layouts, MMA and TMA types, the
 // shared storage and the kernel parameter block. Everything the role files
-// need is derived here from (head dim, element type, mask kind).
+// need is derived here from (head dims, element type, mask kind).
 #pragma once
 
 // Extended WGMMA N extents (kBlockN = 176, 112, 80); see fwd_launch.cuh.
@@ -70,42 +70,55 @@ enum class FwdBarrier : uint32_t {
 // spill at 160 registers; the masks with a diagonal keep two, and dense causal
 // switches to three from kCausalThreeWarpgroupsFrom query rows on (fwd_launch.cuh).
 // kBlockN is as large as registers (S accumulator
-// kBlockN/2 + P kBlockN/4 + O accumulator kHeadDim/2 per thread, under the budget)
+// kBlockN/2 + P kBlockN/4 + O accumulator kHeadDimV/2 per thread, under the budget)
 // and shared memory (kQStages x Q + kStages x (K + V) under 227 KiB) allow.
 // Masks with a diagonal (causal, local) keep kBlockN = kBlockM at hdim <= 128
 // so a diagonal costs a single masked block per Q tile (a window with both
 // sides bounded has two). kQStages = 2 lets the producer load the next tile's Q
 // while the current tile runs (no bubble between tiles); it does not fit in
 // shared memory at hdim >= 192, nor next to kBlockN = 176 at hdim 128.
-template <int kHeadDim, bool kDiagonal>
+// Per (kHeadDim, kHeadDimV): V's head dim differs only at (192, 128) (MLA).
+template <int kHeadDim, int kHeadDimV, bool kDiagonal>
 struct FwdTileConfig;
-template <bool kDiagonal> struct FwdTileConfig<64, kDiagonal> {
+template <bool kDiagonal> struct FwdTileConfig<64, 64, kDiagonal> {
   static constexpr int kMmaWarpgroups = kDiagonal ? 2 : 3, kBlockN = 128, kStages = 2, kQStages = 2;
 };
-template <bool kDiagonal> struct FwdTileConfig<96, kDiagonal> {
+template <bool kDiagonal> struct FwdTileConfig<96, 96, kDiagonal> {
   static constexpr int kMmaWarpgroups = 2, kBlockN = 128, kStages = 2, kQStages = 2;
 };
-template <bool kDiagonal> struct FwdTileConfig<128, kDiagonal> {
+template <bool kDiagonal> struct FwdTileConfig<128, 128, kDiagonal> {
   // Full: 128 x 176 with one Q stage measured faster than 128 x 160 with two.
   static constexpr int kMmaWarpgroups = 2, kBlockN = kDiagonal ? 128 : 176, kStages = 2,
                        kQStages = kDiagonal ? 2 : 1;
 };
-template <bool kDiagonal> struct FwdTileConfig<192, kDiagonal> {
+template <bool kDiagonal> struct FwdTileConfig<192, 192, kDiagonal> {
   static constexpr int kMmaWarpgroups = 2, kBlockN = 112, kStages = 2, kQStages = 1;
 };
-template <bool kDiagonal> struct FwdTileConfig<256, kDiagonal> {
+template <bool kDiagonal> struct FwdTileConfig<256, 256, kDiagonal> {
   static constexpr int kMmaWarpgroups = 2, kBlockN = 80, kStages = 2, kQStages = 1;
 };
+// MLA: FA3's 128 x 128 for this pair. The narrower V leaves room for 128 keys
+// (registers: S 64 + P 32 + O 64 per thread, as at hdim 128 causal) and, with
+// one Q stage (48 KiB; a second does not fit), 208 KiB of Q, K and V, so one
+// O slot (16 KiB) fits beside them (FwdTraits::kOutputSlots).
+template <bool kDiagonal> struct FwdTileConfig<192, 128, kDiagonal> {
+  static constexpr int kMmaWarpgroups = 2, kBlockN = 128, kStages = 2, kQStages = 1;
+};
 
+// kHeadDimV_: the head dim of V and O (kHeadDim_ but for MLA's (192, 128)).
 // kMmaWarpgroups_: 0 takes FwdTileConfig's; 2 or 3 overrides it (run_fwd's
 // second tile for long causal sequences at hdim 64, fwd_launch.cuh).
 // kOutputFromRegisters_: O leaves from registers even where an O slot fits
 // (run_fwd's second kernel for long full-mask sequences at hdim 128).
-template <int kHeadDim_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_, int kMmaWarpgroups_ = 0,
-          bool kOutputFromRegisters_ = false>
+template <int kHeadDim_, int kHeadDimV_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_,
+          int kMmaWarpgroups_ = 0, bool kOutputFromRegisters_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  // The tile configs budget registers and shared memory for V no wider than
+  // Q and K; 16-column multiples: the PV GEMM's N, stmatrix and the swizzle atoms.
+  static_assert(kHeadDimV <= kHeadDim && kHeadDimV % 16 == 0, "value head dim: a multiple of 16, at most kHeadDim");
   static constexpr MaskKind kMask = kMask_;
   static constexpr bool kCausal = kMask == MaskKind::kCausal;
   // A runtime window (Params::window_left/right), masked on both sides.
@@ -116,7 +129,7 @@ struct FwdTraits {
   static constexpr bool kPacked = kPacked_;
   // Softcapped scores (common/softcap.h): a tanh per score before the mask.
   static constexpr bool kSoftcap = kSoftcap_;
-  using TileConfig = FwdTileConfig<kHeadDim, kCausal || kLocal>;
+  using TileConfig = FwdTileConfig<kHeadDim, kHeadDimV, kCausal || kLocal>;
 
   static constexpr int kNumMmaWarpgroups = kMmaWarpgroups_ == 0 ? TileConfig::kMmaWarpgroups : kMmaWarpgroups_;
   static_assert(kNumMmaWarpgroups == 2 || kNumMmaWarpgroups == 3, "two or three MMA warpgroups");
@@ -139,9 +152,9 @@ struct FwdTraits {
                 "setmaxnreg budgets exceed the launch's register allocation");
 
   // GEMM shapes: S = Q K^T is (kBlockM, kBlockN, kHeadDim); O += P V is
-  // (kBlockM, kHeadDim, kBlockN) with P from registers and V MN-major.
+  // (kBlockM, kHeadDimV, kBlockN) with P from registers and V MN-major.
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;
   using MmaWarpgroupLayout = Layout<Shape<Int<kNumMmaWarpgroups>, _1, _1>>;
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), MmaWarpgroupLayout{}));
@@ -159,19 +172,20 @@ struct FwdTraits {
       gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
       Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutVt = decltype(tile_to_shape(
-      gmma_smem_atom<GMMA::Major::MN, Element, kHeadDim>(),
-      Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+      gmma_smem_atom<GMMA::Major::MN, Element, kHeadDimV>(),
+      Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 
   // O leaves through shared memory and a TMA store per 64-row warpgroup slice
   // (fwd_epilogue.h): kOutputSlots 64-row buffers, one per MMA warpgroup where
   // they fit next to Q, K and V, one shared in turn where only one does (hdim
-  // 128 without a diagonal: 128 x 176 tiles), none (O straight from
-  // registers) at hdim >= 192 and with kOutputFromRegisters_. (Packed
-  // documents store a document's last, partial tile from registers: a TMA
-  // store clips at the tensor's end, not at the document's.)
+  // 128 without a diagonal: 128 x 176 tiles, and (192, 128)), none (O
+  // straight from registers) at hdim 192 and 256 and with
+  // kOutputFromRegisters_. (Packed documents store a document's last, partial
+  // tile from registers: a TMA store clips at the tensor's end, not at the
+  // document's.)
   static constexpr int kSmemQKVBytes =
-      (kQStages * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element));
-  static constexpr int kOutputSlotBytes = 64 * kHeadDim * int(sizeof(Element));
+      ((kQStages * kBlockM + kStages * kBlockN) * kHeadDim + kStages * kBlockN * kHeadDimV) * int(sizeof(Element));
+  static constexpr int kOutputSlotBytes = 64 * kHeadDimV * int(sizeof(Element));
   static constexpr int kSmemBarrierReserve = 1024;  // pipelines' mbarriers, padding
   static constexpr bool output_slots_fit(int slots) {
     return kSmemQKVBytes + slots * kOutputSlotBytes + kSmemBarrierReserve <= kSm90SharedMemoryBytes;
@@ -184,16 +198,17 @@ struct FwdTraits {
   static_assert(kOutputSlots == 0 || kOutputSlots == kNumMmaWarpgroups || (kOutputSlots == 1 && kNumMmaWarpgroups == 2),
                 "O slots: one per warpgroup, or one shared by two (kOutputTurn0/1)");
   using SmemLayoutO = decltype(tile_to_shape(
-      gmma_smem_atom<GMMA::Major::K, Element, kHeadDim>(),
-      Shape<_64, Int<kHeadDim>, Int<kOutputSlots == 0 ? 1 : kOutputSlots>>{}));
+      gmma_smem_atom<GMMA::Major::K, Element, kHeadDimV>(),
+      Shape<_64, Int<kHeadDimV>, Int<kOutputSlots == 0 ? 1 : kOutputSlots>>{}));
   // One warpgroup's PV GEMM: the register layout of its 64 rows of O, which
   // the stmatrix copy into an O slot partitions.
   using TiledMmaPVWarpgroup = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>()));
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
 
   // Global views as TMA sees them: Q/K/V as (row, dim, head, batch) and V^T
   // as (dim, row, head, batch); the head dim is contiguous, the rest strided.
@@ -211,13 +226,13 @@ struct FwdTraits {
   using TmaV = decltype(make_tma_copy(
       SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStrideT{}),
-      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
-  // O as (row, dim, head, batch), the shape of Q (shape_q); rows past
-  // seqlen_q are clipped by the copy engine.
+      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
+  // O as (row, dim, head, batch) (shape_o); rows past seqlen_q are clipped
+  // by the copy engine.
   using TmaO = decltype(make_tma_copy(
       SM90_TMA_STORE{},
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}),
-      take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kHeadDim>>{}, _1{}));
+      take<0, 2>(SmemLayoutO{}), Shape<_64, Int<kHeadDimV>>{}, _1{}));
 
   // Q, K and V each have a TMA pipeline: full barriers complete on the TMA
   // transaction bytes, empty barriers when all MMA threads released.
@@ -256,9 +271,9 @@ struct FwdTraits {
     TmaK tma_k;
     TmaV tma_v;
     TmaO tma_o;          // kTmaEpilogue only
-    GmemShape shape_q;   // (seqlen_q, d, heads, batch); also O's
+    GmemShape shape_q;   // (seqlen_q, d, heads, batch); O's with dv (shape_o)
     GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch)
-    GmemShape shape_vt;  // (d, seqlen_k, heads_kv, batch)
+    GmemShape shape_vt;  // (dv, seqlen_k, heads_kv, batch)
     void* o;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
     float* lse;
@@ -286,6 +301,16 @@ struct FwdTraits {
     // (last, so the other fields keep their offsets).
     int window_left, window_right;
   };
+
+  // O's shape for its TMA store: Q's rows, heads and batch with V's head dim
+  // (with equal head dims shape_q itself, as before MLA).
+  CUTE_HOST_DEVICE static GmemShape shape_o(Params const& p) {
+    if constexpr (kHeadDimV == kHeadDim) {
+      return p.shape_q;
+    } else {
+      return make_shape(get<0>(p.shape_q), int32_t(kHeadDimV), get<2>(p.shape_q), get<3>(p.shape_q));
+    }
+  }
 
   // The lengths and rows of problem (document) b.
   CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) { return problem_seqlens<kPacked>(p, b); }
