@@ -319,6 +319,22 @@ def test_gemma3_local_and_global_layers_match_eager(recorder):
     assert windows == [(7, 0), (-1, -1)] and all(kw["causal"] for _, _, _, kw in recorder.calls)
 
 
+def test_deepseek_v3_mla_matches_eager(recorder):
+    # DeepSeek-V3's MLA: queries and keys of head dim 192 (128 + 64 rotary), values of 128,
+    # which transformers hands to the attention function unpadded (it pads only for FA2).
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    def make():
+        return DeepseekV3ForCausalLM(DeepseekV3Config(
+            vocab_size=97, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=2, max_position_embeddings=256,
+            attn_implementation="eager"))
+
+    _compare_with_eager(make, 74, seqlen=24)
+    assert [(q.shape[-1], k.shape[-1], v.shape[-1]) for q, k, v, _ in recorder.calls] == [(192, 192, 128)] * 2
+
+
 def test_gemma2_softcap_and_sliding_window_match_eager(recorder):
     # Gemma 2: attention logits capped (attn_logit_softcapping), local and global layers. A tiny
     # random model's scores are small: a cap of 0.05 makes it bite (dropping it fails the logits).
