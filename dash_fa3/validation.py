@@ -20,8 +20,16 @@ SUPPORTED_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 HOPPER_CAPABILITY = (9, 0)
 
 
+class _ValueHeadDim:
+    """The shapes' one rule for v's head dim: ``headdim_v=None`` means ``headdim``."""
+
+    def __post_init__(self):
+        if self.headdim_v is None:
+            object.__setattr__(self, "headdim_v", self.headdim)
+
+
 @dataclasses.dataclass(frozen=True)
-class AttnShape:
+class AttnShape(_ValueHeadDim):
     batch: int
     seqlen_q: int
     seqlen_k: int
@@ -30,10 +38,6 @@ class AttnShape:
     headdim: int
     dtype: str  # "bf16" / "fp16"
     headdim_v: int | None = None  # v's (and out's) head dim; None: headdim
-
-    def __post_init__(self):
-        if self.headdim_v is None:
-            object.__setattr__(self, "headdim_v", self.headdim)
 
     def variant(self, causal: bool, mask: str | None = None) -> variants.Variant:
         """The kernel variant of this shape: mask kind ``mask`` (variants.MASKS), or by default
@@ -154,7 +158,7 @@ def check_softcap(softcap) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class VarlenShape:
+class VarlenShape(_ValueHeadDim):
     batch: int
     total_q: int
     total_k: int
@@ -163,10 +167,6 @@ class VarlenShape:
     headdim: int
     dtype: str  # "bf16" / "fp16"
     headdim_v: int | None = None  # v's (and out's) head dim; None: headdim
-
-    def __post_init__(self):
-        if self.headdim_v is None:
-            object.__setattr__(self, "headdim_v", self.headdim)
 
 
 def check_seqused(name: str, seqused, cu_seqlens) -> None:

@@ -68,7 +68,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
   check_softcap(softcap);
-  const auto& chosen = find_variant(kBwdKernels, "backward", sh.hdim, sh.hdim_v, sh.dtype, mask, packed != nullptr, softcap > 0);
+  const auto& chosen =
+      find_variant(kBwdKernels, "backward", sh.hdim, sh.hdim_v, sh.dtype, mask, packed != nullptr, softcap > 0);
   const int64_t seqlen_q = sh.seqlen_q, seqlen_k = sh.seqlen_k, heads = sh.heads, heads_kv = sh.heads_kv,
                 hdim = sh.hdim, hdim_v = sh.hdim_v;
   const int64_t block_m = bwd_block_m(static_cast<int>(hdim));

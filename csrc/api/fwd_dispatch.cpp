@@ -49,7 +49,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
                   "(-1: unbounded)"));
   const MaskKind mask = mask_kind_of(static_cast<int>(window_left), static_cast<int>(window_right));
   check_softcap(softcap);
-  const auto& chosen = find_variant(kFwdKernels, "forward", sh.hdim, sh.hdim_v, sh.dtype, mask, packed != nullptr, softcap > 0);
+  const auto& chosen =
+      find_variant(kFwdKernels, "forward", sh.hdim, sh.hdim_v, sh.dtype, mask, packed != nullptr, softcap > 0);
   const int64_t batch = sh.batch, seqlen_q = sh.seqlen_q, heads = sh.heads, hdim = sh.hdim, hdim_v = sh.hdim_v;
 
   c10::cuda::CUDAGuard guard(q.device());

@@ -44,13 +44,17 @@ const KernelVariant<Params>& find_variant(const std::vector<KernelVariant<Params
                                           bool softcap) {
   const KernelVariant<Params>* found = nullptr;
   for (const auto& v : table) {
-    if (v.hdim == hdim && v.hdim_v == hdim_v && v.dtype == dtype && v.mask == mask && v.packed == packed && v.softcap == softcap) found = &v;
+    if (v.hdim == hdim && v.hdim_v == hdim_v && v.dtype == dtype && v.mask == mask && v.packed == packed &&
+        v.softcap == softcap) {
+      found = &v;
+    }
   }
   if (found == nullptr) {
     std::string built;
     for (const auto& name : variant_names(table, packed, softcap)) built += (built.empty() ? "" : ", ") + name;
     TORCH_CHECK(false, msg("dash_fa3: no ", packed ? "packed " : "", softcap ? "softcap " : "", direction,
-                           " kernel for hdim", hdim, hdim_v == hdim ? "" : msg("v", hdim_v), "-", dtype == DType::kBF16 ? "bf16" : "fp16", "-",
+                           " kernel for hdim", hdim, hdim_v == hdim ? "" : msg("v", hdim_v), "-",
+                           dtype == DType::kBF16 ? "bf16" : "fp16", "-",
                            mask_kind_name(mask), " in this build (built: ", built.empty() ? std::string("none") : built,
                            "); rebuild with DASH_FA3_VARIANTS naming it (e.g. DASH_FA3_VARIANTS=hdim", hdim,
                            hdim_v == hdim ? "" : msg("v", hdim_v), ")",

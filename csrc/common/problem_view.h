@@ -21,4 +21,19 @@ CUTE_DEVICE auto rows_from(View const& view, int row0) {
   }
 }
 
+// The (row, dim, head, batch) shape of a value-head-dim tensor (V, O, dO, dV)
+// from its head-dim counterpart's (K, Q, Q, K): the same rows, heads and
+// batch, kHeadDimV columns. With equal head dims the shape itself, so those
+// kernels address the value tensors exactly as the others.
+template <int kHeadDim, int kHeadDimV, class Shape>
+CUTE_HOST_DEVICE Shape value_shape(Shape const& head_dim_shape) {
+  if constexpr (kHeadDimV == kHeadDim) {
+    return head_dim_shape;
+  } else {
+    using cute::get;
+    return cute::make_shape(get<0>(head_dim_shape), int32_t(kHeadDimV), get<2>(head_dim_shape),
+                            get<3>(head_dim_shape));
+  }
+}
+
 }  // namespace dash_fa3

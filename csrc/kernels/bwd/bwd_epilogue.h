@@ -152,27 +152,52 @@ struct BwdEpilogue {
       Element* dv = static_cast<Element*>(p.dv) + sl.tensor_batch * p.dv_batch_stride +
                     sl.offset_k * p.dv_row_stride + h_kv * p.dv_head_stride;
       // Registers i, i + 1: columns d, d + 1 of row n, one 4-byte store.
-      store_rows<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
-        *reinterpret_cast<uint32_t*>(dk + n * p.dk_row_stride + d) = *reinterpret_cast<uint32_t const*>(&tdKout(i));
-      });
-      store_rows<typename Traits::TiledMmaDv, kHeadDimV>(sl, n0, mma_tid, [&](int n, int d, int i) {
-        *reinterpret_cast<uint32_t*>(dv + n * p.dv_row_stride + d) = *reinterpret_cast<uint32_t const*>(&tdVout(i));
-      });
+      store_kv_rows(
+          sl, n0, mma_tid,
+          [&](int n, int d, int i) {
+            *reinterpret_cast<uint32_t*>(dk + n * p.dk_row_stride + d) =
+                *reinterpret_cast<uint32_t const*>(&tdKout(i));
+          },
+          [&](int n, int d, int i) {
+            *reinterpret_cast<uint32_t*>(dv + n * p.dv_row_stride + d) =
+                *reinterpret_cast<uint32_t const*>(&tdVout(i));
+          });
       return;
     }
     // GQA: this query head's slab; every (batch, head, KV tile) has exactly one
     // task, so plain stores suffice: no zeroing, no atomics, no turn-taking.
     int64_t const base =
         (int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead]) * p.partial_rows + sl.offset_k;
-    store_rows<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
-      *reinterpret_cast<float2*>(p.dk_partial + (base + n) * kHeadDim + d) = make_float2(tdKrdK(i), tdKrdK(i + 1));
-    });
-    store_rows<typename Traits::TiledMmaDv, kHeadDimV>(sl, n0, mma_tid, [&](int n, int d, int i) {
-      *reinterpret_cast<float2*>(p.dv_partial + (base + n) * kHeadDimV + d) = make_float2(tdVrdV(i), tdVrdV(i + 1));
-    });
+    store_kv_rows(
+        sl, n0, mma_tid,
+        [&](int n, int d, int i) {
+          *reinterpret_cast<float2*>(p.dk_partial + (base + n) * kHeadDim + d) =
+              make_float2(tdKrdK(i), tdKrdK(i + 1));
+        },
+        [&](int n, int d, int i) {
+          *reinterpret_cast<float2*>(p.dv_partial + (base + n) * kHeadDimV + d) =
+              make_float2(tdVrdV(i), tdVrdV(i + 1));
+        });
   }
 
  private:
+  // dK's and dV's register pairs through store_k / store_v (see store_rows).
+  // Equal head dims share one loop (the accumulators share a layout): with
+  // a loop each, ptxas spilled 20 bytes in the hdim 64 full packed kernel.
+  template <class StoreK, class StoreV>
+  CUTE_DEVICE static void store_kv_rows(SeqlenInfo const& sl, int n0, int mma_tid, StoreK&& store_k,
+                                        StoreV&& store_v) {
+    if constexpr (kHeadDim == kHeadDimV) {
+      store_rows<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
+        store_k(n, d, i);
+        store_v(n, d, i);
+      });
+    } else {
+      store_rows<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, store_k);
+      store_rows<typename Traits::TiledMmaDv, kHeadDimV>(sl, n0, mma_tid, store_v);
+    }
+  }
+
   // Calls store(n, d, i) for each register pair i, i + 1 of an accumulator of
   // TiledMma over a kBlockN x kDim tile (columns d, d + 1 of problem row n)
   // whose row is below the problem's seqlen_k.

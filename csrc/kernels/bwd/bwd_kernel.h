@@ -59,8 +59,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
   }
 
   // Warp 0 initialises the stage barriers (and fences the inits).
-  PipelineQ pipeline_q(smem.pipeline_q, pipeline_params<Traits, PipelineQ>(warpgroup, Traits::kTmaBytesQ), Shape<_1, _1, _1>{});
-  PipelineDo pipeline_do(smem.pipeline_do, pipeline_params<Traits, PipelineDo>(warpgroup, Traits::kTmaBytesDo), Shape<_1, _1, _1>{});
+  PipelineQ pipeline_q(smem.pipeline_q, pipeline_params<Traits, PipelineQ>(warpgroup, Traits::kTmaBytesQ),
+                       Shape<_1, _1, _1>{});
+  PipelineDo pipeline_do(smem.pipeline_do, pipeline_params<Traits, PipelineDo>(warpgroup, Traits::kTmaBytesDo),
+                         Shape<_1, _1, _1>{});
   // Barrier inits must be visible to every thread before anyone waits.
   __syncthreads();
 

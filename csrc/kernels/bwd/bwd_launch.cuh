@@ -101,10 +101,12 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   // Packed documents: the tensors are one batch of total rows.
   constexpr bool packed = Traits::kPacked;
   int const tensor_batch = tensor_batches(a.batch, a.cu_seqlens_q);
-  auto shape_q = make_shape(packed ? a.total_q : a.seqlen_q, a.headdim, a.heads, tensor_batch);
-  auto shape_do = make_shape(packed ? a.total_q : a.seqlen_q, a.headdim_v, a.heads, tensor_batch);
-  auto shape_k = make_shape(packed ? a.total_k : a.seqlen_k, a.headdim, a.heads_kv, tensor_batch);
-  auto shape_v = make_shape(packed ? a.total_k : a.seqlen_k, a.headdim_v, a.heads_kv, tensor_batch);
+  p.shape_q = make_shape(packed ? a.total_q : a.seqlen_q, a.headdim, a.heads, tensor_batch);
+  p.shape_k = make_shape(packed ? a.total_k : a.seqlen_k, a.headdim, a.heads_kv, tensor_batch);
+  auto const shape_q = p.shape_q;
+  auto const shape_do = Traits::shape_do(p);
+  auto const shape_k = p.shape_k;
+  auto const shape_v = Traits::shape_v(p);
   // (row, dim, head, batch) view of a (batch, seqlen, heads, d) tensor; ptr an Element pointer.
   auto gmem = [](auto* ptr, auto shape, TensorStrides const& s) {
     return make_tensor(make_gmem_ptr(ptr), shape, make_stride(s.row, _1{}, s.head, s.batch));
@@ -125,10 +127,6 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
                            typename Traits::SmemLayoutK{}, TileK{}, _1{});
   p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gmem(static_cast<Element*>(a.dv), shape_v, a.dv_stride),
                            typename Traits::SmemLayoutV{}, TileV{}, _1{});
-  p.shape_q = shape_q;
-  p.shape_do = shape_do;
-  p.shape_k = shape_k;
-  p.shape_v = shape_v;
   p.lse_log2 = a.lse_log2;
   p.dpsum = a.dpsum;
   p.dq_accum = a.dq_accum;  // a 1-D bulk reduce-add target: no tensor map

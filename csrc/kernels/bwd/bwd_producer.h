@@ -111,7 +111,7 @@ struct BwdProducer {
       };
       Tensor gQ = local_tile(q_rows(p.tma_q, p.shape_q), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(q_rows(p.tma_do, Traits::template shape_of<true>(p.shape_q, p.shape_do)),
+      Tensor gdO = local_tile(q_rows(p.tma_do, Traits::shape_do(p)),
                               Shape<Int<kBlockM>, Int<Traits::kHeadDimV>>{},
                               make_coord(_, _0{}));
       Tensor gK = Traits::template kv_tile<false>(p.tma_k, p, sl, h_kv, kv);

@@ -188,9 +188,10 @@ struct BwdTraits {
   // kBlockM = 64) compiles either way without spills and was not measured.
   static constexpr bool kDkBeforeDq = !kSplitHeadDim && kHeadDim == 128;
   // setmaxnreg budgets (they must fit the launch's allocation:
-  // common/constants.h, setmaxnreg_budgets_fit). Wide (24/240) where the early LSE values of a 128-row step need it; else
-  // 40/232 (24/240 alone moved the hdim-128 backward by -1.5% to +2%, H100,
-  // 2026-11-24, so it stays where it was measured best).
+  // common/constants.h, setmaxnreg_budgets_fit). Wide (24/240) where the
+  // early LSE values of a 128-row step need it; else 40/232 (24/240 alone
+  // moved the hdim-128 backward by -1.5% to +2%, H100, 2026-11-24, so it
+  // stays where it was measured best).
   static constexpr bool kWideMmaRegisters = kLseEarly && kBlockM == 128;
   static constexpr int kProducerRegisters = kWideMmaRegisters ? 24 : 40;
   static constexpr int kMmaRegisters = kWideMmaRegisters ? 240 : 232;
@@ -393,10 +394,9 @@ struct BwdTraits {
     TmaV tma_v;
     TmaDk tma_dk;  // MHA only: GQA writes fp32 partials (dk_partial) instead
     TmaDv tma_dv;
-    GmemShape shape_q;   // (seqlen_q, d, heads, batch); packed: (total_q, d, heads, 1)
-    GmemShape shape_do;  // shape_q with dv for d
-    GmemShape shape_k;   // (seqlen_k, d, heads_kv, batch); packed: (total_k, d, heads_kv, 1)
-    GmemShape shape_v;   // shape_k with dv for d
+    // dO's and V's with dv columns: shape_do / shape_v (common/problem_view.h).
+    GmemShape shape_q;  // (seqlen_q, d, heads, batch); packed: (total_q, d, heads, 1)
+    GmemShape shape_k;  // (seqlen_k, d, heads_kv, batch); packed: (total_k, d, heads_kv, 1)
     // Packed documents (common/seqlen_info.h): batch + 1 offsets each, nullptr
     // for a dense batch. Packed, batch counts documents and seqlen_q /
     // seqlen_k are the longest document's.
@@ -478,24 +478,15 @@ struct BwdTraits {
   template <bool kValue, class TmaCopy>
   CUTE_DEVICE static auto kv_tile(TmaCopy const& tma, Params const& p, SeqlenInfo const& sl, int h_kv, int kv) {
     constexpr int kDim = kValue ? kHeadDimV : kHeadDim;
-    return local_tile(rows_from<kPacked>(tma.get_tma_tensor(shape_of<kValue>(p.shape_k, p.shape_v))(
+    return local_tile(rows_from<kPacked>(tma.get_tma_tensor(kValue ? shape_v(p) : p.shape_k)(
                                              _, _, h_kv, sl.tensor_batch),
                                          sl.offset_k),
                       Shape<Int<kBlockN>, Int<kDim>>{}, make_coord(kv, _0{}));
   }
 
-  // The shape of a value-head-dim tensor (kValue: V, dO, dV) or of its
-  // head-dim counterpart (K, Q, dK). With equal head dims both are the
-  // head-dim one, so those kernels address dO and V as they always did (the
-  // producer warp has 24 registers at hdim 64).
-  template <bool kValue>
-  CUTE_HOST_DEVICE static GmemShape const& shape_of(GmemShape const& head_dim_shape, GmemShape const& value_shape) {
-    if constexpr (kValue && kHeadDimV != kHeadDim) {
-      return value_shape;
-    } else {
-      return head_dim_shape;
-    }
-  }
+  // dO's and V's (and dV's) shapes: Q's and K's with dv columns (common/problem_view.h).
+  CUTE_HOST_DEVICE static GmemShape shape_do(Params const& p) { return value_shape<kHeadDim, kHeadDimV>(p.shape_q); }
+  CUTE_HOST_DEVICE static GmemShape shape_v(Params const& p) { return value_shape<kHeadDim, kHeadDimV>(p.shape_k); }
 };
 
 }  // namespace dash_fa3::bwd

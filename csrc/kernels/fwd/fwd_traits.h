@@ -302,15 +302,8 @@ struct FwdTraits {
     int window_left, window_right;
   };
 
-  // O's shape for its TMA store: Q's rows, heads and batch with V's head dim
-  // (with equal head dims shape_q itself, as before MLA).
-  CUTE_HOST_DEVICE static GmemShape shape_o(Params const& p) {
-    if constexpr (kHeadDimV == kHeadDim) {
-      return p.shape_q;
-    } else {
-      return make_shape(get<0>(p.shape_q), int32_t(kHeadDimV), get<2>(p.shape_q), get<3>(p.shape_q));
-    }
-  }
+  // O's shape for its TMA store (common/problem_view.h).
+  CUTE_HOST_DEVICE static GmemShape shape_o(Params const& p) { return value_shape<kHeadDim, kHeadDimV>(p.shape_q); }
 
   // The lengths and rows of problem (document) b.
   CUTE_HOST_DEVICE static SeqlenInfo seqlens(Params const& p, int b) { return problem_seqlens<kPacked>(p, b); }
