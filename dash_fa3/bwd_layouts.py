@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-WARPGROUPS = 2  # MMA warpgroups that produce a dQ tile
+from .schedule import contract
+
 WG_ROWS = 64  # rows of one warpgroup's accumulator (m64nNk16)
 WG_THREADS = 128
 GROUP = 4  # accumulator registers per 128-bit store
@@ -27,9 +28,16 @@ GROUP = 4  # accumulator registers per 128-bit store
 ATOM_NS = (256, 192, 128, 96, 64, 32, 16, 8)
 
 
+def warpgroups(hdim: int) -> int:
+    """MMA warpgroups that produce a dQ tile: the backward kernel's (contract.BWD_MMA_WARPGROUPS,
+    the first entry >= hdim; 0 if none)."""
+    return next((contract.BWD_MMA_WARPGROUPS[d] for d in sorted(contract.BWD_MMA_WARPGROUPS) if hdim <= d), 0)
+
+
 def wg_cols(block_m: int, hdim: int) -> int:
-    """Columns of one warpgroup's accumulator: all of them (block_m 128) or half (block_m 64)."""
-    return hdim if block_m == 2 * WG_ROWS else hdim // WARPGROUPS
+    """Columns of one warpgroup's accumulator: all of them (block_m 128, two warpgroups along the
+    rows) or the warpgroup's share (block_m 64, warpgroups along the columns)."""
+    return hdim if block_m == 2 * WG_ROWS else hdim // max(warpgroups(hdim), 1)
 
 
 def atom_cols(block_m: int, hdim: int) -> int:
@@ -39,8 +47,9 @@ def atom_cols(block_m: int, hdim: int) -> int:
 
 
 def layout_ok(block_m: int, hdim: int) -> bool:
-    return (block_m in (WG_ROWS, 2 * WG_ROWS) and hdim > 0 and hdim % WARPGROUPS == 0
-            and wg_cols(block_m, hdim) % 8 == 0)
+    w = warpgroups(hdim)
+    return (block_m in (WG_ROWS, 2 * WG_ROWS) and hdim > 0 and w > 0 and hdim % w == 0
+            and (block_m == WG_ROWS or w == 2) and wg_cols(block_m, hdim) % 8 == 0)
 
 
 def _check(block_m: int, hdim: int) -> None:
@@ -59,7 +68,7 @@ def reg_position(block_m: int, hdim: int, wg, tid, r):
     if block_m == 2 * WG_ROWS:
         return row + WG_ROWS * wg, col
     a = atom_cols(block_m, hdim)  # the warpgroups' atoms alternate along the tile's columns
-    return row, (WARPGROUPS * (col // a) + wg) * a + col % a
+    return row, (warpgroups(hdim) * (col // a) + wg) * a + col % a
 
 
 def reg_offset(block_m: int, hdim: int, wg, tid, r):
@@ -78,7 +87,8 @@ def dq_frag_offset(block_m: int, hdim: int, m, c):
     else:
         a = atom_cols(block_m, hdim)
         atom = c // a
-        wg, row, col = atom % WARPGROUPS, m, (atom // WARPGROUPS) * a + c % a
+        w = warpgroups(hdim)
+        wg, row, col = atom % w, m, (atom // w) * a + c % a
     tid = 32 * (row // 16) + 4 * (row % 8) + (col % 8) // 2
     r = 4 * (col // 8) + 2 * ((row // 8) % 2) + col % 2
     return reg_offset(block_m, hdim, wg, tid, r)

@@ -24,16 +24,17 @@ def test_registers(block_m, hdim):
     covers 512 contiguous bytes (conflict-free 128-bit stores)."""
     regs = L.wg_cols(block_m, hdim) // 2
     assert regs % L.GROUP == 0
-    wg, tid, r = np.meshgrid(np.arange(L.WARPGROUPS), np.arange(L.WG_THREADS), np.arange(regs), indexing="ij")
+    w = L.warpgroups(hdim)
+    wg, tid, r = np.meshgrid(np.arange(w), np.arange(L.WG_THREADS), np.arange(regs), indexing="ij")
     row, col = L.reg_position(block_m, hdim, wg, tid, r)
     off = L.reg_offset(block_m, hdim, wg, tid, r)
     assert np.array_equal(L.dq_frag_offset(block_m, hdim, row, col), off)
     assert np.array_equal(np.sort(off.ravel()), np.arange(block_m * hdim))  # every element once
-    groups = off.reshape(L.WARPGROUPS, L.WG_THREADS, regs // L.GROUP, L.GROUP)
+    groups = off.reshape(w, L.WG_THREADS, regs // L.GROUP, L.GROUP)
     assert np.all(groups % L.GROUP == np.arange(L.GROUP))
     assert np.all(np.diff(groups, axis=-1) == 1)
     warp_starts = groups[:, ::32, :, 0]
-    assert np.all(groups[..., 0].reshape(L.WARPGROUPS, 4, 32, -1) -
+    assert np.all(groups[..., 0].reshape(w, 4, 32, -1) -
                   warp_starts[:, :, None, :] == (L.GROUP * np.arange(32))[None, None, :, None])
 
 
@@ -60,7 +61,14 @@ def test_round_trip():
     assert np.array_equal(L.from_fragment_order(acc, 64), x)
 
 
-@pytest.mark.parametrize("block_m,hdim", [(64, 72), (64, 88), (32, 64), (128, 0), (96, 128)])
+def test_three_warpgroups_at_192():
+    """hdim 192: three warpgroups, 64 contiguous columns each (one 64-wide atom)."""
+    assert L.warpgroups(192) == 3 and L.wg_cols(64, 192) == 64 and L.atom_cols(64, 192) == 64
+    _, col = L.reg_position(64, 192, np.arange(3)[:, None], 0, np.arange(32)[None, :])
+    assert np.array_equal(col // 64, np.repeat(np.arange(3)[:, None], 32, axis=1))
+
+
+@pytest.mark.parametrize("block_m,hdim", [(64, 72), (64, 88), (32, 64), (128, 0), (96, 128), (128, 192)])
 def test_rejects_undefined_tiles(block_m, hdim):
     assert not L.layout_ok(block_m, hdim)
     with pytest.raises(ValueError, match="fragment order"):

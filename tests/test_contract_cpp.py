@@ -207,7 +207,7 @@ def test_dq_fragment_order(driver):
         mine = got[pos:pos + want.size]
         pos += want.size
         assert np.array_equal(mine, want), f"block_m={bm} hdim={d}: dq_frag_offset differs"
-        wg, tid, r = np.meshgrid(np.arange(bwd_layouts.WARPGROUPS), np.arange(bwd_layouts.WG_THREADS),
+        wg, tid, r = np.meshgrid(np.arange(bwd_layouts.warpgroups(d)), np.arange(bwd_layouts.WG_THREADS),
                                  np.arange(bwd_layouts.wg_cols(bm, d) // 2), indexing="ij")
         want = bwd_layouts.reg_offset(bm, d, wg, tid, r).ravel()
         mine = got[pos:pos + want.size]
@@ -246,16 +246,17 @@ def test_dq_fragment_order_is_cutes(cute_driver):
     got = run_driver(cute_driver)
     pos, seen = 0, []
     while pos < got.size:
-        block_m, hdim, regs = (int(x) for x in got[pos:pos + 3])
-        pos += 3
-        mc = got[pos:pos + 256 * regs * 2].reshape(256, regs, 2)
+        block_m, hdim, threads, regs = (int(x) for x in got[pos:pos + 4])
+        pos += 4
+        mc = got[pos:pos + threads * regs * 2].reshape(threads, regs, 2)
         pos += mc.size
         assert block_m == bwd_block_sizes(hdim)[0] and regs == bwd_layouts.wg_cols(block_m, hdim) // 2
-        t, r = np.arange(256)[:, None], np.arange(regs)[None, :]
+        assert threads == 128 * bwd_layouts.warpgroups(hdim)
+        t, r = np.arange(threads)[:, None], np.arange(regs)[None, :]
         row, col = bwd_layouts.reg_position(block_m, hdim, t // 128, t % 128, r)
         assert np.array_equal(mc[..., 0], row) and np.array_equal(mc[..., 1], col), f"hdim {hdim}"
         seen.append(hdim)
-    assert seen == [64, 96, 128]
+    assert seen == [64, 96, 128, 192]
 
 
 def test_dq_fragment_order_defined_for_every_bwd_head_dim():

@@ -89,14 +89,15 @@ def test_plain_bwd_passes_the_fixed_windows(fake_ext):
         assert h[M.H_MASK] == (M.MASK_CAUSAL if causal else M.MASK_FULL)
 
 
-@pytest.mark.parametrize("hdim", [192, 256])
-def test_wide_head_dims_take_the_head_dim_split_tiles(fake_ext, hdim):
+@pytest.mark.parametrize("hdim,tiles", [(192, (64, 96)), (256, (64, 64))])
+def test_wide_head_dims_take_their_tiles(fake_ext, hdim, tiles):
+    # 192: three MMA warpgroups with 96-row KV tiles; 256: the two-warpgroup head-dim split.
     q, k, v = qkv(d=hdim)
     out = torch.zeros_like(q)
     ops._bwd_cuda(out, q, k, v, out, torch.zeros(2, 4, 300), 0.125, True, True, "auto", 0)
     name, args = fake_ext.calls[-1]
     h = args[7].numpy()
-    assert name == "bwd" and (h[M.H_BLOCK_M], h[M.H_BLOCK_N], h[M.H_MASK]) == (64, 64, M.MASK_CAUSAL)
+    assert name == "bwd" and (h[M.H_BLOCK_M], h[M.H_BLOCK_N], h[M.H_MASK]) == (*tiles, M.MASK_CAUSAL)
     assert SCHEDULES[h[M.H_SCHEDULE]] == "spt"
 
 

@@ -12,14 +12,15 @@
 // The tile is then one contiguous block of block_m * hdim floats, which a
 // plain 1-D bulk reduce-add moves to global memory (no tensor map).
 //
-// The order. A (block_m, hdim) tile is the product of 2 MMA warpgroups
-// (TiledMmaDq in kernels/bwd/bwd_traits.h), each a 64 x N accumulator made of
-// WGMMA m64nAk16 instructions ("atoms") side by side along N:
-//   block_m == 128: N = hdim; warpgroup w owns rows [64w, 64w + 64) x all columns;
-//   block_m == 64:  N = hdim / 2; warpgroup w owns all 64 rows x the column
-//                   atoms k with k % 2 == w, i.e. columns [(2j + w) A, (2j + w + 1) A)
+// The order. A (block_m, hdim) tile is the product of the kernel's W MMA
+// warpgroups (W = bwd_mma_warpgroups(hdim), kernel_contract.h: 3 at hdim 192,
+// else 2; TiledMmaDq in kernels/bwd/bwd_traits.h), each a 64 x N accumulator
+// made of WGMMA m64nAk16 instructions ("atoms") side by side along N:
+//   block_m == 128 (W = 2): N = hdim; warpgroup w owns rows [64w, 64w + 64) x all columns;
+//   block_m == 64:  N = hdim / W; warpgroup w owns all 64 rows x the column
+//                   atoms k with k % W == w, i.e. columns [(W j + w) A, (W j + w + 1) A)
 //                   for its j-th atom. When A == N (hdim 128, 192, 256) that is
-//                   the contiguous half [w N, (w + 1) N); at hdim 96 cute picks
+//                   the contiguous part [w N, (w + 1) N); at hdim 96 cute picks
 //                   A = 16 for N = 48 (no 48-wide atom without CUTLASS's extended
 //                   shapes), so warpgroup 0 owns columns 0-15, 32-47, 64-79.
 // A = dq_frag_atom_cols (bwd_traits.h checks it against TiledMmaDq's atom).
@@ -36,31 +37,35 @@
 // (m, c + 2k), (m, c + 2k + 1), (m + 8, c + 2k), (m + 8, c + 2k + 1).
 //
 // Defined for block_m in {64, 128} with N a multiple of 8 (the smallest
-// atom): the head dims of the backward kernels (64, 96, 128) and also 192
-// and 256 (block_m 64, N = A = 96 / 128; no backward kernel yet). Others (e.g.
-// hdim 72 with block_m 64: N = 36) are rejected by dq_frag_layout_ok.
+// atom): the head dims of the backward kernels (64, 96, 128, 192, 256).
+// Others (e.g. hdim 72 with block_m 64: N = 36) are rejected by
+// dq_frag_layout_ok.
 //
 // Plain C++ (host + device): every / and % has non-negative operands.
 #pragma once
 
 #include "common/host_device.h"
+#include "kernel_contract.h"  // generated: bwd_mma_warpgroups
 
 namespace dash_fa3 {
 
-constexpr int kDqFragWarpgroups = 2;    // MMA warpgroups that produce a dQ tile
 constexpr int kDqFragWgRows = 64;       // rows of one warpgroup's accumulator (m64nNk16)
 constexpr int kDqFragWgThreads = 128;   // threads of a warpgroup
 constexpr int kDqFragGroup = 4;         // registers per group: one 128-bit store
 
+// MMA warpgroups that produce a dQ tile of this head dim.
+DASH_FA3_HD constexpr int dq_frag_warpgroups(int hdim) { return bwd_mma_warpgroups(hdim); }
+
 // Columns of one warpgroup's accumulator.
 DASH_FA3_HD constexpr int dq_frag_wg_cols(int block_m, int hdim) {
-  return block_m == 2 * kDqFragWgRows ? hdim : hdim / kDqFragWarpgroups;
+  return block_m == 2 * kDqFragWgRows ? hdim : dq_frag_warpgroups(hdim) > 0 ? hdim / dq_frag_warpgroups(hdim) : 0;
 }
 
 // Whether the fragment order is defined for this tile.
 DASH_FA3_HD constexpr bool dq_frag_layout_ok(int block_m, int hdim) {
-  return (block_m == kDqFragWgRows || block_m == 2 * kDqFragWgRows) && hdim > 0 &&
-         hdim % kDqFragWarpgroups == 0 && dq_frag_wg_cols(block_m, hdim) % 8 == 0;
+  return (block_m == kDqFragWgRows || (block_m == 2 * kDqFragWgRows && dq_frag_warpgroups(hdim) == 2)) &&
+         hdim > 0 && dq_frag_warpgroups(hdim) > 0 && hdim % dq_frag_warpgroups(hdim) == 0 &&
+         dq_frag_wg_cols(block_m, hdim) % 8 == 0;
 }
 
 // A, the N of one dQ WGMMA: the largest N among the SM90 shapes that CUTLASS
@@ -89,10 +94,11 @@ DASH_FA3_HD constexpr int dq_frag_offset(int block_m, int hdim, int m, int c) {
   bool const split_m = block_m == 2 * kDqFragWgRows;
   int const a = dq_frag_atom_cols(block_m, hdim);
   int const atom = c / a;  // along the tile's columns
-  int const wg = split_m ? m / kDqFragWgRows : atom % kDqFragWarpgroups;
+  int const w = dq_frag_warpgroups(hdim);
+  int const wg = split_m ? m / kDqFragWgRows : atom % w;
   // Warpgroup-local row and column (its atoms side by side).
   int const row = m % kDqFragWgRows;
-  int const col = split_m ? c : (atom / kDqFragWarpgroups) * a + c % a;
+  int const col = split_m ? c : (atom / w) * a + c % a;
   int const tid = 32 * (row / 16) + 4 * (row % 8) + (col % 8) / 2;
   int const r = 4 * (col / 8) + 2 * ((row / 8) % 2) + col % 2;
   return dq_frag_wg_base(block_m, hdim, wg) + dq_frag_reg_offset(tid, r);

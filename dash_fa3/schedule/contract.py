@@ -88,21 +88,26 @@ ENUMS = {
 }
 
 # Backward tile sizes (block_m = Q rows per tile, block_n = KV rows per tile)
-# per head dim.  64 and 128 follow FlashAttention-3's Hopper backward; the
-# others are our choice.  Above 128 the kernel's two MMA warpgroups split the
-# head dim and share the KV rows (csrc/kernels/bwd/bwd_traits.h), which fixes
-# block_n at one 64-row WGMMA: dK and dV of 64 rows take d / 2 registers per
-# thread.  Head dims between entries round up to the next entry.
+# per head dim.  64, 128 and 192 follow FlashAttention-3's Hopper backward;
+# the others are our choice.  Above 128 the kernel's MMA warpgroups split the
+# head dim of dK and dV and share the KV rows (csrc/kernels/bwd/bwd_traits.h):
+# at 256 two warpgroups with one 64-row WGMMA of KV rows (dK and dV of 64 rows
+# take d / 2 registers per thread), at 192 three warpgroups, 64 head-dim
+# columns each, with 96 KV rows (96 registers per thread).  Head dims between
+# entries round up to the next entry.
 BWD_BLOCK_SIZES: dict[int, tuple[int, int]] = {
     64: (128, 128),
     96: (64, 128),
     128: (64, 128),
-    192: (64, 64),
+    192: (64, 96),
     256: (64, 64),
 }
+# MMA warpgroups of the backward kernel per head dim (same entries).
+BWD_MMA_WARPGROUPS: dict[int, int] = {64: 2, 96: 2, 128: 2, 192: 3, 256: 2}
 
 
 def _check() -> None:
+    assert sorted(BWD_MMA_WARPGROUPS) == sorted(BWD_BLOCK_SIZES), "one warpgroup count per backward tile entry"
     # The index constants above are unpacked from range(): a field inserted in
     # one list only must fail at import, not decode garbage on a GPU.
     g = globals()
@@ -161,12 +166,15 @@ def cpp_header() -> str:
         "",
         "}  // namespace schedule",
         "",
-        "// Backward tile sizes (contract.BWD_BLOCK_SIZES): a head dim uses the first",
-        "// entry >= it; 0 means no backward tile for that head dim.",
+        "// Backward tile sizes and MMA warpgroups (contract.BWD_BLOCK_SIZES,",
+        "// BWD_MMA_WARPGROUPS): a head dim uses the first entry >= it; 0 means no",
+        "// backward kernel for that head dim.",
     ]
     dims = sorted(BWD_BLOCK_SIZES)
-    for fn, k in (("bwd_block_m", 0), ("bwd_block_n", 1)):
-        body = " : ".join(f"headdim <= {d} ? {BWD_BLOCK_SIZES[d][k]}" for d in dims)
+    for fn, table in (("bwd_block_m", {d: BWD_BLOCK_SIZES[d][0] for d in dims}),
+                      ("bwd_block_n", {d: BWD_BLOCK_SIZES[d][1] for d in dims}),
+                      ("bwd_mma_warpgroups", BWD_MMA_WARPGROUPS)):
+        body = " : ".join(f"headdim <= {d} ? {table[d]}" for d in dims)
         out.append(f"constexpr int {fn}(int headdim) {{ return headdim <= 0 ? 0 : {body} : 0; }}")
     out += ["", "}  // namespace dash_fa3", ""]
     return "\n".join(out)

@@ -122,7 +122,7 @@ int dqfrag() {
       for (int c = 0; c < hdim; ++c) { out.push_back(dash_fa3::dq_frag_offset(block_m, hdim, m, c)); }
     }
     int const regs = dash_fa3::dq_frag_wg_cols(block_m, hdim) / 2;
-    for (int wg = 0; wg < dash_fa3::kDqFragWarpgroups; ++wg) {
+    for (int wg = 0; wg < dash_fa3::dq_frag_warpgroups(hdim); ++wg) {
       for (int tid = 0; tid < dash_fa3::kDqFragWgThreads; ++tid) {
         for (int r = 0; r < regs; ++r) {
           out.push_back(dash_fa3::dq_frag_wg_base(block_m, hdim, wg) + dash_fa3::dq_frag_reg_offset(tid, r));

@@ -2,7 +2,7 @@
 // kernel's own TiledMmaDq (kernels/bwd/bwd_traits.h) of each head dim, the
 // (m, c) that cute's partition_C of an identity tensor gives every register of
 // every MMA thread, written to stdout as raw int32 (per head dim: block_m,
-// hdim, registers per thread, then per thread 0..255, per register: m, c).
+// hdim, MMA threads, registers per thread, then per thread, per register: m, c).
 // The kernel stores register i of mma_tid at the fragment-order offset of
 // (warpgroup mma_tid / 128, mma_tid % 128, i); Python checks that this is
 // where common/dq_accum_layout.h puts that (m, c).
@@ -22,7 +22,7 @@ void emit_tile(std::vector<int32_t>& out) {
   typename Traits::TiledMmaDq mma;
   auto const id = make_identity_tensor(Tile{});
   int const regs = int(size(partition_fragment_C(mma, Tile{})));
-  out.insert(out.end(), {Traits::kBlockM, kHeadDim, regs});
+  out.insert(out.end(), {Traits::kBlockM, kHeadDim, Traits::kNumMmaThreads, regs});
   for (int t = 0; t < Traits::kNumMmaThreads; ++t) {
     auto const coords = mma.get_thread_slice(t).partition_C(id);
     for (int i = 0; i < regs; ++i) {
@@ -39,6 +39,7 @@ int main() {
   emit_tile<64>(out);
   emit_tile<96>(out);
   emit_tile<128>(out);
+  emit_tile<192>(out);
   std::fwrite(out.data(), sizeof(int32_t), out.size(), stdout);
   return 0;
 }

@@ -12,11 +12,13 @@
 //   deterministic: wait until sem[batch, h, q] == rank (the schedule's rank of this
 //                  (KV tile, Q tile) contribution); this needs nothing of the
 //                  step's dQ, so it overlaps the MMA warpgroups' work
-//   per MMA warpgroup w: wait dq_full(b, w) (w wrote its half of the step's
-//                  partial dQ), issue that half's reduce-add, commit
-//   per w: wait until w's half has been READ -> arrive on the dq_empty barrier
-//                  of whoever writes that region next (w may write again while
-//                  the add is still landing)
+//   per part w (Traits::kDqHandoffParts: MMA warpgroup w's half with two
+//                  warpgroups, the whole tile with three): wait dq_full(b, w)
+//                  (the part of the step's partial dQ is written), issue its
+//                  reduce-add, commit
+//   per w: wait until part w has been READ -> arrive on the dq_empty barrier
+//                  of whoever writes that region next (its warpgroups may write
+//                  again while the add is still landing)
 //   deterministic: wait until the adds have COMPLETED, then sem[batch, h, q] += 1
 // Why two writers: in deterministic mode one step's hand-off is a serial chain
 // (acquire spin, add, completion wait, release) about as long as a whole MMA
@@ -30,7 +32,7 @@
 // Where the halves live (Traits::kStagesDq, kDqSharedHalf):
 //   two buffers (d <= 128): set b's steps use buffer b; a half read at step s
 //       is written next at step s + 2: dq_empty(b, w).
-//   one buffer (d = 192): every step uses it; half w is written next at step
+//   one buffer (d = 192): every step uses it; part w is written next at step
 //       s + 1: dq_empty(1 - b, w).
 //   one shared half (d = 256): the halves of a step pass through one
 //       half-tile region in warpgroup order: after warpgroup 0's half,
@@ -56,7 +58,9 @@ struct BwdDqWriter {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
 
-  // The dq_empty barrier to arrive on once half wg of a step of set `set` has been read.
+  static constexpr int kParts = Traits::kDqHandoffParts;
+
+  // The dq_empty barrier to arrive on once part wg of a step of set `set` has been read.
   CUTE_DEVICE static BwdBarrier next_writer_of(int set, int wg) {
     if constexpr (Traits::kDqSharedHalf) {
       return wg == 0 ? Mainloop::dq_empty(set, 1) : Mainloop::dq_empty(1 - set, 0);
@@ -77,7 +81,7 @@ struct BwdDqWriter {
     // buffers, step 1; warpgroup 0 first with a shared half) may fill it.
     if (Traits::kStagesDq == 2 || writer == 0) {
       CUTE_UNROLL
-      for (int wg = 0; wg < (Traits::kDqSharedHalf ? 1 : Traits::kNumMmaWarpgroups); ++wg) {
+      for (int wg = 0; wg < (Traits::kDqSharedHalf ? 1 : kParts); ++wg) {
         named_barrier_arrive(Mainloop::dq_empty(writer, wg), Traits::kDqHandoffThreads);
       }
     }
@@ -117,11 +121,11 @@ struct BwdDqWriter {
           // One half-tile region, filled by the warpgroups in turn: each half
           // must have been read before the other warpgroup may write.
           CUTE_UNROLL
-          for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
+          for (int wg = 0; wg < kParts; ++wg) {
             // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
             named_barrier_sync(Mainloop::dq_full(writer, wg), Traits::kDqHandoffThreads);
             if (leader) {
-              bulk_reduce_add_f32(dq_tile + wg * Traits::kDqHalfFloats, sdq, Traits::kDqHalfBytes,
+              bulk_reduce_add_f32(dq_tile + wg * Traits::kDqPartFloats, sdq, Traits::kDqPartBytes,
                                   uint64_t(TMA::CacheHintSm90::EVICT_LAST));
               tma_store_arrive();
               bulk_wait_read<0>();
@@ -132,23 +136,23 @@ struct BwdDqWriter {
           }
         } else {
           CUTE_UNROLL
-          for (int wg = 0; wg < Traits::kNumMmaWarpgroups; ++wg) {
-            // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
+          for (int wg = 0; wg < kParts; ++wg) {
+            // Wait until part wg of this step's partial dQ is written.
             named_barrier_sync(Mainloop::dq_full(writer, wg), Traits::kDqHandoffThreads);
             if (leader) {
               // A Q tile's accumulator receives an add from every KV tile of its
               // head, spread over the kernel: keep it in L2 between them.
-              bulk_reduce_add_f32(dq_tile + wg * Traits::kDqHalfFloats, sdq + wg * Traits::kDqHalfFloats,
-                                  Traits::kDqHalfBytes, uint64_t(TMA::CacheHintSm90::EVICT_LAST));
+              bulk_reduce_add_f32(dq_tile + wg * Traits::kDqPartFloats, sdq + wg * Traits::kDqPartFloats,
+                                  Traits::kDqPartBytes, uint64_t(TMA::CacheHintSm90::EVICT_LAST));
               tma_store_arrive();
             }
           }
-          // One bulk group per half, committed in warpgroup order: half wg has
-          // been read once at most (kNumMmaWarpgroups - 1 - wg) groups are pending.
-          cute::for_each(cute::make_int_sequence<Traits::kNumMmaWarpgroups>{}, [&](auto wg) {
-            if (leader) { bulk_wait_read<Traits::kNumMmaWarpgroups - 1 - decltype(wg)::value>(); }
+          // One bulk group per part, committed in order: part wg has been
+          // read once at most (kParts - 1 - wg) groups are pending.
+          cute::for_each(cute::make_int_sequence<kParts>{}, [&](auto wg) {
+            if (leader) { bulk_wait_read<kParts - 1 - decltype(wg)::value>(); }
             __syncwarp();
-            // Warpgroup wg's half has been read: its next writer may overwrite it.
+            // Part wg has been read: its next writer may overwrite it.
             named_barrier_arrive(next_writer_of(writer, decltype(wg)::value), Traits::kDqHandoffThreads);
           });
         }

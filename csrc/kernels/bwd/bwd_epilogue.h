@@ -73,10 +73,6 @@ struct BwdEpilogue {
         Traits::kDvStagedInDs ? smem.ds.data() + Traits::kKvTileElements : smem.v.data();
     Tensor sdK = make_tensor(make_smem_ptr(dk_stage), typename Traits::SmemLayoutK{});
     Tensor sdV = make_tensor(make_smem_ptr(dv_stage), typename Traits::SmemLayoutV{});
-    auto r2s_dk = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmaDk{});
-    auto r2s_dv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmaDv{});
-    auto thr_r2s_dk = r2s_dk.get_thread_slice(mma_tid);
-    auto thr_r2s_dv = r2s_dv.get_thread_slice(mma_tid);
     // Wait until the other warpgroup's GEMMs have retired too: its dQ GEMM
     // reads all of sK and of the last step's sdS.
     named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
@@ -87,8 +83,8 @@ struct BwdEpilogue {
     if constexpr (Traits::kDvStagedInDs) {
       named_barrier_arrive(BwdBarrier::kVEmpty, kMmaThreads + Traits::kWarpThreads);
     }
-    copy(r2s_dk, thr_r2s_dk.retile_S(tdKout), thr_r2s_dk.partition_D(sdK));
-    copy(r2s_dv, thr_r2s_dv.retile_S(tdVout), thr_r2s_dv.partition_D(sdV));
+    stage_tile<false>(tdKout, dk_stage, mma_tid);
+    if (mma_tid < Traits::kDvWarpgroups * Traits::kThreadsPerWarpgroup) { stage_tile<true>(tdVout, dv_stage, mma_tid); }
     // The generic-proxy stores above are read by the TMA store (async proxy).
     cutlass::arch::fence_view_async_shared();
     // Wait until both warpgroups have written their rows of dK and dV.
@@ -142,6 +138,17 @@ struct BwdEpilogue {
     SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
     int const h_kv = row[schedule::kCHeadKv];
     int const n0 = row[schedule::kCKvTile] * kBlockN;
+    if constexpr (Traits::kThreeWarpgroups) {
+      store_direct_transposed(p, tdKrdK, tdVrdV, row, sl, h_kv, n0, mma_tid);
+    } else {
+      store_direct_rows(p, tdKrdK, tdVrdV, row, sl, h_kv, n0, mma_tid);
+    }
+  }
+
+ private:
+  // store_direct of the row and head-dim splits: register pairs run along the head dim.
+  CUTE_DEVICE static void store_direct_rows(Params const& p, FragDk& tdKrdK, FragDv& tdVrdV, int32_t const* row,
+                                            SeqlenInfo const& sl, int h_kv, int n0, int mma_tid) {
     if (p.dk_partial == nullptr) {
       Tensor tdKout = make_tensor<Element>(typename FragDk::layout_type{});
       Tensor tdVout = make_tensor<Element>(typename FragDv::layout_type{});
@@ -180,7 +187,76 @@ struct BwdEpilogue {
         });
   }
 
- private:
+  // A tile's converted dK (kValue: dV) registers into its staging tile (the
+  // TMA store's source) with stmatrix: rows of 8 contiguous elements of the
+  // (KV, d) tile; from the transposed accumulators of three warpgroups the
+  // transposing form, whose matrix rows run along d.
+  template <bool kValue, class Frag>
+  CUTE_DEVICE static void stage_tile(Frag const& out, Element* stage, int mma_tid) {
+    using TiledMma = std::conditional_t<kValue, typename Traits::TiledMmaDv, typename Traits::TiledMmaDk>;
+    if constexpr (Traits::kThreeWarpgroups) {
+      using Layout = std::conditional_t<kValue, typename Traits::SmemLayoutVt, typename Traits::SmemLayoutKt>;
+      Tensor s = make_tensor(make_smem_ptr(stage), Layout{});
+      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, TiledMma{});
+      auto thr = r2s.get_thread_slice(mma_tid);
+      copy(r2s, thr.retile_S(out), thr.partition_D(s));
+    } else {
+      using Layout = std::conditional_t<kValue, typename Traits::SmemLayoutV, typename Traits::SmemLayoutK>;
+      Tensor s = make_tensor(make_smem_ptr(stage), Layout{});
+      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMma{});
+      auto thr = r2s.get_thread_slice(mma_tid);
+      copy(r2s, thr.retile_S(out), thr.partition_D(s));
+    }
+  }
+
+  // store_direct of three warpgroups: the accumulators are dK^T and dV^T
+  // (register pairs run along the KV rows), so one element per store. Only
+  // tasks without steps, GQA and packed tails take it.
+  CUTE_DEVICE static void store_direct_transposed(Params const& p, FragDk& tdKrdK, FragDv& tdVrdV,
+                                                  int32_t const* row, SeqlenInfo const& sl, int h_kv, int n0,
+                                                  int mma_tid) {
+    bool const has_dv = mma_tid < Traits::kDvWarpgroups * Traits::kThreadsPerWarpgroup;
+    if (p.dk_partial == nullptr) {
+      Tensor tdKout = make_tensor<Element>(typename FragDk::layout_type{});
+      Tensor tdVout = make_tensor<Element>(typename FragDv::layout_type{});
+      convert_fragment(tdKrdK, tdKout);
+      convert_fragment(tdVrdV, tdVout);
+      Element* dk = static_cast<Element*>(p.dk) + sl.tensor_batch * p.dk_batch_stride +
+                    sl.offset_k * p.dk_row_stride + h_kv * p.dk_head_stride;
+      Element* dv = static_cast<Element*>(p.dv) + sl.tensor_batch * p.dv_batch_stride +
+                    sl.offset_k * p.dv_row_stride + h_kv * p.dv_head_stride;
+      store_elements<typename Traits::TiledMmaDk, kHeadDim>(
+          sl, n0, mma_tid, [&](int n, int d, int i) { dk[n * p.dk_row_stride + d] = tdKout(i); });
+      if (has_dv) {
+        store_elements<typename Traits::TiledMmaDv, kHeadDimV>(
+            sl, n0, mma_tid, [&](int n, int d, int i) { dv[n * p.dv_row_stride + d] = tdVout(i); });
+      }
+      return;
+    }
+    int64_t const base =
+        (int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead]) * p.partial_rows + sl.offset_k;
+    store_elements<typename Traits::TiledMmaDk, kHeadDim>(
+        sl, n0, mma_tid, [&](int n, int d, int i) { p.dk_partial[(base + n) * kHeadDim + d] = tdKrdK(i); });
+    if (has_dv) {
+      store_elements<typename Traits::TiledMmaDv, kHeadDimV>(
+          sl, n0, mma_tid, [&](int n, int d, int i) { p.dv_partial[(base + n) * kHeadDimV + d] = tdVrdV(i); });
+    }
+  }
+
+  // Calls store(n, d, i) for each register i of a transposed accumulator of
+  // TiledMma over a kDim x kBlockN tile (row d, column n) whose KV row n is
+  // below the problem's seqlen_k.
+  template <class TiledMma, int kDim, class Store>
+  CUTE_DEVICE static void store_elements(SeqlenInfo const& sl, int n0, int mma_tid, Store&& store) {
+    auto thr = TiledMma{}.get_thread_slice(mma_tid);
+    Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kDim>, Int<kBlockN>>{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(tDcD); ++i) {
+      int const n = n0 + get<1>(tDcD(i));
+      if (n < sl.seqlen_k) { store(n, get<0>(tDcD(i)), i); }
+    }
+  }
+
   // dK's and dV's register pairs through store_k / store_v (see store_rows).
   // Equal head dims share one loop (the accumulators share a layout): with
   // a loop each, ptxas spilled 20 bytes in the hdim 64 full packed kernel.

@@ -63,12 +63,11 @@ struct BwdMainloop {
   static constexpr bool kSoftcap = Traits::kSoftcap;
   static constexpr int kMmaThreads = Traits::kNumMmaThreads;
 
-  using FragSdP = decltype(partition_fragment_C(typename Traits::TiledMmaSdP{},
-                                                Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  using FragSdP = decltype(partition_fragment_C(typename Traits::TiledMmaSdP{}, typename Traits::SdPTile{}));
   using FragDk = decltype(partition_fragment_C(typename Traits::TiledMmaDk{},
-                                               Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+                                               typename Traits::template DkvTile<kHeadDim>{}));
   using FragDv = decltype(partition_fragment_C(typename Traits::TiledMmaDv{},
-                                               Shape<Int<kBlockN>, Int<Traits::kHeadDimV>>{}));
+                                               typename Traits::template DkvTile<Traits::kHeadDimV>{}));
   using FragDq = decltype(partition_fragment_C(typename Traits::TiledMmaDq{},
                                                Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   // One warpgroup's dQ accumulator: ((2, 2, A/8), 1, N/A) registers (N columns
@@ -104,14 +103,14 @@ struct BwdMainloop {
     named_barrier_arrive(BwdBarrier::kVEmpty, kMmaThreads + Traits::kWarpThreads);
   }
 
-  // The hand-off barriers of MMA warpgroup wg's half in hand-off set stage.
-  CUTE_DEVICE static BwdBarrier dq_empty(int stage, int wg) {
+  // The hand-off barriers of part `part` (Traits::dq_part) in hand-off set stage.
+  CUTE_DEVICE static BwdBarrier dq_empty(int stage, int part) {
     return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqEmpty) +
-                                   Traits::kNumMmaWarpgroups * stage + wg);
+                                   Traits::kDqHandoffParts * stage + part);
   }
-  CUTE_DEVICE static BwdBarrier dq_full(int stage, int wg) {
+  CUTE_DEVICE static BwdBarrier dq_full(int stage, int part) {
     return static_cast<BwdBarrier>(static_cast<uint32_t>(BwdBarrier::kDqFull) +
-                                   Traits::kNumMmaWarpgroups * stage + wg);
+                                   Traits::kDqHandoffParts * stage + part);
   }
 
   // st.shared.v4.f32: a 128-bit store to a 32-bit shared-memory address.
@@ -143,6 +142,201 @@ struct BwdMainloop {
                                    PipelineDo& pipeline_do, PipelineStateQ& read_q, PipelineStateDo& read_do,
                                    int& ds_stage, int& dq_stage, int32_t const* row, int n_steps, int mma_tid,
                                    FragDk& tdKrdK, FragDv& tdVrdV) {
+    if constexpr (Traits::kThreeWarpgroups) {
+      run_task_three(p, smem, pipeline_q, pipeline_do, read_q, read_do, dq_stage, row, n_steps, mma_tid, tdKrdK,
+                     tdVrdV);
+    } else {
+      run_task_two(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps, mma_tid,
+                   tdKrdK, tdVrdV);
+    }
+  }
+
+  // The three-warpgroup arrangement (d = 192, bwd_traits.h). One step:
+  //   S  = Q K^T, dP = dO V^T   (SS; warpgroup w: KV columns [32w, 32w + 32))
+  //   P  = exp2(S * scale_log2 - lse_log2[m]) (masked -> 0), dS = P (dP - dPsum[m])
+  //   kDsFree; P, dS -> sP, sdS; kDsReady
+  //   dQ = dS K                 (SS; warpgroup w: head-dim columns [64w, 64w + 64))
+  //   dK^T += Q^T dS, dV^T += dO^T P   (SS; warpgroup w: head-dim rows [64w, 64w + 64))
+  //   dQ -> sdQ, handed to the dQ writer (one part) while dK^T and dV^T run.
+  CUTE_DEVICE static void run_task_three(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
+                                         PipelineDo& pipeline_do, PipelineStateQ& read_q, PipelineStateDo& read_do,
+                                         int& dq_stage, int32_t const* row, int n_steps, int mma_tid,
+                                         FragDk& tdKrdK, FragDv& tdVrdV) {
+    constexpr int kDvWarpgroups = Traits::kDvWarpgroups;
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDo{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDot{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
+    // sP and sdS (kBlockM, kBlockN), KV contiguous: dS the K-major A operand
+    // of dQ; both viewed (kBlockN, kBlockM) as the MN-major B operands of dK^T
+    // and dV^T; written from registers through position-independent swizzle
+    // views (32-bit shared addresses, as the row split's sdS).
+    Tensor sDs = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{});
+    Tensor sDst = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.pbuf.p.data()), typename Traits::SmemLayoutDst{});
+    Tensor sDsW = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{}));
+    Tensor sPW = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(smem.pbuf.p.data()), typename Traits::SmemLayoutDs{}));
+    int const dq_wg = mma_tid / kDqFragWgThreads;
+    int const dq_thread_offset = Traits::sdq_wg_offset(dq_wg) + dq_frag_reg_offset(mma_tid % kDqFragWgThreads, 0);
+    uint32_t const sdq_thread =
+        cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
+
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmaDk mma_dk;
+    typename Traits::TiledMmaDv mma_dv;
+    typename Traits::TiledMmaDq mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
+    // Descriptors sliced by the warpgroup's first thread (uniform registers; see run_task_two).
+    int const wg = __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0);
+    int const wg_first_tid = wg * Traits::kThreadsPerWarpgroup;
+    bool const has_dv = wg < kDvWarpgroups;
+    auto wg_sdp = mma_sdp.get_slice(wg_first_tid);
+    auto wg_dk = mma_dk.get_slice(wg_first_tid);
+    // A warpgroup without a dV slice (MLA's warpgroup 2) issues no dV GEMM; it
+    // takes the last one's descriptors only to have some.
+    auto wg_dv = mma_dv.get_slice(cute::min(wg, kDvWarpgroups - 1) * Traits::kThreadsPerWarpgroup);
+    auto wg_dq = mma_dq.get_slice(wg_first_tid);
+    Tensor tSrQ = wg_sdp.partition_fragment_A(sQ);    // (.., stage)
+    Tensor tSrdO = wg_sdp.partition_fragment_A(sdO);  // (.., stage)
+    Tensor tSrK = wg_sdp.partition_fragment_B(sK);
+    Tensor tSrV = wg_sdp.partition_fragment_B(sV);
+    Tensor tDrQt = wg_dk.partition_fragment_A(sQt);    // (.., stage)
+    Tensor tDrDst = wg_dk.partition_fragment_B(sDst);  // (.., 1)
+    Tensor tDrdOt = wg_dv.partition_fragment_A(sdOt);  // (.., stage)
+    Tensor tDrPt = wg_dv.partition_fragment_B(sPt);    // (.., 1)
+    Tensor tQrDs = wg_dq.partition_fragment_A(sDs);    // (.., 1)
+    Tensor tQrKt = wg_dq.partition_fragment_B(sKt);
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s = r2s.get_thread_slice(mma_tid);
+    Tensor tRsDs = thr_r2s.partition_D(sDsW);  // (.., 1), this thread's dS slots
+    Tensor tRsP = thr_r2s.partition_D(sPW);    // (.., 1), its P slots
+    // (Q row, KV column) of each accumulator register, tile-local.
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(typename Traits::SdPTile{}));
+    static_assert(decltype(size(tScS))::value == 16, "one 64 x 32 atom of S per warpgroup");
+
+    TileGeometry const geo = Traits::tile_geometry(p, Traits::seqlens(p, row[schedule::kCBatch]));
+    int const kv = row[schedule::kCKvTile];
+    int const n0 = kv * kBlockN;
+    int const q_unmasked = geo.q_unmasked_begin(kv);
+    int const q_unmasked_end = kLocal ? geo.q_unmasked_end(kv) : 0;
+    bool const mask_every_step = !kCausal && !kLocal && q_unmasked > 0;
+    int const causal_shift = geo.seqlen_k - geo.seqlen_q;
+    int const hi_shift = causal_shift + (kLocal ? p.window_right : 0);
+    int const lo_shift = kLocal ? causal_shift - p.window_left : 0;
+    float const scale_log2 = p.score_scale_log2;
+    schedule::StepOrder const order = schedule::StepOrder::of(row);
+    // This thread's two Q rows of S (registers 4j + 2r + c: row r).
+    int const m_lo = get<0>(tScS(0));
+    int const m_hi = get<0>(tScS(2));
+
+    CUTE_NO_UNROLL
+    for (int s = 0; s < n_steps; ++s) {
+      bool need_mask = mask_every_step;
+      int m0 = 0;
+      if constexpr (kCausal || kLocal) {
+        int const q = order.q_tile(s);
+        need_mask = kLocal ? (q < q_unmasked || q >= q_unmasked_end) : q < q_unmasked;
+        m0 = q * kBlockM;
+      }
+      FragSdP tSrS = partition_fragment_C(mma_sdp, typename Traits::SdPTile{});
+      FragSdP tdPrdP = partition_fragment_C(mma_sdp, typename Traits::SdPTile{});
+      consumer_wait(pipeline_q, read_q);
+      float const* lse = smem.lse[read_q.index()];
+      float const lse_lo = lse[m_lo];
+      float const lse_hi = lse[m_hi];
+      warpgroup_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, read_q.index()), tSrK, tSrS);
+      consumer_wait(pipeline_do, read_do);
+      warpgroup_gemm<true, -1>(mma_sdp, tSrdO(_, _, _, read_do.index()), tSrV, tdPrdP);
+      warpgroup_wait<1>();  // S is ready; dP may still run
+      warpgroup_fence_operand(tSrS);
+      auto masked_at = [&](int i) {
+        int const m = m0 + get<0>(tScS(i));
+        int const n = n0 + get<1>(tScS(i));
+        return n >= geo.seqlen_k || ((kCausal || kLocal) && n > m + hi_shift) || (kLocal && n < m + lo_shift);
+      };
+      // Softcap: S <- t = tanh(S * prescale) first, dS times 1 - t^2 (common/softcap.h).
+      float dtanh[kSoftcap ? kSdPRegs : 1];
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        float x = tSrS(i);
+        if constexpr (kSoftcap) {
+          float const t = tanh_approx(x * p.softcap_prescale);
+          dtanh[i] = fmaf(-t, t, 1.f);
+          x = t;
+        }
+        float const pv = exp2f(fmaf(x, scale_log2, -((i & 2) ? lse_hi : lse_lo)));
+        tSrS(i) = need_mask && masked_at(i) ? 0.f : pv;
+      }
+      warpgroup_wait<0>();  // dP is ready
+      warpgroup_fence_operand(tdPrdP);
+      float const* dpsum = smem.dpsum[read_do.index()];
+      float const dpsum_lo = dpsum[m_lo];
+      float const dpsum_hi = dpsum[m_hi];
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdPrdP); ++i) {
+        float const ds = tSrS(i) * (tdPrdP(i) - ((i & 2) ? dpsum_hi : dpsum_lo));
+        if constexpr (kSoftcap) {
+          tdPrdP(i) = ds * dtanh[i];
+        } else {
+          tdPrdP(i) = ds;
+        }
+      }
+      Tensor tPrP = make_tensor<Element>(typename FragSdP::layout_type{});
+      convert_fragment(tSrS, tPrP);
+      Tensor tPrDs = make_tensor<Element>(typename FragSdP::layout_type{});
+      convert_fragment(tdPrdP, tPrDs);
+      // Wait until every warpgroup's GEMMs of the previous step, which read
+      // sP and sdS, have retired (each waited for its own at that step's end).
+      named_barrier_sync(BwdBarrier::kDsFree, kMmaThreads);
+      copy(r2s, thr_r2s.retile_S(tPrP), tRsP(_, _, _, 0));
+      copy(r2s, thr_r2s.retile_S(tPrDs), tRsDs(_, _, _, 0));
+      // The generic-proxy stores above are read by WGMMA (async proxy) next.
+      cutlass::arch::fence_view_async_shared();
+      // Wait until every warpgroup has written its KV columns of P and dS.
+      named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
+      FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, 0), tQrKt, tQrDq);
+      warpgroup_gemm<false, -1>(mma_dk, tDrQt(_, _, _, read_q.index()), tDrDst(_, _, _, 0), tdKrdK);
+      if (has_dv) {
+        warpgroup_gemm<false, -1>(mma_dv, tDrdOt(_, _, _, read_do.index()), tDrPt(_, _, _, 0), tdVrdV);
+      } else {
+        // An empty batch, so that every warpgroup waits on the same counts below.
+        warpgroup_commit_batch();
+      }
+      warpgroup_wait<2>();  // dQ retired; dK^T and dV^T run under its hand-off
+      warpgroup_fence_operand(tQrDq);
+      // Wait until the dQ writer has read the previous step's partial dQ from the sdQ tile.
+      named_barrier_sync(dq_empty(dq_stage, 0), Traits::kDqHandoffThreads);
+      uint32_t const dst = sdq_thread;
+      CUTE_UNROLL
+      for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
+        store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
+                        tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
+      }
+      // sdQ is read by the bulk copy engine (async proxy).
+      cutlass::arch::fence_view_async_shared();
+      // Tell the dQ writer of this step's set that the tile holds the partial dQ.
+      named_barrier_arrive(dq_full(dq_stage, 0), Traits::kDqHandoffThreads);
+      warpgroup_wait<0>();  // dK^T and dV^T retired: the Q and dO stages, sP and sdS are read
+      warpgroup_fence_operand(tdKrdK);
+      warpgroup_fence_operand(tdVrdV);
+      pipeline_do.consumer_release(read_do);
+      ++read_do;
+      pipeline_q.consumer_release(read_q);
+      ++read_q;
+      dq_stage ^= 1;
+    }
+  }
+
+  CUTE_DEVICE static void run_task_two(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
+                                       PipelineDo& pipeline_do, PipelineStateQ& read_q, PipelineStateDo& read_do,
+                                       int& ds_stage, int& dq_stage, int32_t const* row, int n_steps, int mma_tid,
+                                       FragDk& tdKrdK, FragDv& tdVrdV) {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
     Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutDo{});
@@ -167,7 +361,7 @@ struct BwdMainloop {
     // register group g goes to (g * 128 + wg_tid) * 4 of its warpgroup's region.
     int const dq_wg = mma_tid / kDqFragWgThreads;
     int const dq_wg_tid = mma_tid % kDqFragWgThreads;
-    int const dq_thread_offset = Traits::sdq_half_offset(dq_wg) + dq_frag_reg_offset(dq_wg_tid, 0);
+    int const dq_thread_offset = Traits::sdq_wg_offset(dq_wg) + dq_frag_reg_offset(dq_wg_tid, 0);
     uint32_t const sdq_thread =
         cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
 
@@ -239,7 +433,7 @@ struct BwdMainloop {
       cutlass::arch::fence_view_async_shared();
       // Tell the dQ writer that this warpgroup's half of the sdQ buffer holds
       // its partial dQ.
-      named_barrier_arrive(dq_full(stage, wg), Traits::kDqHandoffThreads);
+      named_barrier_arrive(dq_full(stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
       dq_pending = -1;
     };
     CUTE_NO_UNROLL
@@ -431,7 +625,7 @@ struct BwdMainloop {
         // Wait until the dQ writer has finished reading what it last took from
         // this warpgroup's half of this sdQ buffer (its partial dQ of
         // kStagesDq steps ago).
-        named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
+        named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
         warpgroup_wait<0>();  // dQ retired: sdS is read
         warpgroup_fence_operand(tQrDq);
         store_dq();
@@ -451,7 +645,7 @@ struct BwdMainloop {
         // of kStagesDq steps ago; with a shared half (d = 256) warpgroup 0
         // waits for warpgroup 1's half of the previous step, warpgroup 1 for
         // warpgroup 0's of this step.
-        named_barrier_sync(dq_empty(dq_stage, wg), Traits::kDqHandoffThreads);
+        named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
         store_dq();
         warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
         warpgroup_fence_operand(tdVrdV);

@@ -30,9 +30,24 @@
 // dK/dV GEMMs need all Q rows of them. Every GEMM is then shared-memory
 // sourced.
 //
+// Three warpgroups (head dim 192, kBlockM = 64, kBlockN = 96; FA3's
+// arrangement there): a 64 x 96 KV tile of dK and dV over d = 192 would take
+// 144 registers per thread in two warpgroups. Three warpgroups own 64
+// head-dim rows each of dK^T and dV^T (48 registers each), accumulated
+// transposed (dK^T += Q^T dS, dV^T += dO^T P: M is the head dim, which three
+// 64-row WGMMAs cover, where 96 KV rows would not split). S = Q K^T and
+// dP = dO V^T (64 x 96) are split along the KV columns, 32 per warpgroup, and
+// each thread's rows are 2 Q rows (2 LSE and 2 dPsum values). P and dS go to
+// shared memory (N-contiguous: the K-major A operand of dQ = dS K, the
+// MN-major B operands of dK^T and dV^T); one buffer each, as Q's two stages,
+// dO's stage, K, V and one sdQ tile fill the rest, so the next step writes
+// them only after every warpgroup's GEMMs of this one have retired (kDsFree).
+// dQ: warpgroup w its 64 columns (dq_accum_layout.h with three warpgroups),
+// handed to the dQ writer as one tile.
+//
 // MLA (kHeadDimV < kHeadDim, (192, 128) only): V, dO and dV have the value
-// head dim. dP^T = V dO^T runs over it, and dV += P^T dO splits it between
-// the warpgroups as dK splits the head dim; the rest is the head-dim split's.
+// head dim. dP = dO V^T runs over it, and dV^T is split over kHeadDimV / 64
+// warpgroups (MLA's 128: warpgroups 0 and 1; warpgroup 2 holds no dV).
 //
 // Both: the partial dQ goes to shared memory and on to the fp32 accumulator
 // in the accumulator registers' own order (common/dq_accum_layout.h): 128-bit
@@ -93,6 +108,10 @@ enum class BwdBarrier : uint32_t {
   kEpilogue = 10,
   // As kKEmpty, for sV and the next task's V.
   kVEmpty = 11,
+  // Three warpgroups: every MMA warpgroup's GEMMs of the previous step (which
+  // read the one sP and sdS buffer) have retired; each waits on it before
+  // writing the step's P and dS.
+  kDsFree = 12,
   kCount,
 };
 
@@ -100,6 +119,52 @@ enum class BwdBarrier : uint32_t {
 #ifndef DASH_FA3_BWD_FIXED_STEPS
 #define DASH_FA3_BWD_FIXED_STEPS 0
 #endif
+
+// The MMAs of each arrangement (BwdTraits below), as functions so that only
+// the chosen one is instantiated. S^T = K Q^T and dP^T = V dO^T, (kBlockN,
+// kBlockM, d): row split, warpgroups along M (KV rows); head-dim split, along
+// N (Q rows). Three warpgroups: S = Q K^T and dP = dO V^T, (kBlockM, kBlockN,
+// d), warpgroups along the KV columns.
+template <class Element, int kWarpgroups, bool kSplitHeadDim, int kBlockM, int kBlockN, int kHeadDim>
+CUTE_HOST_DEVICE constexpr auto tiled_mma_sdp() {
+  if constexpr (kWarpgroups == 3) {
+    return make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / kWarpgroups>, Int<kHeadDim>>>(),
+        Layout<Shape<_1, Int<kWarpgroups>, _1>>{});
+  } else if constexpr (kSplitHeadDim) {
+    return make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(),
+        Layout<Shape<_1, _2, _1>>{});
+  } else {
+    return make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+        Layout<Shape<_2, _1, _1>>{});
+  }
+}
+
+// dK += dS^T Q: (kBlockN, d, kBlockM), dV += P^T dO: (kBlockN, dv, kBlockM)
+// (kDim = d or dv). Row split: A (P^T, dS^T) from registers, warpgroups along
+// the KV rows. Head-dim split: from sP / sdS (K-major views), warpgroups
+// along the head dim. Three warpgroups: transposed, dK^T += Q^T dS (d,
+// kBlockN, kBlockM) and dV^T += dO^T P, A (Q^T, dO^T) and B (dS, P viewed
+// (KV, Q)) MN-major, warpgroups along the head dim, 64 rows each.
+template <class Element, int kWarpgroups, bool kSplitHeadDim, int kBlockM, int kBlockN, int kDim>
+CUTE_HOST_DEVICE constexpr auto tiled_mma_dkv() {
+  if constexpr (kWarpgroups == 3) {
+    return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockM>>,
+                                               GMMA::Major::MN, GMMA::Major::MN>(),
+                          Layout<Shape<Int<kDim / 64>, _1, _1>>{});
+  } else if constexpr (kSplitHeadDim) {
+    return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDim / 2>, Int<kBlockM>>,
+                                               GMMA::Major::K, GMMA::Major::MN>(),
+                          Layout<Shape<_1, _2, _1>>{});
+  } else {
+    return make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kDim>, Int<kBlockM>>,
+                             GMMA::Major::K, GMMA::Major::MN>(),
+        Layout<Shape<_2, _1, _1>>{});
+  }
+}
 
 template <int kHeadDim_, int kHeadDimV_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_>
 struct BwdTraits {
@@ -122,21 +187,37 @@ struct BwdTraits {
   // Hopper backward at hdim 64/128): kBlockN KV rows, kBlockM Q rows per step.
   static constexpr int kBlockM = bwd_block_m(kHeadDim);
   static constexpr int kBlockN = bwd_block_n(kHeadDim);
-  static constexpr int kNumMmaWarpgroups = 2;
-  // The head-dim split (see the top of this file): d > 128.
-  static constexpr bool kSplitHeadDim = kHeadDim > 128;
-  static_assert(kBlockN == (kSplitHeadDim ? 64 : 64 * kNumMmaWarpgroups),
-                "row split: each MMA warpgroup owns 64 KV rows; head-dim split: both share 64");
-  static_assert(kHeadDimV == kHeadDim || (kSplitHeadDim && kHeadDimV < kHeadDim && kHeadDimV % 64 == 0),
-                "a narrower value head dim only with the head-dim split, each warpgroup's half of dV a "
-                "multiple of 32 columns");
+  static constexpr int kNumMmaWarpgroups = bwd_mma_warpgroups(kHeadDim);
+  // The three-warpgroup arrangement (d = 192, see the top of this file).
+  static constexpr bool kThreeWarpgroups = kNumMmaWarpgroups == 3;
+  // The two-warpgroup head-dim split (see the top of this file): d = 256.
+  static constexpr bool kSplitHeadDim = kHeadDim > 128 && !kThreeWarpgroups;
+  static_assert(kNumMmaWarpgroups == 2 || (kThreeWarpgroups && kHeadDim == 192 && kBlockM == 64),
+                "three MMA warpgroups only at head dim 192 with 64 Q rows per step");
+  static_assert(kBlockN == (kThreeWarpgroups ? 32 * kNumMmaWarpgroups
+                            : kSplitHeadDim  ? 64
+                                             : 64 * kNumMmaWarpgroups),
+                "row split: each MMA warpgroup owns 64 KV rows; head-dim split: both share 64; three "
+                "warpgroups: 32 KV columns of S each");
+  static_assert(kHeadDimV == kHeadDim ||
+                    ((kSplitHeadDim || kThreeWarpgroups) && kHeadDimV < kHeadDim && kHeadDimV % 64 == 0),
+                "a narrower value head dim only with the head-dim split or three warpgroups, in whole "
+                "64-column slices");
+  // Warpgroups that accumulate a head-dim slice of dV (three warpgroups: 64
+  // columns each, so MLA's 128 leaves warpgroup 2 without one).
+  static constexpr int kDvWarpgroups = kThreeWarpgroups ? kHeadDimV / 64 : kNumMmaWarpgroups;
   // Pipeline depths. Shared memory bounds them at d = 256: K, V, two Q and
   // one dO stage, sP, sdS and half an sdQ tile (kDqSharedHalf) take 224 KB.
   // Q keeps two stages there: a Q stage is released only at the end of a
   // step, so with one the next step's S^T waited for the whole load.
-  static constexpr int kStagesQ = 2;                        // Q (+LSE) pipeline
-  static constexpr int kStagesDo = kHeadDimV > 192 ? 1 : 2;  // dO (+dPsum) pipeline
-  static constexpr int kStagesDs = 2;    // sdS (and sP) double buffer: no barrier before the next write
+  // Three warpgroups at d = 192 (K, V 36 KB each, Q 2 x 24, one sdQ tile 48):
+  // one dO stage and one sP / sdS buffer, as FA3 (MLA's narrower dO and V
+  // leave room for a second dO stage).
+  static constexpr int kStagesQ = 2;  // Q (+LSE) pipeline
+  static constexpr int kStagesDo =    // dO (+dPsum) pipeline
+      kHeadDimV > 192 || (kThreeWarpgroups && kHeadDimV == kHeadDim) ? 1 : 2;
+  // sdS (and sP): a double buffer needs no barrier before the next write.
+  static constexpr int kStagesDs = kThreeWarpgroups ? 1 : 2;
   // dQ-writer warps (warps 1..kDqWriters of warpgroup 0): writer b takes the
   // CTA's steps = b (mod 2) and the hand-off barriers of set b, so the
   // serial hand-off chains of consecutive steps overlap (bwd_dq_writer.h).
@@ -144,7 +225,7 @@ struct BwdTraits {
   // sdQ buffers: two, so that the MMA warpgroups run one step ahead of a dQ
   // writer that waits for its turn (deterministic mode). One at d > 128: a
   // tile is kBlockM x d fp32 (48 or 64 KB); the writers then take turns on it.
-  static constexpr int kStagesDq = kSplitHeadDim ? 1 : 2;
+  static constexpr int kStagesDq = kSplitHeadDim || kThreeWarpgroups ? 1 : 2;
   static_assert(kStagesDq == 1 || kStagesDq == kDqWriters, "one sdQ buffer, or one per writer");
   // Where the MHA epilogue stages dK and dV for their TMA stores
   // (bwd_epilogue.h): in sdS, free once the task's last dQ GEMM retires, where
@@ -154,13 +235,19 @@ struct BwdTraits {
   // epilogue instead of after its TMA store has read the buffer.
   static constexpr int kDsElements = kBlockM * kBlockN * kStagesDs;
   static constexpr int kKvTileElements = kBlockN * kHeadDim;  // row split: kHeadDimV == kHeadDim
-  static constexpr bool kDkStagedInDs = !kSplitHeadDim && kDsElements >= kKvTileElements;
-  static constexpr bool kDvStagedInDs = !kSplitHeadDim && kDsElements >= 2 * kKvTileElements;
+  static constexpr bool kRowSplit = !kSplitHeadDim && !kThreeWarpgroups;
+  static constexpr bool kDkStagedInDs = kRowSplit && kDsElements >= kKvTileElements;
+  static constexpr bool kDvStagedInDs = kRowSplit && kDsElements >= 2 * kKvTileElements;
   // The sdQ buffer of hand-off set b.
   CUTE_HOST_DEVICE static constexpr int sdq_buffer(int b) { return kStagesDq == 1 ? 0 : b; }
-  static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) == kDqWriters * kNumMmaWarpgroups &&
-                    uint32_t(BwdBarrier::kEpilogue) - uint32_t(BwdBarrier::kDqFull) == kDqWriters * kNumMmaWarpgroups,
-                "one dq_empty and one dq_full barrier per (hand-off set, MMA warpgroup)");
+  // A partial dQ tile is handed to its dQ writer in parts: one per MMA
+  // warpgroup with two (neither waits for the other at the hand-off), the
+  // whole tile with three (a barrier per part and set would take 12 of the
+  // 15 named barriers; the warpgroups meet at kDsFree and kDsReady anyway).
+  static constexpr int kDqHandoffParts = kThreeWarpgroups ? 1 : kNumMmaWarpgroups;
+  static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) >= kDqWriters * kDqHandoffParts &&
+                    uint32_t(BwdBarrier::kEpilogue) - uint32_t(BwdBarrier::kDqFull) >= kDqWriters * kDqHandoffParts,
+                "one dq_empty and one dq_full barrier per (hand-off set, part)");
   static_assert(kBlockM >= 64 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "no backward tile for this head dim");
   static_assert(!kSplitHeadDim || kBlockM == 64, "head-dim split: 32 Q rows of S^T per warpgroup");
 
@@ -176,8 +263,7 @@ struct BwdTraits {
   // CUDA 13.0: 152/120 bytes of spills at 232 registers; 48/48 with softcap,
   // 16/32 packed local at 240). Measured at hdim 64 (H100, 2026-11-24, against
   // LSE reads after the wait): +3-4% non-deterministic at 8k, +3% full 1k.
-  static constexpr bool kLseEarly =
-      !kSplitHeadDim && (kBlockM == 64 || (!kSoftcap && !(kLocal && kPacked)));
+  static constexpr bool kLseEarly = kRowSplit && (kBlockM == 64 || (!kSoftcap && !(kLocal && kPacked)));
   // The row split's GEMM order in a step (bwd_mainloop.h). hdim 128: dV, dK,
   // then sdS, kDsReady and dQ, and dQ's hand-off to the writer (fence,
   // dq_full) deferred until the next step's S^T and dP^T are issued. Other
@@ -186,15 +272,16 @@ struct BwdTraits {
   // second order): hdim 128 non-deterministic +1-4% (-1.5% at causal 1k),
   // deterministic spt +2-3% from 2k on; hdim 64 -2 to -5%. hdim 96 (also
   // kBlockM = 64) compiles either way without spills and was not measured.
-  static constexpr bool kDkBeforeDq = !kSplitHeadDim && kHeadDim == 128;
+  static constexpr bool kDkBeforeDq = kRowSplit && kHeadDim == 128;
   // setmaxnreg budgets (they must fit the launch's allocation:
   // common/constants.h, setmaxnreg_budgets_fit). Wide (24/240) where the
   // early LSE values of a 128-row step need it; else 40/232 (24/240 alone
   // moved the hdim-128 backward by -1.5% to +2%, H100, 2026-11-24, so it
   // stays where it was measured best).
+  // Three warpgroups: 32/160, the whole register file (as the forward's).
   static constexpr bool kWideMmaRegisters = kLseEarly && kBlockM == 128;
-  static constexpr int kProducerRegisters = kWideMmaRegisters ? 24 : 40;
-  static constexpr int kMmaRegisters = kWideMmaRegisters ? 240 : 232;
+  static constexpr int kProducerRegisters = kThreeWarpgroups ? 32 : kWideMmaRegisters ? 24 : 40;
+  static constexpr int kMmaRegisters = kThreeWarpgroups ? 160 : kWideMmaRegisters ? 240 : 232;
   static_assert(kThreadsPerWarpgroup == 128 &&
                     setmaxnreg_budgets_fit(kNumMmaWarpgroups, kProducerRegisters, kMmaRegisters),
                 "setmaxnreg budgets exceed the launch's register allocation");
@@ -206,49 +293,35 @@ struct BwdTraits {
   // refuses the others).
   static constexpr bool kFixedSteps = DASH_FA3_BWD_FIXED_STEPS != 0;
 
-  // ---- MMAs
-  // Row split: warpgroups along M (KV rows). Head-dim split: along N.
-  using AtomLayoutKv = Layout<Shape<_2, _1, _1>>;
-  using AtomLayoutN = Layout<Shape<_1, _2, _1>>;
-  // S^T = K Q^T and dP^T = V dO^T: (kBlockN, kBlockM, kHeadDim).
-  using TiledMmaSdP = std::conditional_t<
-      kSplitHeadDim,
-      decltype(make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(),
-          AtomLayoutN{})),
-      decltype(make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
-          AtomLayoutKv{}))>;
-  // (The K extent of a tile shape only selects nothing: dP^T, whose K is
+  // ---- MMAs (tiled_mma_sdp, tiled_mma_dkv above)
+  using TiledMmaSdP =
+      decltype(tiled_mma_sdp<Element, kNumMmaWarpgroups, kSplitHeadDim, kBlockM, kBlockN, kHeadDim>());
+  // The (rows, columns) of S's accumulator tile: (KV, Q) transposed, (Q, KV) with three warpgroups.
+  using SdPTile = std::conditional_t<kThreeWarpgroups, Shape<Int<kBlockM>, Int<kBlockN>>,
+                                     Shape<Int<kBlockN>, Int<kBlockM>>>;
+  // (The K extent of a tile shape only selects nothing: dP, whose K is
   // kHeadDimV, runs on the same MMA.)
-  // dK += dS^T Q: (kBlockN, kHeadDim, kBlockM), dV += P^T dO: (kBlockN,
-  // kHeadDimV, kBlockM). Row split: A (P^T, dS^T) from registers. Head-dim
-  // split: from sP / sdS (K-major views).
   template <int kDim>
-  using TiledMmaDkvOf = std::conditional_t<
-      kSplitHeadDim,
-      decltype(make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDim / 2>, Int<kBlockM>>,
-                               GMMA::Major::K, GMMA::Major::MN>(),
-          AtomLayoutN{})),
-      decltype(make_tiled_mma(
-          GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kDim>, Int<kBlockM>>,
-                               GMMA::Major::K, GMMA::Major::MN>(),
-          AtomLayoutKv{}))>;
+  using TiledMmaDkvOf = decltype(tiled_mma_dkv<Element, kNumMmaWarpgroups, kSplitHeadDim, kBlockM, kBlockN, kDim>());
   using TiledMmaDk = TiledMmaDkvOf<kHeadDim>;
   using TiledMmaDv = TiledMmaDkvOf<kHeadDimV>;
-  // dQ = dS K: (kBlockM, kHeadDim, kBlockN), warpgroups along M if kBlockM = 128, else along N.
+  // The accumulator tile of dK (kDim = kHeadDim) or dV (kHeadDimV): (KV, d), transposed with three warpgroups.
+  template <int kDim>
+  using DkvTile = std::conditional_t<kThreeWarpgroups, Shape<Int<kDim>, Int<kBlockN>>, Shape<Int<kBlockN>, Int<kDim>>>;
+  // dQ = dS K: (kBlockM, kHeadDim, kBlockN), warpgroups along M if kBlockM =
+  // 128, else along N. dS is M-contiguous (the transposed scores write it),
+  // with three warpgroups KV-contiguous (K-major).
   static constexpr int kDqWgM = kBlockM / 64;
   static constexpr int kDqWgN = kNumMmaWarpgroups / kDqWgM;
   using TiledMmaDq = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<Int<kBlockM / kDqWgM>, Int<kHeadDim / kDqWgN>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+                           kThreeWarpgroups ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWgM>, Int<kDqWgN>, _1>>{}));
   // The fragment order of dQ (common/dq_accum_layout.h) describes this MMA:
   // its warpgroup split and the N of its atom (at hdim 96 cute picks 16-wide
   // atoms, which alternate between the warpgroups).
-  static_assert(dq_frag_layout_ok(kBlockM, kHeadDim) && kNumMmaWarpgroups == kDqFragWarpgroups &&
+  static_assert(dq_frag_layout_ok(kBlockM, kHeadDim) && kNumMmaWarpgroups == dq_frag_warpgroups(kHeadDim) &&
                     kDqWgM == (kBlockM == 2 * kDqFragWgRows ? 2 : 1),
                 "dQ fragment order not defined for this tile");
   static_assert(size<1>(typename TiledMmaDq::AtomShape_MNK{}) == dq_frag_atom_cols(kBlockM, kHeadDim),
@@ -259,7 +332,8 @@ struct BwdTraits {
   // divides the head-dim slice of one warpgroup in the MN-major GEMMs (dK/dV:
   // B = Q^T, dO^T; dQ: B = K^T), so that warpgroup 1's slice starts on an
   // atom: at d = 192 the slices are 96 wide, 128-byte atoms 64.
-  static constexpr int swizzle_extent(int dim) { return kSplitHeadDim ? dim / 2 : dim; }
+  // Three warpgroups: 64-wide slices.
+  static constexpr int swizzle_extent(int dim) { return kThreeWarpgroups ? 64 : kSplitHeadDim ? dim / 2 : dim; }
   // Q (kDim = kHeadDim), dO (kHeadDimV): (kBlockM, kDim, stage), head dim
   // contiguous (as TMA writes it).
   template <int kStageCount, int kDim = kHeadDim>
@@ -280,12 +354,19 @@ struct BwdTraits {
                                                 Shape<Int<kBlockN>, Int<kDim>>{}));
   using SmemLayoutK = SmemLayoutKvOf<kHeadDim>;
   using SmemLayoutV = SmemLayoutKvOf<kHeadDimV>;
-  // K viewed (kHeadDim, kBlockN): the MN-major B operand of dQ.
-  using SmemLayoutKt = decltype(composition(
-      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-  // dS: (kBlockM, kBlockN, stage), M contiguous (the A operand of dQ, MN-major).
-  using SmemLayoutDs = decltype(tile_to_shape(gmma_smem_atom<GMMA::Major::MN, Element, kBlockM>(),
-                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesDs>>{}));
+  // K (V) viewed (kDim, kBlockN): the MN-major B operand of dQ; with three
+  // warpgroups also the epilogue's view of the dK^T (dV^T) staging tile.
+  template <int kDim>
+  using SmemLayoutKvtOf = decltype(composition(
+      SmemLayoutKvOf<kDim>{}, make_layout(Shape<Int<kDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  using SmemLayoutKt = SmemLayoutKvtOf<kHeadDim>;
+  using SmemLayoutVt = SmemLayoutKvtOf<kHeadDimV>;
+  // dS: (kBlockM, kBlockN, stage), M contiguous (the A operand of dQ, MN-major);
+  // three warpgroups: KV contiguous (K-major), as their untransposed scores write it.
+  using SmemLayoutDs = decltype(tile_to_shape(
+      gmma_smem_atom<kThreeWarpgroups ? GMMA::Major::K : GMMA::Major::MN, Element,
+                     kThreeWarpgroups ? kBlockN : kBlockM>(),
+      Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesDs>>{}));
   // dS viewed (kBlockN, kBlockM, stage): how the transposed accumulator writes
   // it, and (head-dim split) the K-major A operand dS^T of dK. sP (head-dim
   // split only) has the same layouts.
@@ -299,23 +380,30 @@ struct BwdTraits {
   // 2-way bank conflict.)
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
   static constexpr uint32_t kDqTileBytes = kDqTileFloats * sizeof(float);
-  // Each MMA warpgroup's half of a tile (its region in fragment order) is
-  // handed to the dQ writer and reduce-added on its own.
-  static constexpr int kDqHalfFloats = kDqTileFloats / kNumMmaWarpgroups;
-  static constexpr uint32_t kDqHalfBytes = kDqHalfFloats * sizeof(float);
-  static_assert(kDqHalfBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
-  static_assert(dq_frag_wg_base(kBlockM, kHeadDim, 1) == kDqHalfFloats, "warpgroup halves of sdQ");
+  // Each MMA warpgroup's registers fill one region of a tile in fragment
+  // order; the tile is handed to the dQ writer and reduce-added in
+  // kDqHandoffParts parts (a part per warpgroup, or the whole tile).
+  static constexpr int kDqHalfFloats = kDqTileFloats / kNumMmaWarpgroups;  // one warpgroup's region
+  static_assert(dq_frag_wg_base(kBlockM, kHeadDim, 1) == kDqHalfFloats, "warpgroup regions of sdQ");
+  static constexpr int kDqPartFloats = kDqTileFloats / kDqHandoffParts;
+  static constexpr uint32_t kDqPartBytes = kDqPartFloats * sizeof(float);
+  static_assert(kDqPartBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+  // The hand-off part of MMA warpgroup wg's region.
+  CUTE_HOST_DEVICE static constexpr int dq_part(int wg) { return kDqHandoffParts == 1 ? 0 : wg; }
   // d = 256: an sdQ buffer holds one warpgroup's half (32 KB), which the two
   // MMA warpgroups fill in turn (bwd_dq_writer.h); a whole tile would leave
   // room for one Q stage only.
   static constexpr bool kDqSharedHalf = kHeadDim > 192;
   static_assert(!kDqSharedHalf || kStagesDq == 1, "a shared half-tile sdQ is the one buffer");
+  static_assert(!kDqSharedHalf || kDqHandoffParts == kNumMmaWarpgroups, "a shared half holds one part");
   static constexpr int kDqBufferFloats = kDqSharedHalf ? kDqHalfFloats : kDqTileFloats;
   static constexpr uint32_t kDqBufferBytes = kDqBufferFloats * sizeof(float);
-  // Float offset of MMA warpgroup wg's half in an sdQ buffer.
-  CUTE_HOST_DEVICE static constexpr int sdq_half_offset(int wg) { return kDqSharedHalf ? 0 : wg * kDqHalfFloats; }
-  // Threads of one dq_empty / dq_full barrier: one MMA warpgroup and one dQ writer warp.
-  static constexpr int kDqHandoffThreads = kThreadsPerWarpgroup + kWarpThreads;
+  // Float offset of MMA warpgroup wg's region in an sdQ buffer.
+  CUTE_HOST_DEVICE static constexpr int sdq_wg_offset(int wg) { return kDqSharedHalf ? 0 : wg * kDqHalfFloats; }
+  // Threads of one dq_empty / dq_full barrier: the MMA warpgroups of one
+  // part and one dQ writer warp.
+  static constexpr int kDqHandoffThreads =
+      kThreadsPerWarpgroup * (kNumMmaWarpgroups / kDqHandoffParts) + kWarpThreads;
 
   static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or dPsum of one tile
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -352,7 +440,7 @@ struct BwdTraits {
   using PipelineStateQ = typename PipelineQ::PipelineState;
   using PipelineStateDo = typename PipelineDo::PipelineState;
 
-  // sP: P^T of a step for both warpgroups' dV GEMMs (head-dim split only).
+  // sP: P^T of a step for every warpgroup's dV GEMM (not in the row split).
   struct PBuffer {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDs>> p;
   };
@@ -376,7 +464,7 @@ struct BwdTraits {
     alignas(8) cutlass::arch::ClusterTransactionBarrier v_full;
     // Dynamic dispatch: the claimed task indices (bwd_tasks.h).
     TaskRingStorage task_ring;
-    std::conditional_t<kSplitHeadDim, PBuffer, NoPBuffer> pbuf;
+    std::conditional_t<kRowSplit, NoPBuffer, PBuffer> pbuf;
   };
   static_assert(cosize_v<SmemLayoutDs> == kDsElements, "sdS holds kStagesDs tiles of kBlockM x kBlockN");
   // dV is staged right after dK: its tile must start on a swizzle atom (1024 bytes).
