@@ -155,9 +155,10 @@ struct BwdMainloop {
   //   S  = Q K^T, dP = dO V^T   (SS; warpgroup w: KV columns [32w, 32w + 32))
   //   P  = exp2(S * scale_log2 - lse_log2[m]) (masked -> 0), dS = P (dP - dPsum[m])
   //   kDsFree; P, dS -> sP, sdS; kDsReady
+  //   dV^T += dO^T P            (SS; warpgroup w: head-dim rows [64w, 64w + 64)); then the dO stage is free
   //   dQ = dS K                 (SS; warpgroup w: head-dim columns [64w, 64w + 64))
-  //   dK^T += Q^T dS, dV^T += dO^T P   (SS; warpgroup w: head-dim rows [64w, 64w + 64))
-  //   dQ -> sdQ, handed to the dQ writer (one part) while dK^T and dV^T run.
+  //   dK^T += Q^T dS            (SS; as dV^T)
+  //   dQ -> sdQ, handed to the dQ writer (one part) while dK^T runs.
   CUTE_DEVICE static void run_task_three(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
                                          PipelineDo& pipeline_do, PipelineStateQ& read_q, PipelineStateDo& read_do,
                                          int& dq_stage, int32_t const* row, int n_steps, int mma_tid,
@@ -299,16 +300,22 @@ struct BwdMainloop {
       cutlass::arch::fence_view_async_shared();
       // Wait until every warpgroup has written its KV columns of P and dS.
       named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
-      FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, 0), tQrKt, tQrDq);
-      warpgroup_gemm<false, -1>(mma_dk, tDrQt(_, _, _, read_q.index()), tDrDst(_, _, _, 0), tdKrdK);
+      // dV^T first: its retirement frees the dO stage (d = 192 has one), so
+      // the next step's dO loads under this step's dQ and dK^T.
       if (has_dv) {
         warpgroup_gemm<false, -1>(mma_dv, tDrdOt(_, _, _, read_do.index()), tDrPt(_, _, _, 0), tdVrdV);
       } else {
         // An empty batch, so that every warpgroup waits on the same counts below.
         warpgroup_commit_batch();
       }
-      warpgroup_wait<2>();  // dQ retired; dK^T and dV^T run under its hand-off
+      FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, 0), tQrKt, tQrDq);
+      warpgroup_gemm<false, -1>(mma_dk, tDrQt(_, _, _, read_q.index()), tDrDst(_, _, _, 0), tdKrdK);
+      warpgroup_wait<2>();  // dV^T retired: the dO stage (and dPsum) is read
+      warpgroup_fence_operand(tdVrdV);
+      pipeline_do.consumer_release(read_do);
+      ++read_do;
+      warpgroup_wait<1>();  // dQ retired; dK^T runs under its hand-off
       warpgroup_fence_operand(tQrDq);
       // Wait until the dQ writer has read the previous step's partial dQ from the sdQ tile.
       named_barrier_sync(dq_empty(dq_stage, 0), Traits::kDqHandoffThreads);
@@ -322,11 +329,8 @@ struct BwdMainloop {
       cutlass::arch::fence_view_async_shared();
       // Tell the dQ writer of this step's set that the tile holds the partial dQ.
       named_barrier_arrive(dq_full(dq_stage, 0), Traits::kDqHandoffThreads);
-      warpgroup_wait<0>();  // dK^T and dV^T retired: the Q and dO stages, sP and sdS are read
+      warpgroup_wait<0>();  // dK^T retired: the Q stage, sP and sdS are read
       warpgroup_fence_operand(tdKrdK);
-      warpgroup_fence_operand(tdVrdV);
-      pipeline_do.consumer_release(read_do);
-      ++read_do;
       pipeline_q.consumer_release(read_q);
       ++read_q;
       dq_stage ^= 1;
