@@ -262,16 +262,24 @@ struct BwdMainloop {
       };
       // Softcap: S <- t = tanh(S * prescale) first, dS times 1 - t^2 (common/softcap.h).
       float dtanh[kSoftcap ? kSdPRegs : 1];
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) {
-        float x = tSrS(i);
-        if constexpr (kSoftcap) {
-          float const t = tanh_approx(x * p.softcap_prescale);
-          dtanh[i] = fmaf(-t, t, 1.f);
-          x = t;
+      auto probs = [&](auto masked) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          float x = tSrS(i);
+          if constexpr (kSoftcap) {
+            float const t = tanh_approx(x * p.softcap_prescale);
+            dtanh[i] = fmaf(-t, t, 1.f);
+            x = t;
+          }
+          float const pv = exp2f(fmaf(x, scale_log2, -((i & 2) ? lse_hi : lse_lo)));
+          tSrS(i) = masked(i) ? 0.f : pv;
         }
-        float const pv = exp2f(fmaf(x, scale_log2, -((i & 2) ? lse_hi : lse_lo)));
-        tSrS(i) = need_mask && masked_at(i) ? 0.f : pv;
+      };
+      // Only tiles that hold masked entries pay for the test.
+      if (need_mask) {
+        probs(masked_at);
+      } else {
+        probs([](int) { return false; });
       }
       warpgroup_wait<0>();  // dP is ready
       warpgroup_fence_operand(tdPrdP);
