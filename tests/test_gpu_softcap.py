@@ -34,8 +34,12 @@ def mask_id(m):
     return m[2] + ("_causal" if m[1] else "")
 
 
-def variant_of(hdim, kind):
-    return variants.Variant(hdim, "bf16", kind)
+def variant_of(hdim, kind, hdim_v=None):
+    return variants.Variant(hdim, "bf16", kind, hdim_v)
+
+
+# Every head-dim pair with kernels (MLA's (192, 128) included), named as variants name them.
+PAIRS = dict(argvalues=variants.HEADDIM_PAIRS, ids=lambda p: variants.Variant(p[0], "bf16", "full", p[1]).hdims)
 
 
 def grads(q, k, v, dout, scale, window, causal, softcap, **kw):
@@ -55,10 +59,11 @@ def lowp_grads(q, k, v, dout, scale, window, causal, softcap):
 @pytest.mark.parametrize("softcap", CAPS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", MASKS, ids=mask_id)
-@pytest.mark.parametrize("hdim", variants.HEADDIMS)
-def test_forward_matches_reference(hdim, mask, shape, softcap):
+@pytest.mark.parametrize("hdims", **PAIRS)
+def test_forward_matches_reference(hdims, mask, shape, softcap):
+    hdim, hdim_v = hdims
     window, causal, kind = mask
-    v = variant_of(hdim, kind)
+    v = variant_of(hdim, kind, hdim_v)
     require_built(v, "fwd", softcap=True)
     q, k, vv, _ = make_inputs(v, shape, seed=sum(shape) + hdim)
     scale = 1.0 / math.sqrt(hdim) * 2  # scores of several units: the cap bites
@@ -78,10 +83,11 @@ def test_forward_matches_reference(hdim, mask, shape, softcap):
 @pytest.mark.parametrize("softcap", CAPS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", MASKS, ids=mask_id)
-@pytest.mark.parametrize("hdim", variants.HEADDIMS)
-def test_gradients_match_reference(hdim, mask, shape, softcap, deterministic):
+@pytest.mark.parametrize("hdims", **PAIRS)
+def test_gradients_match_reference(hdims, mask, shape, softcap, deterministic):
+    hdim, hdim_v = hdims
     window, causal, kind = mask
-    v = variant_of(hdim, kind)
+    v = variant_of(hdim, kind, hdim_v)
     require_built(v, "bwd", softcap=True)
     q, k, vv, dout = make_inputs(v, shape, seed=sum(shape) + hdim + 1)
     scale = 1.0 / math.sqrt(hdim) * 2
