@@ -6,7 +6,8 @@ its MMA accumulator registers, so every thread stores 4 registers with one
 conflict-free 128-bit store and the tile moves with one 1-D bulk reduce-add.
 ``reg_position`` is the (row, column) of each accumulator register (the SM90
 WGMMA C layout, with the warpgroups' atoms alternating along the columns when
-they split the head dim), ``reg_offset`` where the kernel stores it.
+they split the head dim: two warpgroups, or three at head dim 192,
+``warpgroups``), ``reg_offset`` where the kernel stores it.
 Rows [q * block_m, (q + 1) * block_m) of a (batch, head) slab of the
 accumulator (batch, heads, seqlen_q_rounded, hdim) hold tile q in that order;
 the postprocess reads it back. The header documents the order;

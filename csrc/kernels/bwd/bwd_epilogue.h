@@ -130,7 +130,10 @@ struct BwdEpilogue {
 
   // Tasks without steps (dK = dV = 0, nothing loaded), GQA, and MHA tiles that
   // cross a packed document's end: straight from registers, rows past the
-  // problem's seqlen_k not written.
+  // problem's seqlen_k not written. Row and head-dim splits: register pairs
+  // run along the head dim, one 4-byte store (8 bytes fp32) per pair. Three
+  // warpgroups: the accumulators are dK^T and dV^T (pairs run along the KV
+  // rows), one element per store; warpgroups without a dV slice store no dV.
   CUTE_DEVICE static void store_direct(Params const& p, FragDk& tdKrdK, FragDv& tdVrdV, int32_t const* row,
                                        int mma_tid) {
     CUTE_UNROLL
@@ -138,17 +141,7 @@ struct BwdEpilogue {
     SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
     int const h_kv = row[schedule::kCHeadKv];
     int const n0 = row[schedule::kCKvTile] * kBlockN;
-    if constexpr (Traits::kThreeWarpgroups) {
-      store_direct_transposed(p, tdKrdK, tdVrdV, row, sl, h_kv, n0, mma_tid);
-    } else {
-      store_direct_rows(p, tdKrdK, tdVrdV, row, sl, h_kv, n0, mma_tid);
-    }
-  }
-
- private:
-  // store_direct of the row and head-dim splits: register pairs run along the head dim.
-  CUTE_DEVICE static void store_direct_rows(Params const& p, FragDk& tdKrdK, FragDv& tdVrdV, int32_t const* row,
-                                            SeqlenInfo const& sl, int h_kv, int n0, int mma_tid) {
+    bool const has_dv = mma_tid < Traits::kDvWarpgroups * Traits::kThreadsPerWarpgroup;
     if (p.dk_partial == nullptr) {
       Tensor tdKout = make_tensor<Element>(typename FragDk::layout_type{});
       Tensor tdVout = make_tensor<Element>(typename FragDv::layout_type{});
@@ -158,35 +151,54 @@ struct BwdEpilogue {
                     sl.offset_k * p.dk_row_stride + h_kv * p.dk_head_stride;
       Element* dv = static_cast<Element*>(p.dv) + sl.tensor_batch * p.dv_batch_stride +
                     sl.offset_k * p.dv_row_stride + h_kv * p.dv_head_stride;
-      // Registers i, i + 1: columns d, d + 1 of row n, one 4-byte store.
-      store_kv_rows(
-          sl, n0, mma_tid,
-          [&](int n, int d, int i) {
-            *reinterpret_cast<uint32_t*>(dk + n * p.dk_row_stride + d) =
-                *reinterpret_cast<uint32_t const*>(&tdKout(i));
-          },
-          [&](int n, int d, int i) {
-            *reinterpret_cast<uint32_t*>(dv + n * p.dv_row_stride + d) =
-                *reinterpret_cast<uint32_t const*>(&tdVout(i));
-          });
+      if constexpr (Traits::kThreeWarpgroups) {
+        store_elements<typename Traits::TiledMmaDk, kHeadDim>(
+            sl, n0, mma_tid, [&](int n, int d, int i) { dk[n * p.dk_row_stride + d] = tdKout(i); });
+        if (has_dv) {
+          store_elements<typename Traits::TiledMmaDv, kHeadDimV>(
+              sl, n0, mma_tid, [&](int n, int d, int i) { dv[n * p.dv_row_stride + d] = tdVout(i); });
+        }
+      } else {
+        // Registers i, i + 1: columns d, d + 1 of row n.
+        store_kv_rows(
+            sl, n0, mma_tid,
+            [&](int n, int d, int i) {
+              *reinterpret_cast<uint32_t*>(dk + n * p.dk_row_stride + d) =
+                  *reinterpret_cast<uint32_t const*>(&tdKout(i));
+            },
+            [&](int n, int d, int i) {
+              *reinterpret_cast<uint32_t*>(dv + n * p.dv_row_stride + d) =
+                  *reinterpret_cast<uint32_t const*>(&tdVout(i));
+            });
+      }
       return;
     }
     // GQA: this query head's slab; every (batch, head, KV tile) has exactly one
     // task, so plain stores suffice: no zeroing, no atomics, no turn-taking.
     int64_t const base =
         (int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead]) * p.partial_rows + sl.offset_k;
-    store_kv_rows(
-        sl, n0, mma_tid,
-        [&](int n, int d, int i) {
-          *reinterpret_cast<float2*>(p.dk_partial + (base + n) * kHeadDim + d) =
-              make_float2(tdKrdK(i), tdKrdK(i + 1));
-        },
-        [&](int n, int d, int i) {
-          *reinterpret_cast<float2*>(p.dv_partial + (base + n) * kHeadDimV + d) =
-              make_float2(tdVrdV(i), tdVrdV(i + 1));
-        });
+    if constexpr (Traits::kThreeWarpgroups) {
+      store_elements<typename Traits::TiledMmaDk, kHeadDim>(
+          sl, n0, mma_tid, [&](int n, int d, int i) { p.dk_partial[(base + n) * kHeadDim + d] = tdKrdK(i); });
+      if (has_dv) {
+        store_elements<typename Traits::TiledMmaDv, kHeadDimV>(
+            sl, n0, mma_tid, [&](int n, int d, int i) { p.dv_partial[(base + n) * kHeadDimV + d] = tdVrdV(i); });
+      }
+    } else {
+      store_kv_rows(
+          sl, n0, mma_tid,
+          [&](int n, int d, int i) {
+            *reinterpret_cast<float2*>(p.dk_partial + (base + n) * kHeadDim + d) =
+                make_float2(tdKrdK(i), tdKrdK(i + 1));
+          },
+          [&](int n, int d, int i) {
+            *reinterpret_cast<float2*>(p.dv_partial + (base + n) * kHeadDimV + d) =
+                make_float2(tdVrdV(i), tdVrdV(i + 1));
+          });
+    }
   }
 
+ private:
   // A tile's converted dK (kValue: dV) registers into its staging tile (the
   // TMA store's source) with stmatrix: rows of 8 contiguous elements of the
   // (KV, d) tile; from the transposed accumulators of three warpgroups the
@@ -206,40 +218,6 @@ struct BwdEpilogue {
       auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMma{});
       auto thr = r2s.get_thread_slice(mma_tid);
       copy(r2s, thr.retile_S(out), thr.partition_D(s));
-    }
-  }
-
-  // store_direct of three warpgroups: the accumulators are dK^T and dV^T
-  // (register pairs run along the KV rows), so one element per store. Only
-  // tasks without steps, GQA and packed tails take it.
-  CUTE_DEVICE static void store_direct_transposed(Params const& p, FragDk& tdKrdK, FragDv& tdVrdV,
-                                                  int32_t const* row, SeqlenInfo const& sl, int h_kv, int n0,
-                                                  int mma_tid) {
-    bool const has_dv = mma_tid < Traits::kDvWarpgroups * Traits::kThreadsPerWarpgroup;
-    if (p.dk_partial == nullptr) {
-      Tensor tdKout = make_tensor<Element>(typename FragDk::layout_type{});
-      Tensor tdVout = make_tensor<Element>(typename FragDv::layout_type{});
-      convert_fragment(tdKrdK, tdKout);
-      convert_fragment(tdVrdV, tdVout);
-      Element* dk = static_cast<Element*>(p.dk) + sl.tensor_batch * p.dk_batch_stride +
-                    sl.offset_k * p.dk_row_stride + h_kv * p.dk_head_stride;
-      Element* dv = static_cast<Element*>(p.dv) + sl.tensor_batch * p.dv_batch_stride +
-                    sl.offset_k * p.dv_row_stride + h_kv * p.dv_head_stride;
-      store_elements<typename Traits::TiledMmaDk, kHeadDim>(
-          sl, n0, mma_tid, [&](int n, int d, int i) { dk[n * p.dk_row_stride + d] = tdKout(i); });
-      if (has_dv) {
-        store_elements<typename Traits::TiledMmaDv, kHeadDimV>(
-            sl, n0, mma_tid, [&](int n, int d, int i) { dv[n * p.dv_row_stride + d] = tdVout(i); });
-      }
-      return;
-    }
-    int64_t const base =
-        (int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead]) * p.partial_rows + sl.offset_k;
-    store_elements<typename Traits::TiledMmaDk, kHeadDim>(
-        sl, n0, mma_tid, [&](int n, int d, int i) { p.dk_partial[(base + n) * kHeadDim + d] = tdKrdK(i); });
-    if (has_dv) {
-      store_elements<typename Traits::TiledMmaDv, kHeadDimV>(
-          sl, n0, mma_tid, [&](int n, int d, int i) { p.dv_partial[(base + n) * kHeadDimV + d] = tdVrdV(i); });
     }
   }
 

@@ -2,8 +2,8 @@
 // warp roles. All work lives in the role files:
 //   bwd_producer.h   TMA loads of K, V per task; Q+LSE, dO+dPsum per step   (warpgroup 0, warp 0)
 //   bwd_dq_writer.h  partial dQ -> dQ accumulator, bulk reduce-add, ordered (warpgroup 0, warps 1-2)
-//   bwd_mainloop.h   S, P, dP, dS, dV, dK, partial dQ with WGMMA           (warpgroups 1 and 2)
-//   bwd_epilogue.h   dK, dV stores (GQA: fp32 per-q-head partials)         (warpgroups 1 and 2)
+//   bwd_mainloop.h   S, P, dP, dS, dV, dK, partial dQ with WGMMA           (warpgroups 1-2; 1-3 at hdim 192)
+//   bwd_epilogue.h   dK, dV stores (GQA: fp32 per-q-head partials)         (the MMA warpgroups)
 //   bwd_tasks.h      which schedule rows a CTA runs, static or claimed     (all roles)
 #pragma once
 

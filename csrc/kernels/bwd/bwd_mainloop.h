@@ -1,8 +1,10 @@
-// MMA (consumer) role of the backward kernel, run by both MMA warpgroups.
+// MMA (consumer) role of the backward kernel, run by the MMA warpgroups.
 // Row split (d <= 128): warpgroup w owns KV rows [64w, 64w + 64) of the task's
 // KV tile; its dK and dV rows accumulate in registers across all steps of the
-// task. Head-dim split (d > 128): both own all 64 KV rows, warpgroup w the
-// head-dim half w of dK and dV (bwd_traits.h).
+// task. Head-dim split (d = 256): both own all 64 KV rows, warpgroup w the
+// head-dim half w of dK and dV. Three warpgroups (d = 192): all 96 KV rows,
+// warpgroup w head-dim rows [64w, 64w + 64) of dK^T and dV^T (bwd_traits.h;
+// run_task_three below, the others run_task_two).
 //
 // One step (one Q tile q), row split:
 //   S^T  = K Q^T         (SS WGMMA)    issued together, then
@@ -119,6 +121,14 @@ struct BwdMainloop {
                  : "memory");
   }
 
+  // This thread's first dQ slot in sdQ buffer 0 (32-bit shared address): its
+  // register group g goes to (g * 128 + wg_tid) * 4 of its warpgroup's region.
+  CUTE_DEVICE static uint32_t sdq_thread_address(SharedStorage& smem, int mma_tid) {
+    int const dq_thread_offset = Traits::sdq_wg_offset(mma_tid / kDqFragWgThreads) +
+                                 dq_frag_reg_offset(mma_tid % kDqFragWgThreads, 0);
+    return cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
+  }
+
   template <class Pipeline>
   CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, typename Pipeline::PipelineState const& state) {
     auto token = pipeline.consumer_try_wait(state);
@@ -182,10 +192,7 @@ struct BwdMainloop {
         make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDs{}));
     Tensor sPW = as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(smem.pbuf.p.data()), typename Traits::SmemLayoutDs{}));
-    int const dq_wg = mma_tid / kDqFragWgThreads;
-    int const dq_thread_offset = Traits::sdq_wg_offset(dq_wg) + dq_frag_reg_offset(mma_tid % kDqFragWgThreads, 0);
-    uint32_t const sdq_thread =
-        cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
+    uint32_t const sdq_thread = sdq_thread_address(smem, mma_tid);
 
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmaDk mma_dk;
@@ -369,13 +376,7 @@ struct BwdMainloop {
         make_tensor(make_smem_ptr(sp_data(smem)), typename Traits::SmemLayoutDst{}));
     Tensor sPt = make_tensor(make_smem_ptr(sp_data(smem)), typename Traits::SmemLayoutDst{});
     Tensor sDsT = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutDst{});
-    // This thread's first dQ slot in sdQ stage 0 (32-bit shared address): its
-    // register group g goes to (g * 128 + wg_tid) * 4 of its warpgroup's region.
-    int const dq_wg = mma_tid / kDqFragWgThreads;
-    int const dq_wg_tid = mma_tid % kDqFragWgThreads;
-    int const dq_thread_offset = Traits::sdq_wg_offset(dq_wg) + dq_frag_reg_offset(dq_wg_tid, 0);
-    uint32_t const sdq_thread =
-        cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
+    uint32_t const sdq_thread = sdq_thread_address(smem, mma_tid);
 
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmaDk mma_dk;
