@@ -1,4 +1,4 @@
-"""Small fwd+bwd calls for compute-sanitizer: every head-dim pair the build has
+"""Small fwd+bwd calls for compute-sanitizer: every head-dim pair the build has all mask kinds of as
 bf16 kernels for (MLA's (192, v 128) included), full and causal masks and sliding windows (the local kernels; one of them
 hides the first KV tile from every query, a backward task without steps), both
 modes, MHA and GQA (4 query heads on 2 KV heads), 200 (or 100) query and 333
@@ -15,9 +15,15 @@ import torch
 import dash_fa3
 from dash_fa3 import _ext, variants
 
-# (head dim, value head dim) of every bf16 variant with dense and packed kernels of both directions.
+# (head dim, value head dim) of every bf16 pair whose full, causal and local kernels the build has, dense and
+# packed, both directions (the cases below run all three masks).
+def _built_everywhere(name):
+    return all(name in _ext.built_variants(d, packed, False) for d in ("fwd", "bwd") for packed in (False, True))
+
+
 PAIRS = sorted({(v.hdim, v.hdim_v) for v in map(variants.Variant.parse, _ext.built_variants("bwd", False, False))
-                if v.dtype == "bf16" and v.name in _ext.built_variants("fwd", True, False)})
+                if v.dtype == "bf16" and all(_built_everywhere(variants.Variant(v.hdim, "bf16", m, v.hdim_v).name)
+                                             for m in ("full", "causal", "local"))})
 
 CASES = [  # (seqlen_q, flash_attn_func mask arguments)
     (200, dict(causal=False)),
