@@ -30,9 +30,10 @@ ATOM_NS = (256, 192, 128, 96, 64, 32, 16, 8)
 
 
 def warpgroups(hdim: int) -> int:
-    """MMA warpgroups that produce a dQ tile: the backward kernel's (contract.BWD_MMA_WARPGROUPS,
-    the first entry >= hdim; 0 if none)."""
-    return next((contract.BWD_MMA_WARPGROUPS[d] for d in sorted(contract.BWD_MMA_WARPGROUPS) if hdim <= d), 0)
+    """MMA warpgroups that produce a dQ tile: the backward kernel's (contract.BWD_MMA_WARPGROUPS at
+    ``contract.bwd_entry(hdim)``; 0 if none)."""
+    entry = contract.bwd_entry(hdim)
+    return 0 if entry is None else contract.BWD_MMA_WARPGROUPS[entry]
 
 
 def wg_cols(block_m: int, hdim: int) -> int:

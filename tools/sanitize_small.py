@@ -1,5 +1,5 @@
-"""Small fwd+bwd calls for compute-sanitizer: every head-dim pair the build has all mask kinds of as
-bf16 kernels for (MLA's (192, v 128) included), full and causal masks and sliding windows (the local kernels; one of them
+"""Small fwd+bwd calls for compute-sanitizer: every head-dim pair whose bf16 kernels the build has for
+every mask kind (MLA's (192, v 128) included), full and causal masks and sliding windows (the local kernels; one of them
 hides the first KV tile from every query, a backward task without steps), both
 modes, MHA and GQA (4 query heads on 2 KV heads), 200 (or 100) query and 333
 key tokens (ragged tiles); then forward calls, dense and packed, with more query

@@ -106,6 +106,11 @@ BWD_BLOCK_SIZES: dict[int, tuple[int, int]] = {
 BWD_MMA_WARPGROUPS: dict[int, int] = {64: 2, 96: 2, 128: 2, 192: 3, 256: 2}
 
 
+def bwd_entry(headdim: int) -> int | None:
+    """The entry of BWD_BLOCK_SIZES / BWD_MMA_WARPGROUPS that ``headdim`` uses: the first >= it (None: none)."""
+    return next((d for d in sorted(BWD_BLOCK_SIZES) if 0 < headdim <= d), None)
+
+
 def _check() -> None:
     assert sorted(BWD_MMA_WARPGROUPS) == sorted(BWD_BLOCK_SIZES), "one warpgroup count per backward tile entry"
     # The index constants above are unpacked from range(): a field inserted in

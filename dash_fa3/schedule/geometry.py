@@ -39,17 +39,17 @@ from functools import cached_property
 import numpy as np
 
 from ..variants import MASK_WINDOWS, MASKS, fold_causal, mask_of_window
-from .contract import BWD_BLOCK_SIZES
+from .contract import BWD_BLOCK_SIZES, bwd_entry
 
 
 def bwd_block_sizes(headdim: int) -> tuple[int, int]:
     """(block_m, block_n) the backward uses for ``headdim`` (:data:`.contract.BWD_BLOCK_SIZES`)."""
     if headdim <= 0:
         raise ValueError(f"headdim must be positive, got {headdim}")
-    for hd in sorted(BWD_BLOCK_SIZES):
-        if headdim <= hd:
-            return BWD_BLOCK_SIZES[hd]
-    raise ValueError(f"headdim {headdim} > {max(BWD_BLOCK_SIZES)} is not supported")
+    entry = bwd_entry(headdim)
+    if entry is None:
+        raise ValueError(f"headdim {headdim} > {max(BWD_BLOCK_SIZES)} is not supported")
+    return BWD_BLOCK_SIZES[entry]
 
 
 def _cdiv(a: int, b: int) -> int:

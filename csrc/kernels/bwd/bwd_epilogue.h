@@ -84,7 +84,7 @@ struct BwdEpilogue {
       named_barrier_arrive(BwdBarrier::kVEmpty, kMmaThreads + Traits::kWarpThreads);
     }
     stage_tile<false>(tdKout, dk_stage, mma_tid);
-    if (mma_tid < Traits::kDvWarpgroups * Traits::kThreadsPerWarpgroup) { stage_tile<true>(tdVout, dv_stage, mma_tid); }
+    if (Traits::has_dv_slice(mma_tid)) { stage_tile<true>(tdVout, dv_stage, mma_tid); }
     // The generic-proxy stores above are read by the TMA store (async proxy).
     cutlass::arch::fence_view_async_shared();
     // Wait until both warpgroups have written their rows of dK and dV.
@@ -141,7 +141,7 @@ struct BwdEpilogue {
     SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
     int const h_kv = row[schedule::kCHeadKv];
     int const n0 = row[schedule::kCKvTile] * kBlockN;
-    bool const has_dv = mma_tid < Traits::kDvWarpgroups * Traits::kThreadsPerWarpgroup;
+    bool const has_dv = Traits::has_dv_slice(mma_tid);
     if (p.dk_partial == nullptr) {
       Tensor tdKout = make_tensor<Element>(typename FragDk::layout_type{});
       Tensor tdVout = make_tensor<Element>(typename FragDv::layout_type{});
@@ -205,20 +205,17 @@ struct BwdEpilogue {
   // transposing form, whose matrix rows run along d.
   template <bool kValue, class Frag>
   CUTE_DEVICE static void stage_tile(Frag const& out, Element* stage, int mma_tid) {
+    constexpr bool kT = Traits::kThreeWarpgroups;
     using TiledMma = std::conditional_t<kValue, typename Traits::TiledMmaDv, typename Traits::TiledMmaDk>;
-    if constexpr (Traits::kThreeWarpgroups) {
-      using Layout = std::conditional_t<kValue, typename Traits::SmemLayoutVt, typename Traits::SmemLayoutKt>;
-      Tensor s = make_tensor(make_smem_ptr(stage), Layout{});
-      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, TiledMma{});
-      auto thr = r2s.get_thread_slice(mma_tid);
-      copy(r2s, thr.retile_S(out), thr.partition_D(s));
-    } else {
-      using Layout = std::conditional_t<kValue, typename Traits::SmemLayoutV, typename Traits::SmemLayoutK>;
-      Tensor s = make_tensor(make_smem_ptr(stage), Layout{});
-      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMma{});
-      auto thr = r2s.get_thread_slice(mma_tid);
-      copy(r2s, thr.retile_S(out), thr.partition_D(s));
-    }
+    // The staging tile as the accumulator sees it: (KV, d), or (d, KV) for the transposed ones.
+    using LayoutV = std::conditional_t<kT, typename Traits::SmemLayoutVt, typename Traits::SmemLayoutV>;
+    using LayoutK = std::conditional_t<kT, typename Traits::SmemLayoutKt, typename Traits::SmemLayoutK>;
+    using Layout = std::conditional_t<kValue, LayoutV, LayoutK>;
+    using Store = std::conditional_t<kT, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>;
+    Tensor s = make_tensor(make_smem_ptr(stage), Layout{});
+    auto r2s = make_tiled_copy_C(Copy_Atom<Store, Element>{}, TiledMma{});
+    auto thr = r2s.get_thread_slice(mma_tid);
+    copy(r2s, thr.retile_S(out), thr.partition_D(s));
   }
 
   // Calls store(n, d, i) for each register i of a transposed accumulator of

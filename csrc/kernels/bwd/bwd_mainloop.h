@@ -129,6 +129,19 @@ struct BwdMainloop {
     return cute::cast_smem_ptr_to_uint(smem.dq.data()) + uint32_t(dq_thread_offset) * uint32_t(sizeof(float));
   }
 
+  // One 128-bit store per group of 4 dQ registers into sdQ buffer `buffer`,
+  // in fragment order: a warp's stores of one group cover 512 contiguous
+  // bytes, so each is 4 wavefronts, the minimum (64-bit pair stores into the
+  // swizzled row-major tile were 2-way bank conflicts).
+  CUTE_DEVICE static void store_dq(uint32_t sdq_thread, int buffer, FragDq const& tQrDq) {
+    uint32_t const dst = sdq_thread + uint32_t(buffer) * Traits::kDqBufferBytes;
+    CUTE_UNROLL
+    for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
+      store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
+                      tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
+    }
+  }
+
   template <class Pipeline>
   CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, typename Pipeline::PipelineState const& state) {
     auto token = pipeline.consumer_try_wait(state);
@@ -202,7 +215,7 @@ struct BwdMainloop {
     // Descriptors sliced by the warpgroup's first thread (uniform registers; see run_task_two).
     int const wg = __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0);
     int const wg_first_tid = wg * Traits::kThreadsPerWarpgroup;
-    bool const has_dv = wg < kDvWarpgroups;
+    bool const has_dv = Traits::has_dv_slice(wg_first_tid);
     auto wg_sdp = mma_sdp.get_slice(wg_first_tid);
     auto wg_dk = mma_dk.get_slice(wg_first_tid);
     // A warpgroup without a dV slice (MLA's warpgroup 2) issues no dV GEMM; it
@@ -334,12 +347,7 @@ struct BwdMainloop {
       warpgroup_fence_operand(tQrDq);
       // Wait until the dQ writer has read the previous step's partial dQ from the sdQ tile.
       named_barrier_sync(dq_empty(dq_stage, 0), Traits::kDqHandoffThreads);
-      uint32_t const dst = sdq_thread;
-      CUTE_UNROLL
-      for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
-        store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
-                        tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
-      }
+      store_dq(sdq_thread, Traits::sdq_buffer(dq_stage), tQrDq);
       // sdQ is read by the bulk copy engine (async proxy).
       cutlass::arch::fence_view_async_shared();
       // Tell the dQ writer of this step's set that the tile holds the partial dQ.
@@ -613,18 +621,6 @@ struct BwdMainloop {
         warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, ds_stage), tQrKt, tQrDq);
         warpgroup_gemm<false, -1>(mma_dk, tDrDst(_, _, _, ds_stage), tDrQt(_, _, _, read_q.index()), tdKrdK);
       }
-      // One 128-bit store per group of 4 registers, in fragment order: a warp's
-      // stores of one group cover 512 contiguous bytes, so each is 4
-      // wavefronts, the minimum (64-bit pair stores into the swizzled row-major
-      // tile were 2-way bank conflicts).
-      auto store_dq = [&] {
-        uint32_t const dst = sdq_thread + uint32_t(Traits::sdq_buffer(dq_stage)) * Traits::kDqBufferBytes;
-        CUTE_UNROLL
-        for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
-          store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
-                          tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
-        }
-      };
       if constexpr (kDkBeforeDq) {
         warpgroup_wait<1>();  // dV and dK retired; dQ still runs
         warpgroup_fence_operand(tdVrdV);
@@ -641,7 +637,7 @@ struct BwdMainloop {
         named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
         warpgroup_wait<0>();  // dQ retired: sdS is read
         warpgroup_fence_operand(tQrDq);
-        store_dq();
+        store_dq(sdq_thread, Traits::sdq_buffer(dq_stage), tQrDq);
         // The fence and dq_full come after the next step's S^T and dP^T are
         // issued (or at the task's end), by when the stores have drained.
         dq_pending = dq_stage;
@@ -659,7 +655,7 @@ struct BwdMainloop {
         // waits for warpgroup 1's half of the previous step, warpgroup 1 for
         // warpgroup 0's of this step.
         named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
-        store_dq();
+        store_dq(sdq_thread, Traits::sdq_buffer(dq_stage), tQrDq);
         warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);

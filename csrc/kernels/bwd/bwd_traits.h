@@ -206,6 +206,10 @@ struct BwdTraits {
   // Warpgroups that accumulate a head-dim slice of dV (three warpgroups: 64
   // columns each, so MLA's 128 leaves warpgroup 2 without one).
   static constexpr int kDvWarpgroups = kThreeWarpgroups ? kHeadDimV / 64 : kNumMmaWarpgroups;
+  // Whether MMA thread mma_tid's warpgroup holds a slice of dV.
+  CUTE_HOST_DEVICE static constexpr bool has_dv_slice(int mma_tid) {
+    return mma_tid < kDvWarpgroups * kThreadsPerWarpgroup;
+  }
   // Pipeline depths. Shared memory bounds them at d = 256: K, V, two Q and
   // one dO stage, sP, sdS and half an sdQ tile (kDqSharedHalf) take 224 KB.
   // Q keeps two stages there: a Q stage is released only at the end of a
@@ -383,8 +387,8 @@ struct BwdTraits {
   // Each MMA warpgroup's registers fill one region of a tile in fragment
   // order; the tile is handed to the dQ writer and reduce-added in
   // kDqHandoffParts parts (a part per warpgroup, or the whole tile).
-  static constexpr int kDqHalfFloats = kDqTileFloats / kNumMmaWarpgroups;  // one warpgroup's region
-  static_assert(dq_frag_wg_base(kBlockM, kHeadDim, 1) == kDqHalfFloats, "warpgroup regions of sdQ");
+  static constexpr int kDqWgFloats = kDqTileFloats / kNumMmaWarpgroups;  // one warpgroup's region
+  static_assert(dq_frag_wg_base(kBlockM, kHeadDim, 1) == kDqWgFloats, "warpgroup regions of sdQ");
   static constexpr int kDqPartFloats = kDqTileFloats / kDqHandoffParts;
   static constexpr uint32_t kDqPartBytes = kDqPartFloats * sizeof(float);
   static_assert(kDqPartBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -396,10 +400,10 @@ struct BwdTraits {
   static constexpr bool kDqSharedHalf = kHeadDim > 192;
   static_assert(!kDqSharedHalf || kStagesDq == 1, "a shared half-tile sdQ is the one buffer");
   static_assert(!kDqSharedHalf || kDqHandoffParts == kNumMmaWarpgroups, "a shared half holds one part");
-  static constexpr int kDqBufferFloats = kDqSharedHalf ? kDqHalfFloats : kDqTileFloats;
+  static constexpr int kDqBufferFloats = kDqSharedHalf ? kDqWgFloats : kDqTileFloats;
   static constexpr uint32_t kDqBufferBytes = kDqBufferFloats * sizeof(float);
   // Float offset of MMA warpgroup wg's region in an sdQ buffer.
-  CUTE_HOST_DEVICE static constexpr int sdq_wg_offset(int wg) { return kDqSharedHalf ? 0 : wg * kDqHalfFloats; }
+  CUTE_HOST_DEVICE static constexpr int sdq_wg_offset(int wg) { return kDqSharedHalf ? 0 : wg * kDqWgFloats; }
   // Threads of one dq_empty / dq_full barrier: the MMA warpgroups of one
   // part and one dQ writer warp.
   static constexpr int kDqHandoffThreads =
