@@ -73,3 +73,31 @@ def test_forward_direction_reads_the_forward_kernels(tmp_path):
     text = ncu_summary.summarize(tmp_path, direction="fwd")
     assert "| duration (us) | 800 | 700 |" in text
     assert "| tensor pipe active (% of peak) | 60 | 66 |" in text
+
+
+def test_conflicts_rank_instructions_by_excess_wavefronts(tmp_path):
+    write_raw(tmp_path / "ours_h192_full_8192.raw.csv", [
+        ("void dash_fa3::bwd::bwd_kernel<...>", {"gpu__time_duration.sum": "6.9"}),
+    ])
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", ncu_summary.EXCESS_COLUMN,
+              "L1 Wavefronts Shared Ideal"]
+    with open(tmp_path / "ours_h192_full_8192.sass.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "void dash_fa3::bwd::bwd_kernel<...>"])
+        w.writerow(header)
+        w.writerows([["0x10", "STSM.16.M88.4 [R3], R8", "5", "300", "100"],
+                      ["0x20", "STS.64 [R9], R10", "5", "100", "50"],
+                      ["0x30", "LDS.128 R4, [R2]", "5", "0", "80"]])
+    text = ncu_summary.summarize(tmp_path, conflicts=5)
+    block = text.split("ours: the 5 instructions with the most excess shared wavefronts")[1]
+    assert "| STSM.16.M88.4 [R3], R8 | 75.0% | 100 |" in block
+    assert "| STS.64 [R9], R10 | 25.0% | 50 |" in block
+    assert "LDS.128" not in block  # no excess: not listed
+    assert "stall samples" not in text  # --top not asked for
+
+
+def test_conflicts_say_when_the_export_lacks_the_column(tmp_path):
+    write_raw(tmp_path / "fa3_h192_full_8192.raw.csv", [("flash::FlashAttnBwdSm90<...>", {})])
+    write_sass(tmp_path / "fa3_h192_full_8192.sass.csv", "flash::FlashAttnBwdSm90<...>",
+               [["0x10", "STS.128 [R8], R24", "30", "25", "5"]])
+    assert "no column 'L1 Wavefronts Shared Excessive'" in ncu_summary.summarize(tmp_path, conflicts=3)

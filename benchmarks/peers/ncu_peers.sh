@@ -7,7 +7,7 @@
 #   NAME.details.csv    every section of --set full (SOL, pipes, stalls, memory, occupancy)
 #   NAME.raw.csv        every collected metric
 #   NAME.sass.csv       per-SASS-instruction samples (stall reasons) of each kernel
-#   summary.md          ncu_summary.py's tables: ours against FA3 per point, top stalls
+#   summary.md          ncu_summary.py's tables: ours against FA3 per point, top stalls, top bank conflicts
 #   DIRECTION default bwd (or fwd)
 #   IMPLS    default "ours fa3"           (profile_call.py's IMPL names)
 #   POINTS   hdim:mask:seqlen list; default bwd "64:causal:8192 128:full:1024 128:causal:8192",
@@ -40,5 +40,5 @@ for point in $POINTS; do
     ncu --import "$OUT/ncu/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu/$name.sass.csv" 2>&1
   done
 done
-"$PY" benchmarks/peers/ncu_summary.py "$OUT/ncu" --direction "$DIRECTION" --top 15 >"$OUT/ncu/summary.md" || status=1
+"$PY" benchmarks/peers/ncu_summary.py "$OUT/ncu" --direction "$DIRECTION" --top 15 --conflicts 12 >"$OUT/ncu/summary.md" || status=1
 exit $status

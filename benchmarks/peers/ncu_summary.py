@@ -8,8 +8,9 @@ DIR holds NAME.raw.csv (and NAME.sass.csv for --top) as ncu_peers.sh writes them
 NAME = IMPL_hHDIM_MASK_SEQLEN. Prints one markdown table per point with the
 metrics docs/bwd_kernel.md compares (duration, tensor-pipe activity, issued
 instructions, shared-memory bank conflicts, the stall reasons per issued
-instruction), and with --top N the N instructions of each kernel with the most
-stall samples and their two main reasons.
+instruction), with --top N the N instructions of each kernel with the most
+stall samples and their two main reasons, and with --conflicts N the N with the
+most excess shared-memory wavefronts (bank conflicts).
 """
 
 from __future__ import annotations
@@ -104,6 +105,25 @@ def top_stalls(rows: list[dict], n: int) -> list[str]:
     return lines
 
 
+# The source page's column of wavefronts beyond the conflict-free count.
+EXCESS_COLUMN = "L1 Wavefronts Shared Excessive"
+
+
+def top_conflicts(rows: list[dict], n: int) -> list[str]:
+    """The n instructions with the most excess shared-memory wavefronts, and
+    each one's share of the kernel's excess and its ideal wavefront count."""
+    if not rows or EXCESS_COLUMN not in rows[0]:
+        return [f"| (no column {EXCESS_COLUMN!r} in the export) | | | |"]
+
+    def excess(r):
+        return _number(r.get(EXCESS_COLUMN, "0")) or 0
+
+    total = sum(excess(r) for r in rows) or 1.0
+    ranked = sorted((r for r in rows if excess(r) > 0), key=lambda r: -excess(r))
+    return [f"| {r['Address'][-6:]} | {r['Source'].strip()[:64]} | {excess(r) / total * 100:.1f}% | "
+            f"{r.get('L1 Wavefronts Shared Ideal', 'n/a')} |" for r in ranked[:n]]
+
+
 def points(directory: Path) -> dict:
     """(hdim, mask, seqlen) -> {impl: stem} for every NAME.raw.csv in directory."""
     found = {}
@@ -115,7 +135,7 @@ def points(directory: Path) -> dict:
     return found
 
 
-def summarize(directory: Path, top: int = 0, direction: str = "bwd") -> str:
+def summarize(directory: Path, top: int = 0, direction: str = "bwd", conflicts: int = 0) -> str:
     main_kernel = MAIN_KERNEL[direction]
     out = []
     for (hdim, mask, seqlen), impls in sorted(points(directory).items()):
@@ -134,16 +154,23 @@ def summarize(directory: Path, top: int = 0, direction: str = "bwd") -> str:
                 cells.append("n/a" if v is None else f"{v:.3g}")
             out.append(f"| {label} | " + " | ".join(cells) + " |")
         out.append("")
-        if top:
-            for impl in names:
-                sass = directory / f"{impls[impl]}.sass.csv"
-                if not sass.is_file():
-                    continue
-                rows = read_sass(sass, main_kernel.get(impl.split("-")[0], ""))
+        for impl in names if top or conflicts else ():
+            sass = directory / f"{impls[impl]}.sass.csv"
+            if not sass.is_file():
+                continue
+            rows = read_sass(sass, main_kernel.get(impl.split("-")[0], ""))
+            if top:
                 out.append(f"{impl}: the {top} instructions with the most stall samples (share of the kernel's samples)\n")
                 out.append("| address | instruction | samples | main reasons |")
                 out.append("|---|---|---|---|")
                 out.extend(top_stalls(rows, top))
+                out.append("")
+            if conflicts:
+                out.append(f"{impl}: the {conflicts} instructions with the most excess shared wavefronts "
+                           "(share of the kernel's excess)\n")
+                out.append("| address | instruction | excess | ideal wavefronts |")
+                out.append("|---|---|---|---|")
+                out.extend(top_conflicts(rows, conflicts))
                 out.append("")
     return "\n".join(out)
 
@@ -152,12 +179,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("directory", type=Path)
     ap.add_argument("--top", type=int, default=0, help="also list the N most-stalled instructions per kernel")
+    ap.add_argument("--conflicts", type=int, default=0,
+                    help="also list the N instructions with the most shared-memory bank conflicts per kernel")
     ap.add_argument("--direction", choices=tuple(MAIN_KERNEL), default="bwd", help="whose main kernel to read")
     args = ap.parse_args(argv)
     if not points(args.directory):
         print(f"error: no IMPL_hHDIM_MASK_SEQLEN.raw.csv files in {args.directory}", file=sys.stderr)
         return 2
-    print(summarize(args.directory, args.top, args.direction))
+    print(summarize(args.directory, args.top, args.direction, args.conflicts))
     return 0
 
 
