@@ -177,8 +177,9 @@ struct BwdMainloop {
   // The three-warpgroup arrangement (d = 192, bwd_traits.h). One step:
   //   S  = Q K^T, dP = dO V^T   (SS; warpgroup w: KV columns [32w, 32w + 32))
   //   P  = exp2(S * scale_log2 - lse_log2[m]) (masked -> 0), dS = P (dP - dPsum[m])
-  //   kDsFree; P, dS -> sP, sdS; kDsReady
+  //   kDsFree; P -> sP; kPReady
   //   dV^T += dO^T P            (SS; warpgroup w: head-dim rows [64w, 64w + 64)); then the dO stage is free
+  //   dS -> sdS (under dV^T); kDsReady
   //   dQ = dS K                 (SS; warpgroup w: head-dim columns [64w, 64w + 64))
   //   dK^T += Q^T dS            (SS; as dV^T)
   //   dQ -> sdQ, handed to the dQ writer (one part) while dK^T runs.
@@ -323,12 +324,12 @@ struct BwdMainloop {
       // sP and sdS, have retired (each waited for its own at that step's end).
       named_barrier_sync(BwdBarrier::kDsFree, kMmaThreads);
       copy(r2s, thr_r2s.retile_S(tPrP), tRsP(_, _, _, 0));
-      copy(r2s, thr_r2s.retile_S(tPrDs), tRsDs(_, _, _, 0));
       // The generic-proxy stores above are read by WGMMA (async proxy) next.
       cutlass::arch::fence_view_async_shared();
-      // Wait until every warpgroup has written its KV columns of P and dS.
-      named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
-      // dV^T first: its retirement frees the dO stage (d = 192 has one), so
+      // Wait until every warpgroup has written its KV columns of P.
+      named_barrier_sync(BwdBarrier::kPReady, kMmaThreads);
+      // dV^T first, before dS is stored: it runs under the dS stores and their
+      // barrier, and its retirement frees the dO stage (d = 192 has one), so
       // the next step's dO loads under this step's dQ and dK^T.
       if (has_dv) {
         warpgroup_gemm<false, -1>(mma_dv, tDrdOt(_, _, _, read_do.index()), tDrPt(_, _, _, 0), tdVrdV);
@@ -336,6 +337,11 @@ struct BwdMainloop {
         // An empty batch, so that every warpgroup waits on the same counts below.
         warpgroup_commit_batch();
       }
+      copy(r2s, thr_r2s.retile_S(tPrDs), tRsDs(_, _, _, 0));
+      // As for sP: read by the dQ and dK^T WGMMAs.
+      cutlass::arch::fence_view_async_shared();
+      // Wait until every warpgroup has written its KV columns of dS.
+      named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
       FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, 0), tQrKt, tQrDq);
       warpgroup_gemm<false, -1>(mma_dk, tDrQt(_, _, _, read_q.index()), tDrDst(_, _, _, 0), tdKrdK);

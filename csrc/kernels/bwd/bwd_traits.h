@@ -112,6 +112,10 @@ enum class BwdBarrier : uint32_t {
   // read the one sP and sdS buffer) have retired; each waits on it before
   // writing the step's P and dS.
   kDsFree = 12,
+  // Three warpgroups: every MMA warpgroup has written its KV columns of P to
+  // sP; each waits on it before the dV^T GEMM (dS is stored after that GEMM
+  // is issued and meets at kDsReady).
+  kPReady = 13,
   kCount,
 };
 
