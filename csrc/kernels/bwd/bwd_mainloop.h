@@ -344,11 +344,13 @@ struct BwdMainloop {
       named_barrier_sync(BwdBarrier::kDsReady, kMmaThreads);
       FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       warpgroup_gemm<true, -1>(mma_dq, tQrDs(_, _, _, 0), tQrKt, tQrDq);
-      warpgroup_gemm<false, -1>(mma_dk, tDrQt(_, _, _, read_q.index()), tDrDst(_, _, _, 0), tdKrdK);
-      warpgroup_wait<2>();  // dV^T retired: the dO stage (and dPsum) is read
+      // The dO stage is released before dK^T is issued: issuing it first
+      // held the warpgroup at the WGMMA issue while dV^T had long retired.
+      warpgroup_wait<1>();  // dV^T retired: the dO stage (and dPsum) is read
       warpgroup_fence_operand(tdVrdV);
       pipeline_do.consumer_release(read_do);
       ++read_do;
+      warpgroup_gemm<false, -1>(mma_dk, tDrQt(_, _, _, read_q.index()), tDrDst(_, _, _, 0), tdKrdK);
       warpgroup_wait<1>();  // dQ retired; dK^T runs under its hand-off
       warpgroup_fence_operand(tQrDq);
       // Wait until the dQ writer has read the previous step's partial dQ from the sdQ tile.
