@@ -302,7 +302,26 @@ struct BwdMainloop {
       } else {
         probs([](int) { return false; });
       }
-      warpgroup_wait<0>();  // dP is ready
+      Tensor tPrP = make_tensor<Element>(typename FragSdP::layout_type{});
+      convert_fragment(tSrS, tPrP);
+      // Wait until every warpgroup's GEMMs of the previous step, which read
+      // sP and sdS, have retired (each waited for its own at that step's end).
+      named_barrier_sync(BwdBarrier::kDsFree, kMmaThreads);
+      copy(r2s, thr_r2s.retile_S(tPrP), tRsP(_, _, _, 0));
+      // The generic-proxy stores above are read by WGMMA (async proxy) next.
+      cutlass::arch::fence_view_async_shared();
+      // Wait until every warpgroup has written its KV columns of P.
+      named_barrier_sync(BwdBarrier::kPReady, kMmaThreads);
+      // dV^T first, before dS is computed: it runs under dS and its stores,
+      // and its retirement frees the dO stage (d = 192 has one), so the next
+      // step's dO loads under this step's dQ and dK^T.
+      if (has_dv) {
+        warpgroup_gemm<false, -1>(mma_dv, tDrdOt(_, _, _, read_do.index()), tDrPt(_, _, _, 0), tdVrdV);
+      } else {
+        // An empty batch, so that every warpgroup waits on the same counts below.
+        warpgroup_commit_batch();
+      }
+      warpgroup_wait<1>();  // dP is ready; dV^T may still run
       warpgroup_fence_operand(tdPrdP);
       float const* dpsum = smem.dpsum[read_do.index()];
       float const dpsum_lo = dpsum[m_lo];
@@ -316,27 +335,8 @@ struct BwdMainloop {
           tdPrdP(i) = ds;
         }
       }
-      Tensor tPrP = make_tensor<Element>(typename FragSdP::layout_type{});
-      convert_fragment(tSrS, tPrP);
       Tensor tPrDs = make_tensor<Element>(typename FragSdP::layout_type{});
       convert_fragment(tdPrdP, tPrDs);
-      // Wait until every warpgroup's GEMMs of the previous step, which read
-      // sP and sdS, have retired (each waited for its own at that step's end).
-      named_barrier_sync(BwdBarrier::kDsFree, kMmaThreads);
-      copy(r2s, thr_r2s.retile_S(tPrP), tRsP(_, _, _, 0));
-      // The generic-proxy stores above are read by WGMMA (async proxy) next.
-      cutlass::arch::fence_view_async_shared();
-      // Wait until every warpgroup has written its KV columns of P.
-      named_barrier_sync(BwdBarrier::kPReady, kMmaThreads);
-      // dV^T first, before dS is stored: it runs under the dS stores and their
-      // barrier, and its retirement frees the dO stage (d = 192 has one), so
-      // the next step's dO loads under this step's dQ and dK^T.
-      if (has_dv) {
-        warpgroup_gemm<false, -1>(mma_dv, tDrdOt(_, _, _, read_do.index()), tDrPt(_, _, _, 0), tdVrdV);
-      } else {
-        // An empty batch, so that every warpgroup waits on the same counts below.
-        warpgroup_commit_batch();
-      }
       copy(r2s, thr_r2s.retile_S(tPrDs), tRsDs(_, _, _, 0));
       // As for sP: read by the dQ and dK^T WGMMAs.
       cutlass::arch::fence_view_async_shared();
