@@ -255,6 +255,7 @@ struct BwdMainloop {
     // This thread's two Q rows of S (registers 4j + 2r + c: row r).
     int const m_lo = get<0>(tScS(0));
     int const m_hi = get<0>(tScS(2));
+    PipelineStateQ release_q = read_q;  // the Q stage of the step whose dK^T is in flight
 
     CUTE_NO_UNROLL
     for (int s = 0; s < n_steps; ++s) {
@@ -274,6 +275,14 @@ struct BwdMainloop {
       warpgroup_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, read_q.index()), tSrK, tSrS);
       consumer_wait(pipeline_do, read_do);
       warpgroup_gemm<true, -1>(mma_sdp, tSrdO(_, _, _, read_do.index()), tSrV, tdPrdP);
+      // The previous step's dK^T ran on under the S and dP issue (no wait
+      // between it and this step's first WGMMA); it has retired before this
+      // step writes sP and sdS (kDsFree).
+      warpgroup_wait<2>();
+      if (s > 0) {
+        warpgroup_fence_operand(tdKrdK);
+        pipeline_q.consumer_release(release_q);  // the previous step's Q stage is read
+      }
       warpgroup_wait<1>();  // S is ready; dP may still run
       warpgroup_fence_operand(tSrS);
       auto masked_at = [&](int i) {
@@ -305,7 +314,7 @@ struct BwdMainloop {
       Tensor tPrP = make_tensor<Element>(typename FragSdP::layout_type{});
       convert_fragment(tSrS, tPrP);
       // Wait until every warpgroup's GEMMs of the previous step, which read
-      // sP and sdS, have retired (each waited for its own at that step's end).
+      // sP and sdS, have retired (each waited for its own dK^T above).
       named_barrier_sync(BwdBarrier::kDsFree, kMmaThreads);
       copy(r2s, thr_r2s.retile_S(tPrP), tRsP(_, _, _, 0));
       // The generic-proxy stores above are read by WGMMA (async proxy) next.
@@ -360,12 +369,13 @@ struct BwdMainloop {
       cutlass::arch::fence_view_async_shared();
       // Tell the dQ writer of this step's set that the tile holds the partial dQ.
       named_barrier_arrive(dq_full(dq_stage, 0), Traits::kDqHandoffThreads);
-      warpgroup_wait<0>();  // dK^T retired: the Q stage, sP and sdS are read
-      warpgroup_fence_operand(tdKrdK);
-      pipeline_q.consumer_release(read_q);
+      release_q = read_q;  // released once dK^T retires, in the next step or below
       ++read_q;
       dq_stage ^= 1;
     }
+    warpgroup_wait<0>();  // the last dK^T retired: its Q stage, sP and sdS are read
+    warpgroup_fence_operand(tdKrdK);
+    pipeline_q.consumer_release(release_q);
   }
 
   CUTE_DEVICE static void run_task_two(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
