@@ -176,13 +176,18 @@ struct BwdMainloop {
 
   // The three-warpgroup arrangement (d = 192, bwd_traits.h). One step:
   //   S  = Q K^T, dP = dO V^T   (SS; warpgroup w: KV columns [32w, 32w + 32))
-  //   P  = exp2(S * scale_log2 - lse_log2[m]) (masked -> 0), dS = P (dP - dPsum[m])
+  //   (the previous step's dK^T retires: its Q stage is released)
+  //   P  = exp2(S * scale_log2 - lse_log2[m]) (masked -> 0)
   //   kDsFree; P -> sP; kPReady
-  //   dV^T += dO^T P            (SS; warpgroup w: head-dim rows [64w, 64w + 64)); then the dO stage is free
-  //   dS -> sdS (under dV^T); kDsReady
+  //   dV^T += dO^T P            (SS; warpgroup w: head-dim rows [64w, 64w + 64))
+  //   dS = P (dP - dPsum[m]) -> sdS, under dV^T; kDsReady
   //   dQ = dS K                 (SS; warpgroup w: head-dim columns [64w, 64w + 64))
+  //   (dV^T retires: the dO stage is released)
   //   dK^T += Q^T dS            (SS; as dV^T)
-  //   dQ -> sdQ, handed to the dQ writer (one part) while dK^T runs.
+  //   dQ -> sdQ, handed to the dQ writer (one part) while dK^T runs on into
+  //   the next step's S and dP.
+  // Each move of work off the path between a step's dP and its dQ GEMM was
+  // measured (docs/bwd_kernel.md).
   CUTE_DEVICE static void run_task_three(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
                                          PipelineDo& pipeline_do, PipelineStateQ& read_q, PipelineStateDo& read_do,
                                          int& dq_stage, int32_t const* row, int n_steps, int mma_tid,

@@ -41,7 +41,8 @@
 // shared memory (N-contiguous: the K-major A operand of dQ = dS K, the
 // MN-major B operands of dK^T and dV^T); one buffer each, as Q's two stages,
 // dO's stage, K, V and one sdQ tile fill the rest, so the next step writes
-// them only after every warpgroup's GEMMs of this one have retired (kDsFree).
+// them only after every warpgroup's GEMMs of this one have retired (kDsFree);
+// P is stored first and meets at kPReady, so dV^T runs under dS.
 // dQ: warpgroup w its 64 columns (dq_accum_layout.h with three warpgroups),
 // handed to the dQ writer as one tile.
 //
@@ -251,7 +252,7 @@ struct BwdTraits {
   // A partial dQ tile is handed to its dQ writer in parts: one per MMA
   // warpgroup with two (neither waits for the other at the hand-off), the
   // whole tile with three (a barrier per part and set would take 12 of the
-  // 15 named barriers; the warpgroups meet at kDsFree and kDsReady anyway).
+  // 15 named barriers; the warpgroups meet at kDsFree, kPReady and kDsReady anyway).
   static constexpr int kDqHandoffParts = kThreeWarpgroups ? 1 : kNumMmaWarpgroups;
   static_assert(uint32_t(BwdBarrier::kDqFull) - uint32_t(BwdBarrier::kDqEmpty) >= kDqWriters * kDqHandoffParts &&
                     uint32_t(BwdBarrier::kEpilogue) - uint32_t(BwdBarrier::kDqFull) >= kDqWriters * kDqHandoffParts,
