@@ -114,6 +114,15 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **full256)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full256)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full256)) == "fa3"
+    # head dim 192's 64 x 96 tiles (three warpgroups; MLA's too): spt for causal masks, shift for
+    # full ones through 16k tokens (171 KV tiles)
+    causal192 = dict(batch=1, heads=10, headdim=192, causal=True)
+    for seqlen in (2048, 4096, 16384):
+        assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=seqlen, **causal192)) == "spt"
+    full192 = dict(batch=1, heads=10, headdim=192, causal=False)
+    for seqlen in (512, 8192, 16384):
+        assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=seqlen, **full192)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=32768, **full192)) == "fa3"
     full128 = dict(batch=1, heads=16, headdim=128, causal=False)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **full128)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **full128)) == "shift"

@@ -104,6 +104,11 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     KV tiles (512 tokens: ``shift`` 306 and ``fa3`` 306 TFLOP/s at bd4fdf8, 304 and 254
     with eb1bad4's run-time claims) up to 127, ``fa3`` at 128 (16k: 529 against ``shift``'s
     536 at bd4fdf8).
+    Head dim 192 on three MMA warpgroups (64 x 96 tiles, MLA's (192, 128) too; H100,
+    2026-11-24, the grid at 31f5fb2): causal ``spt`` at every length (4k-16k: 434 /
+    480 / 504 TFLOP/s against ``symmetric_shift``'s 416 / 461 / 494; MLA 412 / 458 /
+    483 against 393 / 426 / 460), full ``shift`` up to 16k tokens, 171 KV tiles (16k:
+    545 against ``fa3``'s 511; MLA 500 against 504).
     Non-deterministic, the accumulation order is free and ``auto`` is ``lpt``,
     the best-balanced task order.
     """
@@ -123,11 +128,11 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         # The shift orders lose where keys outnumber queries (see above).
         keys_within = g.seqlen_k <= g.seqlen_q
         if g.causal:
-            sym = keys_within and g.n_kv >= 32 and g.block_n > 64 and not (square and g.n_kv >= 64)
+            sym = keys_within and g.n_kv >= 32 and g.block_n >= 128 and not (square and g.n_kv >= 64)
             return "symmetric_shift" if sym else "spt"
         # Square tiles: shift from 4 KV tiles (512 tokens) up to 127 (at 128 the queue orders
-        # are as fast); 64 x 128 tiles: 5..128.
-        shift_kv = (4, 127) if square else (5, 128)
+        # are as fast); 64 x 96 (head dim 192): 5..171 (16k tokens); 64 x 128 and 64 x 64: 5..128.
+        shift_kv = (4, 127) if square else (5, 171) if g.block_n == 96 else (5, 128)
         return "shift" if keys_within and shift_kv[0] <= g.n_kv <= shift_kv[1] else "fa3"
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
