@@ -273,13 +273,19 @@ struct BwdMainloop {
       }
       FragSdP tSrS = partition_fragment_C(mma_sdp, typename Traits::SdPTile{});
       FragSdP tdPrdP = partition_fragment_C(mma_sdp, typename Traits::SdPTile{});
+      // The step's stage indices, broadcast from lane 0 so that ptxas keeps
+      // the WGMMA descriptors built from them in uniform registers (with the
+      // dK^T wait deferred across the loop it moved them per thread, one
+      // R2UR pair before every WGMMA: 85M R2UR at d = 192 full 8k).
+      int const q_stage = __shfl_sync(0xffffffff, read_q.index(), 0);
+      int const do_stage = __shfl_sync(0xffffffff, read_do.index(), 0);
       consumer_wait(pipeline_q, read_q);
-      float const* lse = smem.lse[read_q.index()];
+      float const* lse = smem.lse[q_stage];
       float const lse_lo = lse[m_lo];
       float const lse_hi = lse[m_hi];
-      warpgroup_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, read_q.index()), tSrK, tSrS);
+      warpgroup_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, q_stage), tSrK, tSrS);
       consumer_wait(pipeline_do, read_do);
-      warpgroup_gemm<true, -1>(mma_sdp, tSrdO(_, _, _, read_do.index()), tSrV, tdPrdP);
+      warpgroup_gemm<true, -1>(mma_sdp, tSrdO(_, _, _, do_stage), tSrV, tdPrdP);
       // The previous step's dK^T ran on under the S and dP issue (no wait
       // between it and this step's first WGMMA); it has retired before this
       // step writes sP and sdS (kDsFree).
@@ -330,14 +336,14 @@ struct BwdMainloop {
       // and its retirement frees the dO stage (d = 192 has one), so the next
       // step's dO loads under this step's dQ and dK^T.
       if (has_dv) {
-        warpgroup_gemm<false, -1>(mma_dv, tDrdOt(_, _, _, read_do.index()), tDrPt(_, _, _, 0), tdVrdV);
+        warpgroup_gemm<false, -1>(mma_dv, tDrdOt(_, _, _, do_stage), tDrPt(_, _, _, 0), tdVrdV);
       } else {
         // An empty batch, so that every warpgroup waits on the same counts below.
         warpgroup_commit_batch();
       }
       warpgroup_wait<1>();  // dP is ready; dV^T may still run
       warpgroup_fence_operand(tdPrdP);
-      float const* dpsum = smem.dpsum[read_do.index()];
+      float const* dpsum = smem.dpsum[do_stage];
       float const dpsum_lo = dpsum[m_lo];
       float const dpsum_hi = dpsum[m_hi];
       CUTE_UNROLL
@@ -364,7 +370,7 @@ struct BwdMainloop {
       warpgroup_fence_operand(tdVrdV);
       pipeline_do.consumer_release(read_do);
       ++read_do;
-      warpgroup_gemm<false, -1>(mma_dk, tDrQt(_, _, _, read_q.index()), tDrDst(_, _, _, 0), tdKrdK);
+      warpgroup_gemm<false, -1>(mma_dk, tDrQt(_, _, _, q_stage), tDrDst(_, _, _, 0), tdKrdK);
       warpgroup_wait<1>();  // dQ retired; dK^T runs under its hand-off
       warpgroup_fence_operand(tQrDq);
       // Wait until the dQ writer has read the previous step's partial dQ from the sdQ tile.
