@@ -33,8 +33,9 @@
 // the unit of round k / kTilesPerUnit.
 //
 // Unit order. The (batch, head) pairs are cut into sections of
-// heads_per_section consecutive pairs, chosen on the host so that the K and V
-// of one section fit in about half of L2. Within a section the order is unit
+// heads_per_section consecutive pairs, chosen on the host (kv_heads_per_section
+// below: one KV head for full and local masks; for causal ones as many as
+// have their K and V fit in about half of L2). Within a section the order is unit
 // major (query block, or block pair j), (batch, head) minor. Heads sharing a
 // KV head (GQA) are adjacent, so they share K/V in L2.
 #pragma once
@@ -191,8 +192,16 @@ struct FwdTileScheduler {
     return Slot::kTile;
   }
 
-  // Host: (batch, head) pairs per section, for K+V of kv_bytes_per_head each.
-  static int heads_per_section(int64_t kv_bytes_per_head, int64_t l2_budget_bytes) {
+  // Host: KV heads per section, for K+V of kv_bytes_per_head each. A full or
+  // local tile reads all of its head's K and V (or a window of them): one KV
+  // head per section makes a head's query tiles run side by side, so its K and
+  // V come from DRAM once. Sections of several heads made every round re-read
+  // each head's K and V (ncu, H100, 2026-11-24, hdim 128 full 8k, 24 MiB
+  // sections: twice FA3's DRAM traffic, the MMA warps waiting on K and V).
+  // Causal units pair a long and a short tile of one head; they keep sections
+  // whose K and V fit the L2 budget.
+  static int kv_heads_per_section(int64_t kv_bytes_per_head, int64_t l2_budget_bytes) {
+    if constexpr (!Traits::kCausal) { return 1; }
     int64_t const n = l2_budget_bytes / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
     return n < 1 ? 1 : (n > (1 << 20) ? (1 << 20) : int(n));
   }
