@@ -117,7 +117,7 @@ struct FwdMainloop {
         __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0) * Traits::kThreadsPerWarpgroup;
     auto wg_qk = mma_qk.get_slice(wg_first_tid);
     auto wg_pv = mma_pv.get_slice(wg_first_tid);
-    Tensor tSrQ = wg_qk.partition_fragment_A(sQ)(_, _, _, stage_of(q_state));  // smem descriptors
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ)(_, _, _, q_state.index());  // smem descriptors
     Tensor tSrK = wg_qk.partition_fragment_B(sK);    // (.., stage)
     Tensor tOrV = wg_pv.partition_fragment_B(sVt);   // (.., stage)
     Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -168,13 +168,18 @@ struct FwdMainloop {
       constexpr bool kMasked = decltype(masked)::value;
       PipelineState const v_state = read_state;
       ++read_state;
+      int const k_stage = stage_of(read_state);
+      // v_state is the state one before read_state. Its stage from k_stage
+      // rather than a second broadcast: that one made the three-warpgroup
+      // kernels (160 registers) spill.
+      int const v_stage = (k_stage == 0 ? Traits::kStages : k_stage) - 1;
       FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
       consumer_wait(pipeline_k, read_state);
       // kMmaTurn<wg>: wait until the other warpgroup has issued its GEMMs.
       wait_turn(wg);
-      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, stage_of(read_state)), tSrS);
+      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, k_stage), tSrS);
       consumer_wait(pipeline_v, v_state);
-      warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, stage_of(v_state)), tOrO);
+      warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, v_stage), tOrO);
       // kMmaTurn<other>: our GEMMs are queued, the other warpgroup may issue.
       pass_turn(wg);
       warpgroup_wait<1>();  // S_n is ready; the PV GEMM may still run
