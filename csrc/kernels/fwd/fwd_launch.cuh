@@ -55,10 +55,6 @@ inline bool tma_strides_ok(TensorStrides const& s) {
   return s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0;
 }
 
-// L2 bytes a section of (batch, head) pairs of a causal kernel may fill with
-// its K and V (fwd_tile_scheduler.h).
-constexpr int64_t kL2SectionBudgetBytes = 24ll << 20;
-
 template <class Traits>
 typename Traits::Params make_fwd_params(FwdParams const& a) {
   using Element = typename Traits::Element;
@@ -123,11 +119,8 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
       int64_t(FwdTileScheduler<Traits>::units_per_head(p.num_m_blocks)) * a.heads * a.batch;
   require(units < (int64_t(1) << 30), "too many tiles (batch * heads * seqlen_q / 128 >= 2^30)");
   p.num_units = int(units);
-  int64_t const kv_bytes_per_head = int64_t(a.seqlen_k) * (a.headdim + a.headdim_v) * int64_t(sizeof(Element));
-  // Heads that share a KV head read the same K/V: count KV bytes per KV head.
-  int const pairs = FwdTileScheduler<Traits>::kv_heads_per_section(kv_bytes_per_head, kL2SectionBudgetBytes) *
-                    p.q_heads_per_kv_head;
-  p.heads_per_section = pairs;
+  // Sections of one KV head's query heads (fwd_tile_scheduler.h).
+  p.heads_per_section = p.q_heads_per_kv_head;
   return p;
 }
 

@@ -33,11 +33,14 @@
 // the unit of round k / kTilesPerUnit.
 //
 // Unit order. The (batch, head) pairs are cut into sections of
-// heads_per_section consecutive pairs, chosen on the host (kv_heads_per_section
-// below: one KV head for full and local masks; for causal ones as many as
-// have their K and V fit in about half of L2). Within a section the order is unit
-// major (query block, or block pair j), (batch, head) minor. Heads sharing a
-// KV head (GQA) are adjacent, so they share K/V in L2.
+// heads_per_section consecutive pairs: the query heads of one KV head (GQA;
+// one head without). Within a section the order is unit major (query block,
+// or block pair j), (batch, head) minor. So a KV head's query tiles run side
+// by side and its K and V come from DRAM about once. Sections of several KV
+// heads (as many as filled 24 MiB of L2) made each round re-read every head's
+// K and V: at hdim 128 full 8k twice FA3's DRAM traffic, the MMA warps waiting
+// on K and V (ncu, H100, 2026-11-24); one KV head per section measured
+// 1.00-1.08x at hdim 64/128 full and 0.99-1.06x causal (benchmarks/RESULTS.md).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -190,20 +193,6 @@ struct FwdTileScheduler {
     if (t.m_block < 0) { return Slot::kSkip; }
     kv_blocks = Traits::tile_geometry(p, sl).kv_range(t.m_block);
     return Slot::kTile;
-  }
-
-  // Host: KV heads per section, for K+V of kv_bytes_per_head each. A full or
-  // local tile reads all of its head's K and V (or a window of them): one KV
-  // head per section makes a head's query tiles run side by side, so its K and
-  // V come from DRAM once. Sections of several heads made every round re-read
-  // each head's K and V (ncu, H100, 2026-11-24, hdim 128 full 8k, 24 MiB
-  // sections: twice FA3's DRAM traffic, the MMA warps waiting on K and V).
-  // Causal units pair a long and a short tile of one head; they keep sections
-  // whose K and V fit the L2 budget.
-  static int kv_heads_per_section(int64_t kv_bytes_per_head, int64_t l2_budget_bytes) {
-    if constexpr (!Traits::kCausal) { return 1; }
-    int64_t const n = l2_budget_bytes / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
-    return n < 1 ? 1 : (n > (1 << 20) ? (1 << 20) : int(n));
   }
 };
 
