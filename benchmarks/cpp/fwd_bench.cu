@@ -250,6 +250,9 @@ static Result run_one(const Config& c) {
   p.batch = c.batch; p.seqlen_q = c.seqlen_q; p.seqlen_k = sk; p.heads = c.heads; p.heads_kv = hkv;
   p.headdim = d; p.headdim_v = dv; p.softmax_scale = scale;
   p.num_sms = num_sms; p.packed_order = nullptr;
+  static int* tile_counter = nullptr;  // dense causal kernels take their tiles off it
+  if (tile_counter == nullptr) { CHECK_CUDA(cudaMalloc(&tile_counter, sizeof(int))); }
+  p.tile_counter = c.causal ? tile_counter : nullptr;
 
   Result r;
   poison();

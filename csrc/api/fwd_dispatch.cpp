@@ -94,6 +94,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_dispatch(const at::Tensor& q_in, const at
   if (packed) {
     order = at::empty({packed_order_ints(p.batch)}, q.options().dtype(at::kInt));
     p.packed_order = order.data_ptr<int>();
+  } else if (mask == MaskKind::kCausal) {
+    order = at::empty({1}, q.options().dtype(at::kInt));  // the tile counter, zeroed by run_fwd
+    p.tile_counter = order.data_ptr<int>();
   }
   chosen.launch(p, c10::cuda::getCurrentCUDAStream().stream());
   return {out, lse};

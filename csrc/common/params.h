@@ -79,6 +79,10 @@ struct FwdParams {
   // that run_fwd fills with the order of the documents' work before the
   // main kernel reads it (common/packed_order.h); nullptr for a dense batch.
   int* packed_order;
+  // Dense causal masks: one int32 on the device, the counter from which CTAs
+  // take query tiles (kernels/fwd/fwd_tile_scheduler.h); run_fwd zeroes it
+  // before the kernel. nullptr for every other mask and for packed documents.
+  int* tile_counter;
 };
 
 // The packed forward's order kernel (kernels/fwd/fwd_packed_order.cu): writes

@@ -14,7 +14,8 @@
 //   - local kernels: window_left, window_right >= -1 (the full and causal
 //     kernels do not read them).
 // Packed documents also need packed_order (packed_order_ints(batch) int32 on
-// the device), which this launcher fills before the main kernel.
+// the device), which this launcher fills before the main kernel; dense causal
+// masks need tile_counter (one int32 on the device), which it zeroes.
 #pragma once
 
 // kBlockN = 176 / 112 / 80 need WGMMA N extents outside CuTe's default set. Defined
@@ -98,6 +99,7 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
   p.cu_seqlens_q = a.cu_seqlens_q;
   p.cu_seqlens_k = a.cu_seqlens_k;
   p.packed_order = a.packed_order;
+  p.tile_counter = a.tile_counter;
   p.seqlen_q = a.seqlen_q;
   p.seqlen_k = a.seqlen_k;
   p.heads = a.heads;
@@ -137,6 +139,16 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
                "cudaDeviceGetAttribute(multiProcessorCount)");
   }
   int const grid = p.num_units < num_sms ? p.num_units : num_sms;
+
+  using Scheduler = FwdTileScheduler<Traits>;
+  if constexpr (Scheduler::kDenseCausal) {
+    // Sections of as many KV heads as hold about two rounds of tiles: the
+    // longest-first order then ends every section, and the kernel, on short
+    // tiles (fwd_tile_scheduler.h).
+    int const kv_heads = (2 * grid + p.num_m_blocks - 1) / p.num_m_blocks;
+    p.heads_per_section = kv_heads * p.q_heads_per_kv_head;
+    check_cuda(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream), "cudaMemsetAsync(tile_counter)");
+  }
 
   if constexpr (Traits::kPacked) {
     FwdPackedOrderParams order{};
@@ -206,6 +218,10 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
           "packed documents need total_q, total_k >= 1");
   require((params.packed_order != nullptr) == kPacked,
           kPacked ? "the packed instantiation needs packed_order" : "the dense instantiation takes no packed_order");
+  constexpr bool kTileCounter = kMask == MaskKind::kCausal && !kPacked;
+  require((params.tile_counter != nullptr) == kTileCounter,
+          kTileCounter ? "the dense causal instantiation needs tile_counter"
+                       : "only the dense causal instantiation takes a tile_counter");
   require(!Traits::kLocal || (params.window_left >= -1 && params.window_right >= -1),
           "window_left and window_right must be >= -1 (-1: unbounded)");
 

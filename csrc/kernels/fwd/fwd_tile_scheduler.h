@@ -1,46 +1,47 @@
-// Persistent tile scheduler of the forward kernel: static for dense batches,
-// dynamic for packed documents.
+// Persistent tile scheduler of the forward kernel: static for dense full and
+// local masks, dynamic for dense causal masks and packed documents.
 //
-// Work is cut into units. Full and local (window) masks: a unit is one query
-// tile (a window's tiles cost about the same, bar the sequence's ends). Causal: a unit
-// is the PAIR of query blocks (n_m - 1 - j, j), the longest tile with the
-// shortest, so that every unit costs about n_m + 1 key blocks (the causal
-// profile is linear in the block index). The grid has min(num_sms,
-// num_units) CTAs (G).
+// Work is cut into units. Full and local (window) masks, and dense causal
+// masks: a unit is one query tile. Packed causal documents: a unit is the
+// PAIR of query blocks (n_m - 1 - j, j), the longest tile with the shortest,
+// so that every unit costs about n_m + 1 key blocks (the causal profile is
+// linear in the block index). The grid has min(num_sms, num_units) CTAs (G).
 //
-// Dense batches: in round r, CTA c takes unit r * G + c (r even) or
-// r * G + (G - 1 - c) (r odd, a snake that evens out what unequal units
-// remain, e.g. with seqlen_q != seqlen_k). Equal-cost units leave only the
-// last round's quantisation as imbalance. Assigning single causal tiles
-// longest-first by snake instead left the busiest CTA 11-20% above the mean
-// in a unit-cost model of the benchmark grid (a greedy dynamic assignment:
-// 0-4%; pairs: 3%). The producer warp and the MMA warpgroups compute the
-// same units independently, so nothing passes between them.
+// Static (dense full and local): in round r, CTA c takes unit r * G + c (r
+// even) or r * G + (G - 1 - c) (r odd, a snake that evens out what unequal
+// units remain, e.g. with seqlen_q != seqlen_k). The producer warp and the
+// MMA warpgroups compute the same units independently.
 //
+// Dynamic: CTA c takes unit c first, then, once per round, the producer warp
+// takes the next unit off the call's counter and hands it to the MMA threads
+// through shared memory (the mbarriers tile_full / tile_empty), a greedy over
+// units in descending cost. Mbarriers rather than named barriers: an mbarrier
+// arrive releases the arriving thread's earlier reads, which compute-sanitizer's
+// racecheck did not grant the named-barrier version of this hand-off.
+// Dense causal: single tiles, longest first within a section (below). Equal
+// pairs in a static snake (before) left the last round's quantisation: 1024
+// units on 132 CTAs, 7.76 rounds, the busiest CTA ~3% above the mean at every
+// grid point; greedy single tiles longest first: 0.1-1.5% (a unit-cost model
+// of the bench grid with sections of two rounds of tiles).
 // Packed documents: the units of one document (its own query tiles, every
 // head) are consecutive, ordered within it as a dense batch of one, and the
 // documents follow the order that the order kernel wrote before the launch
-// (common/packed_order.h: longest key range first). Units of unequal
-// documents differ in cost, so they are handed out as CTAs finish: CTA c
-// takes unit c first, then, once per round, the producer warp takes the next
-// unit off the call's counter and hands it to the MMA threads through shared
-// memory (the mbarriers tile_full / tile_empty), a greedy over units in
-// descending cost. Mbarriers rather than named barriers: an mbarrier arrive
-// releases the arriving thread's earlier reads, which compute-sanitizer's
-// racecheck did not grant the named-barrier version of this hand-off.
+// (common/packed_order.h: longest key range first).
 //
 // A CTA visits slots k = 0, 1, 2, ...: slot k is half k % kTilesPerUnit of
 // the unit of round k / kTilesPerUnit.
 //
 // Unit order. The (batch, head) pairs are cut into sections of
 // heads_per_section consecutive pairs: the query heads of one KV head (GQA;
-// one head without). Within a section the order is unit major (query block,
-// or block pair j), (batch, head) minor. So a KV head's query tiles run side
-// by side and its K and V come from DRAM about once. Sections of several KV
-// heads (as many as filled 24 MiB of L2) made each round re-read every head's
-// K and V: at hdim 128 full 8k twice FA3's DRAM traffic, the MMA warps waiting
-// on K and V (ncu, H100, 2026-11-24); one KV head per section measured
-// 1.00-1.08x at hdim 64/128 full and 0.99-1.06x causal (benchmarks/RESULTS.md).
+// one head without), or for dense causal masks of as many KV heads as hold
+// about two rounds of tiles (run by launch_fwd). Within a section the order is
+// unit major (query block: descending for dense causal masks, or block pair
+// j), (batch, head) minor. So a KV head's query tiles run side by side and its
+// K and V come from DRAM about once. Sections of several KV heads (as many as
+// filled 24 MiB of L2) made each round re-read every head's K and V: at hdim
+// 128 full 8k twice FA3's DRAM traffic, the MMA warps waiting on K and V (ncu,
+// H100, 2026-11-24); one KV head per section measured 1.00-1.08x at hdim
+// 64/128 full and 0.99-1.06x causal (benchmarks/RESULTS.md).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -62,11 +63,14 @@ struct FwdTile {
 template <class Traits>
 struct FwdTileScheduler {
   using Params = typename Traits::Params;
-  static constexpr int kTilesPerUnit = Traits::kCausal ? 2 : 1;
+  // Dense causal masks: single query tiles, handed out dynamically, longest
+  // first. Packed causal documents keep pairs (their own order kernel).
+  static constexpr bool kDenseCausal = Traits::kCausal && !Traits::kPacked;
+  static constexpr int kTilesPerUnit = Traits::kCausal && Traits::kPacked ? 2 : 1;
 
   // Host and device: units per (batch, head) pair.
   CUTE_HOST_DEVICE static int units_per_head(int num_m_blocks) {
-    return fwd_units_per_head(num_m_blocks, Traits::kCausal);
+    return fwd_units_per_head(num_m_blocks, kTilesPerUnit == 2);
   }
 
   // Unit `in` of `pairs` (batch, head) pairs of num_m_blocks query tiles each,
@@ -79,7 +83,9 @@ struct FwdTileScheduler {
     int const pairs_here = cute::min(p.heads_per_section, pairs - first_pair);
     int const in_section = in - section * units_per_section;
     int const j = in_section / pairs_here;
-    if constexpr (Traits::kCausal) {
+    if constexpr (kDenseCausal) {
+      t.m_block = num_m_blocks - 1 - j;  // longest first
+    } else if constexpr (Traits::kCausal) {
       int const hi = num_m_blocks - 1 - j;
       t.m_block = (k % kTilesPerUnit == 0) ? hi : (j == hi ? -1 : j);
     } else {
@@ -88,7 +94,23 @@ struct FwdTileScheduler {
     return first_pair + (in_section - j * pairs_here);
   }
 
-  static constexpr bool kDynamic = Traits::kPacked;
+  static constexpr bool kDynamic = Traits::kPacked || kDenseCausal;
+
+  // Dynamic: the call's tile counter and its number of units.
+  CUTE_DEVICE static int* unit_counter(Params const& p) {
+    if constexpr (Traits::kPacked) {
+      return p.packed_order + packed_order_counter_index(p.batch);
+    } else {
+      return p.tile_counter;
+    }
+  }
+  CUTE_DEVICE static int dynamic_units(Params const& p) {
+    if constexpr (Traits::kPacked) {
+      return packed_order_units(p.packed_order);
+    } else {
+      return p.num_units;
+    }
+  }
 
   // Dynamic: called by one thread before the CTA's __syncthreads. tile_full
   // completes once per round (the producer warp's leader arrives after writing
@@ -115,7 +137,7 @@ struct FwdTileScheduler {
       int unit = int(blockIdx.x);
       if (round > 0) {
         if (threadIdx.x % 32 == 0) {
-          unit = int(gridDim.x) + atomicAdd(p.packed_order + packed_order_counter_index(p.batch), 1);
+          unit = int(gridDim.x) + atomicAdd(unit_counter(p), 1);
         }
         unit = __shfl_sync(0xffffffff, unit, 0);
         // tile_empty: the MMA threads have read the previous round's unit for the last time.
@@ -126,7 +148,7 @@ struct FwdTileScheduler {
         // tile_full: this round's unit is in shared memory.
         cutlass::arch::ClusterBarrier::arrive(&smem.tile_full);
       }
-      if (unit >= packed_order_units(p.packed_order)) {
+      if (unit >= dynamic_units(p)) {
         // tile_empty: the MMA threads' read of this last (past the end) unit,
         // so that shared memory outlives it.
         cutlass::arch::ClusterBarrier::wait(&smem.tile_empty, round & 1);
@@ -146,7 +168,7 @@ struct FwdTileScheduler {
     int const unit = smem.tile_unit;
     // tile_empty: this was the round's last read (its last slot, or a unit past
     // the end, which has no more); the producer warp may write the next one.
-    if (k % kTilesPerUnit == kTilesPerUnit - 1 || unit >= packed_order_units(p.packed_order)) {
+    if (k % kTilesPerUnit == kTilesPerUnit - 1 || unit >= dynamic_units(p)) {
       cutlass::arch::ClusterBarrier::arrive(&smem.tile_empty);
     }
     return unit;

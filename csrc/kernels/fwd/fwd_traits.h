@@ -255,8 +255,9 @@ struct FwdTraits {
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
-    // Packed: the unit of the current round and its hand-off from the producer
-    // warp to the MMA threads (fwd_tile_scheduler.h).
+    // Dynamic scheduling (packed documents, dense causal masks): the unit of
+    // the current round and its hand-off from the producer warp to the MMA
+    // threads (fwd_tile_scheduler.h).
     int tile_unit;
     alignas(8) uint64_t tile_full;
     uint64_t tile_empty;
@@ -284,6 +285,7 @@ struct FwdTraits {
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
     int* packed_order;  // packed: the documents' order and the tile counter (common/packed_order.h)
+    int* tile_counter;  // dense causal: the tile counter (fwd_tile_scheduler.h)
     int seqlen_q, seqlen_k, heads, batch;
     int q_heads_per_kv_head;
     // The softmax's scale of the scores it sees (common/softcap.h: softmax_scale,
