@@ -21,8 +21,10 @@
 // Dense causal: single tiles, longest first within a section (below). Equal
 // pairs in a static snake (before) left the last round's quantisation: 1024
 // units on 132 CTAs, 7.76 rounds, the busiest CTA ~3% above the mean at every
-// grid point; greedy single tiles longest first: 0.1-1.5% (a unit-cost model
-// of the bench grid with sections of two rounds of tiles).
+// grid point; greedy single tiles longest first: 0.1-1.8% (a unit-cost model
+// of the bench grid with sections of a power of two of KV heads holding at
+// least a round of tiles; sections of any size leave a partial one at the
+// end, up to 10% in the model and on the GPU).
 // Packed documents: the units of one document (its own query tiles, every
 // head) are consecutive, ordered within it as a dense batch of one, and the
 // documents follow the order that the order kernel wrote before the launch
@@ -33,8 +35,8 @@
 //
 // Unit order. The (batch, head) pairs are cut into sections of
 // heads_per_section consecutive pairs: the query heads of one KV head (GQA;
-// one head without), or for dense causal masks of as many KV heads as hold
-// about two rounds of tiles (run by launch_fwd). Within a section the order is
+// one head without), or for dense causal masks the smallest power of two of
+// KV heads holding a round of tiles (launch_fwd). Within a section the order is
 // unit major (query block: descending for dense causal masks, or block pair
 // j), (batch, head) minor. So a KV head's query tiles run side by side and its
 // K and V come from DRAM about once. Sections of several KV heads (as many as
