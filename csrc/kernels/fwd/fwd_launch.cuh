@@ -141,7 +141,7 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   int const grid = p.num_units < num_sms ? p.num_units : num_sms;
 
   using Scheduler = FwdTileScheduler<Traits>;
-  if constexpr (Scheduler::kDenseCausal) {
+  if constexpr (Scheduler::kSingleCausalTiles) {
     // Sections of KV heads that hold at least a round of tiles, a power of
     // two (head counts usually are, so no partial section ends the kernel):
     // the longest-first order then ends every section, and the kernel, on

@@ -1,13 +1,15 @@
 // Persistent tile scheduler of the forward kernel: static for dense full and
-// local masks, dynamic for dense causal masks and packed documents.
+// local masks, dynamic for dense causal masks (but the hdim-64 two-warpgroup
+// kernel's, FwdTraits::kDynamicCausalTiles) and packed documents.
 //
 // Work is cut into units. Full and local (window) masks, and dense causal
-// masks: a unit is one query tile. Packed causal documents: a unit is the
+// masks: a unit is one query tile. Packed causal documents (and the hdim-64
+// two-warpgroup causal kernel, static): a unit is the
 // PAIR of query blocks (n_m - 1 - j, j), the longest tile with the shortest,
 // so that every unit costs about n_m + 1 key blocks (the causal profile is
 // linear in the block index). The grid has min(num_sms, num_units) CTAs (G).
 //
-// Static (dense full and local): in round r, CTA c takes unit r * G + c (r
+// Static (dense full and local masks, the hdim-64 two-warpgroup causal pairs): in round r, CTA c takes unit r * G + c (r
 // even) or r * G + (G - 1 - c) (r odd, a snake that evens out what unequal
 // units remain, e.g. with seqlen_q != seqlen_k). The producer warp and the
 // MMA warpgroups compute the same units independently.
@@ -66,9 +68,10 @@ template <class Traits>
 struct FwdTileScheduler {
   using Params = typename Traits::Params;
   // Dense causal masks: single query tiles, handed out dynamically, longest
-  // first. Packed causal documents keep pairs (their own order kernel).
-  static constexpr bool kDenseCausal = Traits::kCausal && !Traits::kPacked;
-  static constexpr int kTilesPerUnit = Traits::kCausal && Traits::kPacked ? 2 : 1;
+  // first (FwdTraits::kDynamicCausalTiles). Packed causal documents and the
+  // hdim-64 two-warpgroup kernel keep pairs.
+  static constexpr bool kSingleCausalTiles = Traits::kDynamicCausalTiles;
+  static constexpr int kTilesPerUnit = Traits::kCausal && !kSingleCausalTiles ? 2 : 1;
 
   // Host and device: units per (batch, head) pair.
   CUTE_HOST_DEVICE static int units_per_head(int num_m_blocks) {
@@ -85,7 +88,7 @@ struct FwdTileScheduler {
     int const pairs_here = cute::min(p.heads_per_section, pairs - first_pair);
     int const in_section = in - section * units_per_section;
     int const j = in_section / pairs_here;
-    if constexpr (kDenseCausal) {
+    if constexpr (kSingleCausalTiles) {
       t.m_block = num_m_blocks - 1 - j;  // longest first
     } else if constexpr (Traits::kCausal) {
       int const hi = num_m_blocks - 1 - j;
@@ -96,7 +99,7 @@ struct FwdTileScheduler {
     return first_pair + (in_section - j * pairs_here);
   }
 
-  static constexpr bool kDynamic = Traits::kPacked || kDenseCausal;
+  static constexpr bool kDynamic = Traits::kPacked || kSingleCausalTiles;
 
   // Dynamic: the call's tile counter and its number of units.
   CUTE_DEVICE static int* unit_counter(Params const& p) {

@@ -138,6 +138,14 @@ struct FwdTraits {
   static constexpr int kStages = TileConfig::kStages;
   static constexpr int kQStages = TileConfig::kQStages;
   static_assert(kBlockN % 16 == 0, "kBlockN is the K extent of the PV GEMM");
+  // Dense causal masks: single query tiles handed out longest first off a
+  // counter (fwd_tile_scheduler.h), except at hdim 64 on two MMA warpgroups
+  // (seqlen_q < kCausalThreeWarpgroupsFrom), whose tiles are short enough that
+  // the hand-off per tile cost more than the balance gained (0.97-1.00x against
+  // static pairs; hdim 128 1.01-1.04x, hdim 64 on three 1.01-1.06x; H100,
+  // 2026-11-24, benchmarks/RESULTS.md). That kernel keeps static pairs.
+  static constexpr bool kDynamicCausalTiles =
+      kCausal && !kPacked && !(kHeadDim == 64 && kNumMmaWarpgroups == 2);
 
   static constexpr int kThreadsPerWarpgroup = 128;
   static constexpr int kNumMmaThreads = kNumMmaWarpgroups * kThreadsPerWarpgroup;
