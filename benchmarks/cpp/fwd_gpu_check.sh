@@ -21,6 +21,8 @@ for h in $HDIMS; do for t in $DTYPES; do for c in 0 1; do
   run $a --batch 1 --seqlen_q 1 --seqlen_k 4099 --heads 2 --seed 6
   run $a --batch 1 --seqlen_q 129 --seqlen_k 65 --heads 2 --pad 1 --seed 7
   run $a --batch 1 --seqlen_q 2048 --seqlen_k 2048 --heads 2 --heads_kv 1 --scale 0.3 --seed 8
+  # More tiles than CTAs: causal kernels take later tiles off their counter (hdim 64: three warpgroups).
+  run $a --batch 2 --seqlen_q 4096 --heads 8 --heads_kv 2 --seed 9
 done; done; done
 echo "correctness failures: $fails"
 if [ -n "$GRID" ]; then timeout 300 "$BENCH" --grid --hdims "$GRID" --iters 30 --warmup 5; fi
