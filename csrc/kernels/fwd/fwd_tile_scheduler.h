@@ -9,10 +9,11 @@
 // so that every unit costs about n_m + 1 key blocks (the causal profile is
 // linear in the block index). The grid has min(num_sms, num_units) CTAs (G).
 //
-// Static (dense full and local masks, the hdim-64 two-warpgroup causal pairs): in round r, CTA c takes unit r * G + c (r
-// even) or r * G + (G - 1 - c) (r odd, a snake that evens out what unequal
-// units remain, e.g. with seqlen_q != seqlen_k). The producer warp and the
-// MMA warpgroups compute the same units independently.
+// Static (dense full and local masks, the hdim-64 two-warpgroup causal
+// pairs): in round r, CTA c takes unit r * G + c (r even) or r * G + (G - 1 -
+// c) (r odd, a snake that evens out what unequal units remain, e.g. with
+// seqlen_q != seqlen_k). The producer warp and the MMA warpgroups compute the
+// same units independently.
 //
 // Dynamic: CTA c takes unit c first, then, once per round, the producer warp
 // takes the next unit off the call's counter and hands it to the MMA threads
