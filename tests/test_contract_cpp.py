@@ -337,3 +337,14 @@ def test_packed_forward_order_matches_the_kernels(driver):
         blocks = [min(-(-k // block_n), fwd_order.BUCKETS - 1) for k in keys]
         assert blocks == sorted(blocks, reverse=True)
     assert pos == got.size
+
+
+def test_dense_causal_sections_match_the_kernels(driver):
+    """fwd_causal_section_kv_heads (csrc/common/packed_order.h) against dash_fa3/fwd_order.py: the
+    smallest power of two of KV heads whose tiles fill the grid once."""
+    cases = [(n, g) for n in (1, 2, 3, 4, 7, 16, 22, 64, 128, 1000, 1 << 20) for g in (1, 7, 114, 132, 133, 1024)]
+    got = run_driver(driver, "causal_sections", stdin="".join(f"{n} {g}\n" for n, g in cases))
+    want = [fwd_order.causal_section_kv_heads(n, g) for n, g in cases]
+    np.testing.assert_array_equal(got, want)
+    for (n, g), k in zip(cases, want):
+        assert k & (k - 1) == 0 and k * n >= g and (k == 1 or (k // 2) * n < g), (n, g, k)

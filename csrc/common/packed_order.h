@@ -27,6 +27,8 @@
 // cost), but a tile's bits do not.
 #pragma once
 
+#include <cstdint>
+
 #include "common/host_device.h"
 
 namespace dash_fa3 {
@@ -35,6 +37,18 @@ namespace dash_fa3 {
 // masks pair tile n - 1 - j with tile j (fwd_tile_scheduler.h).
 DASH_FA3_HD int fwd_units_per_head(int num_m_blocks, bool causal_pairs) {
   return causal_pairs ? (num_m_blocks + 1) / 2 : num_m_blocks;
+}
+
+// Dense causal kernels that take single tiles off a counter, longest first
+// (FwdTraits::kDynamicCausalTiles): KV heads per section, the smallest power
+// of two whose tiles (num_m_blocks per head) fill the grid's CTAs once. Each
+// section, and the kernel, then ends on short tiles; head counts are usually
+// powers of two, so no partial section ends the kernel
+// (dash_fa3/fwd_order.py models the balance).
+DASH_FA3_HD int fwd_causal_section_kv_heads(int num_m_blocks, int grid) {
+  int kv_heads = 1;
+  while (int64_t(kv_heads) * num_m_blocks < grid) { kv_heads *= 2; }
+  return kv_heads;
 }
 
 // Where each entry lives (the layout above), for the writer and the readers.

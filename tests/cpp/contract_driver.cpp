@@ -168,6 +168,15 @@ int fwd_order() {
   return 0;
 }
 
+// Per line "num_m_blocks grid": the dense causal forward's KV heads per section.
+int causal_sections() {
+  std::vector<int32_t> out;
+  int num_m_blocks = 0, grid = 0;
+  while (std::cin >> num_m_blocks >> grid) { out.push_back(dash_fa3::fwd_causal_section_kv_heads(num_m_blocks, grid)); }
+  emit(out);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -178,5 +187,7 @@ int main(int argc, char** argv) {
   if (cmd == "dqfrag") { return dqfrag(); }
   if (cmd == "packed") { return packed(); }
   if (cmd == "fwd_order") { return fwd_order(); }
-  return fail("usage: contract_driver decode BUNDLE | geometry | blocks | dqfrag | packed | fwd_order");
+  if (cmd == "causal_sections") { return causal_sections(); }
+  return fail("usage: contract_driver decode BUNDLE | geometry | blocks | dqfrag | packed | fwd_order | "
+              "causal_sections");
 }

@@ -142,13 +142,7 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 
   using Scheduler = FwdTileScheduler<Traits>;
   if constexpr (Scheduler::kSingleCausalTiles) {
-    // Sections of KV heads that hold at least a round of tiles, a power of
-    // two (head counts usually are, so no partial section ends the kernel):
-    // the longest-first order then ends every section, and the kernel, on
-    // short tiles (fwd_tile_scheduler.h).
-    int kv_heads = 1;
-    while (kv_heads * p.num_m_blocks < grid) { kv_heads *= 2; }
-    p.heads_per_section = kv_heads * p.q_heads_per_kv_head;
+    p.heads_per_section = fwd_causal_section_kv_heads(p.num_m_blocks, grid) * p.q_heads_per_kv_head;
     check_cuda(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream), "cudaMemsetAsync(tile_counter)");
   }
 

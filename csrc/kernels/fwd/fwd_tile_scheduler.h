@@ -39,7 +39,8 @@
 // Unit order. The (batch, head) pairs are cut into sections of
 // heads_per_section consecutive pairs: the query heads of one KV head (GQA;
 // one head without), or for dense causal masks the smallest power of two of
-// KV heads holding a round of tiles (launch_fwd). Within a section the order is
+// KV heads holding a round of tiles (fwd_causal_section_kv_heads,
+// common/packed_order.h, mirrored and modelled in dash_fa3/fwd_order.py). Within a section the order is
 // unit major (query block: descending for dense causal masks, or block pair
 // j), (batch, head) minor. So a KV head's query tiles run side by side and its
 // K and V come from DRAM about once. Sections of several KV heads (as many as
