@@ -42,6 +42,17 @@ CUTE_HOST_DEVICE constexpr auto gmma_smem_atom() {
 // kZeroInit: the first K slice overwrites C instead of accumulating.
 // kWaitDepth: after committing, wait until at most this many WGMMA batches are
 // in flight (-1: do not wait; the caller waits with cute::warpgroup_wait<N>).
+// A pipeline state's stage index, broadcast from lane 0, for slicing WGMMA
+// shared-memory operands. Every thread holds the same value, but ptxas cannot
+// always prove it: descriptors built from a thread's own copy are then
+// computed per thread and moved to uniform registers (R2UR) before every
+// WGMMA (forward causal kernels: 32 R2UR per key block at hdim 128; backward
+// at d = 192 with the deferred dK^T wait: 85M R2UR at full 8k).
+template <class State>
+CUTE_DEVICE int uniform_stage(State const& state) {
+  return __shfl_sync(0xffffffff, state.index(), 0);
+}
+
 template <bool kZeroInit, int kWaitDepth, class TiledMma, class FragA, class FragB, class FragC>
 CUTE_DEVICE void warpgroup_gemm(TiledMma& mma, FragA const& a, FragB const& b, FragC& c) {
   using namespace cute;

@@ -273,12 +273,9 @@ struct BwdMainloop {
       }
       FragSdP tSrS = partition_fragment_C(mma_sdp, typename Traits::SdPTile{});
       FragSdP tdPrdP = partition_fragment_C(mma_sdp, typename Traits::SdPTile{});
-      // The step's stage indices, broadcast from lane 0 so that ptxas keeps
-      // the WGMMA descriptors built from them in uniform registers (with the
-      // dK^T wait deferred across the loop it moved them per thread, one
-      // R2UR pair before every WGMMA: 85M R2UR at d = 192 full 8k).
-      int const q_stage = __shfl_sync(0xffffffff, read_q.index(), 0);
-      int const do_stage = __shfl_sync(0xffffffff, read_do.index(), 0);
+      // The step's stage indices, warp-uniform for the WGMMA descriptors (common/gemm_sm90.h).
+      int const q_stage = uniform_stage(read_q);
+      int const do_stage = uniform_stage(read_do);
       consumer_wait(pipeline_q, read_q);
       float const* lse = smem.lse[q_stage];
       float const lse_lo = lse[m_lo];

@@ -77,16 +77,6 @@ struct FwdMainloop {
     named_barrier_arrive(turn_barrier(wg + 1 == kWarpgroups ? 0 : wg + 1), kTurnThreads);
   }
 
-  // A pipeline state's stage index, broadcast from lane 0. Every thread holds
-  // the same value, but ptxas cannot prove it: WGMMA descriptors built from
-  // the thread's own copy are computed per thread and moved to uniform
-  // registers (R2UR) before every WGMMA, 32 R2UR and ~30 more integer
-  // instructions per key block at hdim 128 causal (ncu, H100, 2026-11-24).
-  template <class State>
-  CUTE_DEVICE static int stage_of(State const& state) {
-    return __shfl_sync(0xffffffff, state.index(), 0);
-  }
-
   template <class Pipeline, class State>
   CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, State const& state) {
     auto token = pipeline.consumer_try_wait(state);
@@ -153,7 +143,7 @@ struct FwdMainloop {
       FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
       consumer_wait(pipeline_q, q_state);
       consumer_wait(pipeline_k, read_state);
-      warpgroup_gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, stage_of(read_state)), tSrS);
+      warpgroup_gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, uniform_stage(read_state)), tSrS);
       pipeline_k.consumer_release(read_state);
       cap(tSrS);
       mask(tSrS, n);
@@ -168,7 +158,7 @@ struct FwdMainloop {
       constexpr bool kMasked = decltype(masked)::value;
       PipelineState const v_state = read_state;
       ++read_state;
-      int const k_stage = stage_of(read_state);
+      int const k_stage = uniform_stage(read_state);
       // v_state is the state one before read_state. Its stage from k_stage
       // rather than a second broadcast: that one made the three-warpgroup
       // kernels (160 registers) spill.
@@ -224,7 +214,7 @@ struct FwdMainloop {
 
     // Last PV GEMM.
     consumer_wait(pipeline_v, read_state);
-    warpgroup_gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, stage_of(read_state)), tOrO);
+    warpgroup_gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, uniform_stage(read_state)), tOrO);
     pipeline_v.consumer_release(read_state);
     ++read_state;
 
