@@ -121,8 +121,6 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
       int64_t(FwdTileScheduler<Traits>::units_per_head(p.num_m_blocks)) * a.heads * a.batch;
   require(units < (int64_t(1) << 30), "too many tiles (batch * heads * seqlen_q / 128 >= 2^30)");
   p.num_units = int(units);
-  // Sections of one KV head's query heads (fwd_tile_scheduler.h).
-  p.heads_per_section = p.q_heads_per_kv_head;
   return p;
 }
 
@@ -140,9 +138,12 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   }
   int const grid = p.num_units < num_sms ? p.num_units : num_sms;
 
-  using Scheduler = FwdTileScheduler<Traits>;
-  if constexpr (Scheduler::kSingleCausalTiles) {
-    p.heads_per_section = fwd_causal_section_kv_heads(p.num_m_blocks, grid) * p.q_heads_per_kv_head;
+  // Sections (fwd_tile_scheduler.h): the query heads of one KV head, or of as
+  // many KV heads as the single causal tiles need to fill the grid once.
+  int const kv_heads_per_section =
+      Traits::kDynamicCausalTiles ? fwd_causal_section_kv_heads(p.num_m_blocks, grid) : 1;
+  p.heads_per_section = kv_heads_per_section * p.q_heads_per_kv_head;
+  if constexpr (Traits::kDynamicCausalTiles) {
     check_cuda(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream), "cudaMemsetAsync(tile_counter)");
   }
 

@@ -72,8 +72,7 @@ struct FwdTileScheduler {
   // Dense causal masks: single query tiles, handed out dynamically, longest
   // first (FwdTraits::kDynamicCausalTiles). Packed causal documents and the
   // hdim-64 two-warpgroup kernel keep pairs.
-  static constexpr bool kSingleCausalTiles = Traits::kDynamicCausalTiles;
-  static constexpr int kTilesPerUnit = Traits::kCausal && !kSingleCausalTiles ? 2 : 1;
+  static constexpr int kTilesPerUnit = Traits::kCausal && !Traits::kDynamicCausalTiles ? 2 : 1;
 
   // Host and device: units per (batch, head) pair.
   CUTE_HOST_DEVICE static int units_per_head(int num_m_blocks) {
@@ -90,7 +89,7 @@ struct FwdTileScheduler {
     int const pairs_here = cute::min(p.heads_per_section, pairs - first_pair);
     int const in_section = in - section * units_per_section;
     int const j = in_section / pairs_here;
-    if constexpr (kSingleCausalTiles) {
+    if constexpr (Traits::kDynamicCausalTiles) {
       t.m_block = num_m_blocks - 1 - j;  // longest first
     } else if constexpr (Traits::kCausal) {
       int const hi = num_m_blocks - 1 - j;
@@ -101,7 +100,7 @@ struct FwdTileScheduler {
     return first_pair + (in_section - j * pairs_here);
   }
 
-  static constexpr bool kDynamic = Traits::kPacked || kSingleCausalTiles;
+  static constexpr bool kDynamic = Traits::kPacked || Traits::kDynamicCausalTiles;
 
   // Dynamic: the call's tile counter and its number of units.
   CUTE_DEVICE static int* unit_counter(Params const& p) {

@@ -304,7 +304,7 @@ struct FwdTraits {
     int num_m_blocks;
     int num_units;          // scheduling units (tiles, or causal tile pairs), see fwd_tile_scheduler.h;
                             // packed: a bound (the call's count: packed_order_units)
-    int heads_per_section;  // (batch, head) pairs per section: q_heads_per_kv_head (fwd_tile_scheduler.h)
+    int heads_per_section;  // (batch, head) pairs per section (fwd_tile_scheduler.h), set by launch_fwd
     // kLocal: the window with an unbounded side as a bound that masks
     // nothing (left: seqlen_k, right: seqlen_q; the block ranges are the same,
     // see make_fwd_params), so the device code has no -1 case. Unused otherwise
