@@ -55,9 +55,9 @@ static dash_fa3::MaskKind mask_of(bool causal) {
 }
 
 static bool dispatch_bwd(int hdim, DType dtype, bool causal, const dash_fa3::BwdParams& p, cudaStream_t st) {
-#define DASH_BWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME)                                      \
-  if (!PACKED && !SOFTCAP && hdim == H && dtype == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) { \
-    dash_fa3::run_bwd<H, H, DType::T, dash_fa3::MaskKind::M, false, false>(p, st);                 \
+#define DASH_BWD_VARIANT(H, HV, T, M, PACKED, SOFTCAP, NAME)                                      \
+  if (H == HV && !PACKED && !SOFTCAP && hdim == H && dtype == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) { \
+    dash_fa3::run_bwd<H, HV, DType::T, dash_fa3::MaskKind::M, false, false>(p, st);                 \
     return true;                                                                  \
   }
   DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_BWD_VARIANT)
@@ -532,14 +532,15 @@ static void bench_case(Dims g, DType dt) {
 
 static std::vector<int> built_hdims() {
   std::vector<int> h;
-#define DASH_BWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME) if (std::find(h.begin(), h.end(), H) == h.end()) h.push_back(H);
+#define DASH_BWD_VARIANT(H, HV, T, M, PACKED, SOFTCAP, NAME) \
+  if (H == HV && std::find(h.begin(), h.end(), H) == h.end()) h.push_back(H);
   DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_BWD_VARIANT)
 #undef DASH_BWD_VARIANT
   return h;
 }
 static bool built(int hdim, DType dt, bool causal) {
-#define DASH_BWD_VARIANT(H, T, M, PACKED, SOFTCAP, NAME) \
-  if (hdim == H && dt == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) return true;
+#define DASH_BWD_VARIANT(H, HV, T, M, PACKED, SOFTCAP, NAME) \
+  if (H == HV && hdim == H && dt == DType::T && mask_of(causal) == dash_fa3::MaskKind::M) return true;
   DASH_FA3_FOR_EACH_BWD_KERNEL(DASH_BWD_VARIANT)
 #undef DASH_BWD_VARIANT
   return false;

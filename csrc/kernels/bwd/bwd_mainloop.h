@@ -14,7 +14,8 @@
 //   (softcap: S^T <- tanh(S^T * prescale) first, and dS^T times 1 - tanh^2;
 //   common/softcap.h)
 //   dV  += P^T dO        (RS WGMMA, P^T from registers)
-//   dS^T -> sdS          (shared memory, for the dQ GEMM of both warpgroups)
+//   dS^T -> sdS          (shared memory, for the dQ GEMM of both warpgroups;
+//                        hdim 64 stores it before the dV issue: Traits::kDsBeforeDv)
 //   dQ   = dS K          (SS WGMMA, after both warpgroups wrote sdS: kDsReady)
 //   dK  += dS^T Q        (RS WGMMA)
 //   dQ -> sdQ[step % 2], this warpgroup's half handed to the dQ writer
@@ -609,18 +610,21 @@ struct BwdMainloop {
         Tensor tDrDs = make_tensor<Element>(LayoutA{});
         convert_fragment(make_tensor(tdPrdP.data(), LayoutA{}), tDrDs);
 
-        warpgroup_gemm<false, -1>(mma_dv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
-        if constexpr (kDkBeforeDq) {
-          warpgroup_gemm<false, -1>(mma_dk, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
-        }
-
         // dS^T -> sdS with stmatrix: each 8 x 8 block of the accumulator (8 KV
         // rows x 8 adjacent Q rows) is one matrix whose rows are 16 contiguous
         // bytes of the M-contiguous sdS; one STSM.x4 moves 8 registers' worth
         // (4-byte stores took 4x the instructions, which queued in front of the
-        // WGMMAs on the MIO pipe).
-        copy(r2s_ds, thr_r2s_ds.retile_S(make_tensor(tDrDs.data(), typename FragSdP::layout_type{})),
-             tRsDst(_, _, _, ds_stage));
+        // WGMMAs on the MIO pipe). Before or after the dV issue: Traits::kDsBeforeDv.
+        auto store_ds = [&] {
+          copy(r2s_ds, thr_r2s_ds.retile_S(make_tensor(tDrDs.data(), typename FragSdP::layout_type{})),
+               tRsDst(_, _, _, ds_stage));
+        };
+        if constexpr (Traits::kDsBeforeDv) { store_ds(); }
+        warpgroup_gemm<false, -1>(mma_dv, tDrP, tDrdOt(_, _, _, read_do.index()), tdVrdV);
+        if constexpr (kDkBeforeDq) {
+          warpgroup_gemm<false, -1>(mma_dk, tDrDs, tDrQt(_, _, _, read_q.index()), tdKrdK);
+        }
+        if constexpr (!Traits::kDsBeforeDv) { store_ds(); }
         // The generic-proxy stores above are read by WGMMA (async proxy) next.
         cutlass::arch::fence_view_async_shared();
 
