@@ -15,7 +15,7 @@
 //   common/softcap.h)
 //   dV  += P^T dO        (RS WGMMA, P^T from registers)
 //   dS^T -> sdS          (shared memory, for the dQ GEMM of both warpgroups;
-//                        hdim 64 stores it before the dV issue: Traits::kDsBeforeDv)
+//                        hdim 64 and 96 store it before the dV issue: Traits::kDsBeforeDv)
 //   dQ   = dS K          (SS WGMMA, after both warpgroups wrote sdS: kDsReady)
 //   dK  += dS^T Q        (RS WGMMA)
 //   dQ -> sdQ[step % 2], this warpgroup's half handed to the dQ writer

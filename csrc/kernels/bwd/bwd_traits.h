@@ -283,15 +283,15 @@ struct BwdTraits {
   // kBlockM = 64) compiles either way without spills and was not measured.
   static constexpr bool kDkBeforeDq = kRowSplit && kHeadDim == 128;
   // Whether dS^T goes to sdS before the dV GEMM is issued (else under it).
-  // Measured at hdim 64 (H100, 2026-11-24, C++ harness, alternating builds,
-  // 4 rounds, against the stores under dV): non-deterministic +1.6-5.8% (full
-  // 512 to causal 16k), deterministic spt +1-6.7%; as FA3's hdim-64 order.
-  // Only in the 24/240 kernels below: with softcap or the packed window
-  // (40/232) ptxas spills more (CUDA 13.0: softcap 8-32 -> 28-64 bytes, local
-  // packed 0 -> 16). hdim 96 keeps the stores under dV (not measured); hdim
-  // 128 stores after issuing dV and dK (kDkBeforeDq), storing first there
-  // measured 0.985-1.005x.
-  static constexpr bool kDsBeforeDv = kRowSplit && !kDkBeforeDq && kBlockM == 128 && kLseEarly;
+  // Measured (H100, 2026-11-24, C++ harness, alternating builds, 4 rounds,
+  // against the stores under dV): hdim 64 non-deterministic +1.6-5.8% (full
+  // 512 to causal 16k), deterministic spt +1-6.7%; hdim 96 +3-8% and +2-6%
+  // (-0.9% nd at causal 512); as FA3's hdim-64 order. At hdim 64 only in the
+  // kLseEarly (24/240) kernels: with softcap or the packed window (40/232)
+  // ptxas spills more (CUDA 13.0: softcap 8-32 -> 28-64 bytes, local packed
+  // 0 -> 16). hdim 128 stores after issuing dV and dK (kDkBeforeDq); storing
+  // first there measured 0.985-1.005x.
+  static constexpr bool kDsBeforeDv = kRowSplit && !kDkBeforeDq && kLseEarly;
   // setmaxnreg budgets (they must fit the launch's allocation:
   // common/constants.h, setmaxnreg_budgets_fit). Wide (24/240) where the
   // early LSE values of a 128-row step need it; else 40/232 (24/240 alone
