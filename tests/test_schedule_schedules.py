@@ -102,6 +102,10 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=8192, **causal128)) == "spt"
+    # head dim 96 shares head dim 128's tiles; the op passes headdim, and causal masks get spt there
+    causal96 = dict(batch=1, heads=21, headdim=96, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **causal96), headdim=96) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **causal96), headdim=128) == "symmetric_shift"
     causal64 = dict(batch=1, heads=32, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal64)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal64)) == "symmetric_shift"
