@@ -1,6 +1,6 @@
 """Builds the C++ kernel harnesses (no Python at run time):
 
-    python benchmarks/cpp/build.py fwd|bwd [--out DIR] [--jobs N]
+    python benchmarks/cpp/build.py fwd|bwd [--out DIR] [--jobs N] [--harness-only]
 
 The variants come from dash_fa3/variants.py (DASH_FA3_VARIANTS narrows them),
 the instantiation files from csrc/instantiations/ and the nvcc flags and
@@ -8,6 +8,9 @@ include paths from tools/build_config.py: the harness runs exactly the kernels
 the extension compiles. Output: DIR/{fwd,bwd}_bench (default carry/<dir>/, an
 ignored folder that can travel to the GPU machine with the device tool's carry).
 Objects are rebuilt only when their inputs change (make-style timestamps).
+--harness-only compiles the harness source alone (no kernels, no link): CI's
+check that the harness still matches the kernels' interfaces and the
+generated variant table.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("direction", choices=sorted(build_config.DIRECTIONS))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+    ap.add_argument("--harness-only", action="store_true", help="compile the harness source only (no kernels, no link)")
     args = ap.parse_args(argv)
 
     out = args.out or ROOT / "carry" / args.direction
@@ -64,12 +68,15 @@ def main(argv=None) -> int:
         sys.exit(f"no {args.direction} variant selected by {build_config.variants.ENV_VAR}")
     sources = [build_config.INSTANTIATIONS / build_config.instantiation_name(args.direction, v) for v in pairs]
     sources += [ROOT / src for src in EXTRA_SOURCES[args.direction]]
-    sources.append(ROOT / "benchmarks" / "cpp" / f"{args.direction}_bench.cu")
+    harness = ROOT / "benchmarks" / "cpp" / f"{args.direction}_bench.cu"
+    sources = [harness] if args.harness_only else [*sources, harness]
     objs = [out / "obj" / (s.stem + ".o") for s in sources]
     headers = max(newest_header(), *((out / h).stat().st_mtime for h in ("variant_table.h", "kernel_contract.h")))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for line in pool.map(lambda so: compile_one(so[0], so[1], includes, headers), zip(sources, objs)):
             print(line, flush=True)
+    if args.harness_only:
+        return 0
     exe = out / f"{args.direction}_bench"
     subprocess.run([build_config.nvcc(), "-gencode=arch=compute_90a,code=sm_90a", "-o", str(exe), *map(str, objs)],
                    check=True)
