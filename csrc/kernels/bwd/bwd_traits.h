@@ -279,8 +279,8 @@ struct BwdTraits {
   // head dims: dV, sdS, kDsReady, dQ, dK, dQ handed over while dK runs.
   // Measured (H100, 2026-11-24, alternating builds, TFLOP/s against the
   // second order): hdim 128 non-deterministic +1-4% (-1.5% at causal 1k),
-  // deterministic spt +2-3% from 2k on; hdim 64 -2 to -5%. hdim 96 (also
-  // kBlockM = 64) compiles either way without spills and was not measured.
+  // deterministic spt +2-3% from 2k on; hdim 64 -2 to -5%; hdim 96 (also
+  // kBlockM = 64; 2026-11-24, against kDsBeforeDv below) 0.98-1.01x.
   static constexpr bool kDkBeforeDq = kRowSplit && kHeadDim == 128;
   // Whether dS^T goes to sdS before the dV GEMM is issued (else under it).
   // Measured (H100, 2026-11-24, C++ harness, alternating builds, 4 rounds,
