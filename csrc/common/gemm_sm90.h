@@ -38,10 +38,6 @@ CUTE_HOST_DEVICE constexpr auto gmma_smem_atom() {
   }
 }
 
-// Issues one warpgroup GEMM C (+)= A * B over all K slices of the fragments.
-// kZeroInit: the first K slice overwrites C instead of accumulating.
-// kWaitDepth: after committing, wait until at most this many WGMMA batches are
-// in flight (-1: do not wait; the caller waits with cute::warpgroup_wait<N>).
 // A pipeline state's stage index, broadcast from lane 0, for slicing WGMMA
 // shared-memory operands. Every thread holds the same value, but ptxas cannot
 // always prove it: descriptors built from a thread's own copy are then
@@ -53,6 +49,10 @@ CUTE_DEVICE int uniform_stage(State const& state) {
   return __shfl_sync(0xffffffff, state.index(), 0);
 }
 
+// Issues one warpgroup GEMM C (+)= A * B over all K slices of the fragments.
+// kZeroInit: the first K slice overwrites C instead of accumulating.
+// kWaitDepth: after committing, wait until at most this many WGMMA batches are
+// in flight (-1: do not wait; the caller waits with cute::warpgroup_wait<N>).
 template <bool kZeroInit, int kWaitDepth, class TiledMma, class FragA, class FragB, class FragC>
 CUTE_DEVICE void warpgroup_gemm(TiledMma& mma, FragA const& a, FragB const& b, FragC& c) {
   using namespace cute;
