@@ -291,3 +291,55 @@ def test_refuses_too_many_ctas():
     s = build_schedule("shift", Geometry.model(4, 1, "full"), 4)
     with pytest.raises(ScheduleError, match="persistent grid"):
         clone(s, num_sms=2).validate()
+
+
+def _rect_gaps(s, width):
+    """Steps between consecutive contributions to each rectangle tile, per (head, wave) segment."""
+    gaps = []
+    rect = int(s.meta.header[M.H_RECT_BEGIN])
+    for key in set(zip(s.task_head_index.tolist(), s.meta.tasks[:, M.C_SEG_BEGIN].tolist())):
+        rows = [t for t in range(s.num_tasks) if (int(s.task_head_index[t]), int(s.meta.tasks[t, M.C_SEG_BEGIN])) == key
+                and int(s.meta.tasks[t, M.C_ROLE]) == M.ROLE_LO]
+        for q in range(rect, rect + width):
+            steps = sorted(int(np.flatnonzero(s.visiting_order(t) == q)[0]) for t in rows)
+            gaps += np.diff(steps).tolist()
+    return gaps
+
+
+@pytest.mark.parametrize("name,causal", [("shift", False), ("symmetric_shift", True)])
+def test_cyclic_legs_keep_a_tiles_contributions_apart(name, causal):
+    # 64-row Q tiles against 128-row KV tiles: the rectangle is twice as wide as a
+    # head's units, so consecutive slots start two tiles apart and every rectangle
+    # tile's consecutive contributions (of one wave) come two steps apart, not one.
+    g = Geometry.from_shape(batch=1, heads=3, seqlen_q=2048, headdim=128, causal=causal)
+    s = build_schedule(name, g, 40)   # 40 CTAs: some heads' units straddle two waves
+    header = s.meta.header
+    units, rect = int(header[M.H_UNITS_PER_HEAD]), int(header[M.H_RECT_BEGIN])
+    width = g.n_q - rect
+    assert int(header[M.H_CYC_STRIDE_LOG2]) == 1 and 2 * units <= width
+    lo = s.meta.tasks[:, M.C_ROLE] == M.ROLE_LO
+    slot = s.meta.tasks[:, M.C_UNIT] - s.meta.tasks[:, M.C_SEG_BEGIN]
+    assert np.array_equal(s.meta.tasks[lo, M.C_CYC_OFF], (2 * slot[lo]) % width)
+    gaps = _rect_gaps(s, width)
+    assert gaps and min(gaps) == 2
+    assert s.validate().collisions == 0   # and the decoded ranks match the planned-time order
+
+
+def test_square_tiles_keep_the_papers_shift():
+    # Square tiles (d = 64): no room, stride 1, the paper's consecutive shift.
+    g = Geometry.from_shape(batch=1, heads=3, seqlen_q=2048, headdim=64, causal=False)
+    s = build_schedule("shift", g, 40)
+    assert int(s.meta.header[M.H_CYC_STRIDE_LOG2]) == 0
+    slot = s.meta.tasks[:, M.C_UNIT] - s.meta.tasks[:, M.C_SEG_BEGIN]
+    assert np.array_equal(s.meta.tasks[:, M.C_CYC_OFF], slot % g.n_q)
+    assert min(_rect_gaps(s, g.n_q)) == 1
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,expect", [(8192, 2048, 3), (5000, 1200, 2), (1050, 1050, 0)])
+def test_cyc_stride_is_the_largest_power_of_two_that_fits(seqlen_q, seqlen_k, expect):
+    g = Geometry.from_shape(batch=1, heads=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=128, causal=False)
+    s = build_schedule("shift", g, 132)
+    k = 1 << int(s.meta.header[M.H_CYC_STRIDE_LOG2])
+    assert int(s.meta.header[M.H_CYC_STRIDE_LOG2]) == expect
+    assert k * g.n_kv <= g.n_q < 2 * k * g.n_kv
+    s.validate()

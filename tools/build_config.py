@@ -181,8 +181,11 @@ DTYPE_ENUM = {"bf16": "kBF16", "fp16": "kFP16"}
 # defines for every translation unit. DASH_FA3_BWD_FIXED_STEPS=1: the backward
 # without per-step schedule reads and without the deterministic mode's
 # semaphore code (kernels/bwd/bwd_traits.h, kFixedSteps); such a build refuses
-# deterministic calls.
-MEASUREMENT_KNOBS = {"DASH_FA3_BWD_FIXED_STEPS": ("0", "1")}
+# deterministic calls. DASH_FA3_BWD_TRACE=1: the backward records per-step
+# timestamps of its dQ hand-offs into buffers of BwdParams
+# (kernels/bwd/bwd_trace.h); only the C++ harness (benchmarks/cpp/bwd_bench.cu
+# trace) passes them.
+MEASUREMENT_KNOBS = {"DASH_FA3_BWD_FIXED_STEPS": ("0", "1"), "DASH_FA3_BWD_TRACE": ("0", "1")}
 
 
 def measurement_defines(env=None) -> list[str]:

@@ -4,6 +4,12 @@
 
 #include <cstdint>
 
+// Measurement build, never the default (tools/build_config.py
+// MEASUREMENT_KNOBS): the backward records timestamps (kernels/bwd/bwd_trace.h).
+#ifndef DASH_FA3_BWD_TRACE
+#define DASH_FA3_BWD_TRACE 0
+#endif
+
 namespace dash_fa3 {
 
 // Element type of Q, K, V, O, dO, dQ, dK, dV. The kernels map it to a CUTLASS
@@ -233,6 +239,13 @@ struct BwdParams {
   int window_left;
   int window_right;
   bool deterministic;
+#if DASH_FA3_BWD_TRACE
+  // kernels/bwd/bwd_trace.h, or nullptr: (num_tasks, kNumTaskFields) and
+  // (num_tasks, trace_max_steps, kNumStepFields) int64.
+  int64_t* trace_tasks;
+  int64_t* trace_steps;
+  int trace_max_steps;
+#endif
 };
 
 }  // namespace dash_fa3

@@ -29,10 +29,11 @@ struct RankParams {
   int kind;        // RankKind
   int rect_begin;  // R, the first Q tile of the dense rectangle (SHIFT)
   int pairs_hi;    // units that carry a second ("hi") KV tile (SHIFT)
+  int cyc_stride_log2;  // slot i's cyclic leg starts i << cyc_stride_log2 tiles into the rectangle (SHIFT)
 };
 
 DASH_FA3_HD RankParams rank_params_of(int32_t const* header) {
-  return {header[kHRankKind], header[kHRectBegin], header[kHPairsHi]};
+  return {header[kHRankKind], header[kHRectBegin], header[kHPairsHi], header[kHCycStrideLog2]};
 }
 
 DASH_FA3_HD TileGeometry tile_geometry_of(int32_t const* header) {
@@ -104,14 +105,18 @@ DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, 
     local = imin(kv_end, pb) - 1 - kv;
   } else {
     // Cyclic leg over the rectangle (only schedules with rect_begin < n_q get
-    // here): order by step, ties by segment slot.
+    // here): order by step, ties by segment slot. Slot j reaches rectangle tile
+    // qq at step (qq - k j) mod width (k = 2^cyc_stride_log2 > 1 only where a
+    // segment has at most width / k slots, so reps = 0 then); lt counts the
+    // slots that reach it before this step, unwrapped and wrapped.
+    int const sh = rp.cyc_stride_log2;
     int const width = geo.n_q() - rp.rect_begin;
     int const qq = q - rp.rect_begin;
     int const slot = kv - pa;
     int const reps = seg / width;
     int const rem = seg % width;
-    int const lt = imax(0, imin(qq + 1, rem) - imax(qq - step + 1, 0)) +
-                   imax(0, rem - (width + qq - step + 1));
+    int const lt = imax(0, imin((qq >> sh) + 1, rem) - (imax(qq - step + (1 << sh), 0) >> sh)) +
+                   imax(0, rem - (((width + qq - step) >> sh) + 1));
     local = step * reps + lt + slot / width;
   }
   return {q, base + local};

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 MAGIC = 0x44415348  # 'DASH'
 # Bumped with every layout change (2: the GQA dK/dV turn column removed;
-# 3: the mask kind and the window instead of the causal flag).
-METADATA_VERSION = 3
+# 3: the mask kind and the window instead of the causal flag; 4: the cyclic
+# legs' stride, as its log2, in the former reserved field).
+METADATA_VERSION = 4
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -47,12 +48,12 @@ HEADER_FIELDS = (
     "pairs_hi",        # units that carry a second ("hi") KV tile (SHIFT)
     "num_steps",       # total (task, step) pairs
     "offsets_len",     # num_ctas + 1 (static) or 0 (dynamic)
-    "reserved",
+    "cyc_stride_log2", # slot i of a wave's segment starts its cyclic leg i << cyc_stride_log2 tiles on (SHIFT)
 )
 (H_MAGIC, H_VERSION, H_SCHEDULE, H_DISPATCH, H_RANK_KIND, H_NUM_CTAS, H_NUM_TASKS, H_NUM_COLS,
  H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_MASK, H_WINDOW_LEFT,
  H_WINDOW_RIGHT, H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
- H_RESERVED) = range(len(HEADER_FIELDS))
+ H_CYC_STRIDE_LOG2) = range(len(HEADER_FIELDS))
 HEADER_LEN = len(HEADER_FIELDS)
 
 # Task-table columns, by index; one row per task (batch, q head, KV tile).

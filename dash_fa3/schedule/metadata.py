@@ -37,7 +37,7 @@ from .contract import (C_BATCH, C_CTA, C_CYC_BASE, C_CYC_LEN, C_CYC_OFF, C_HEAD,
                        COLUMNS, DISPATCH_DYNAMIC, DISPATCH_STATIC, H_BATCH, H_BLOCK_M, H_BLOCK_N, H_MASK,
                        H_DISPATCH, H_HEADS, H_HEADS_KV, H_MAGIC, H_N_KV, H_N_Q, H_NUM_COLS, H_NUM_CTAS,
                        H_NUM_STEPS, H_NUM_TASKS, H_OFFSETS_LEN, H_PAIRS_HI, H_RANK_KIND, H_RECT_BEGIN,
-                       H_RESERVED, H_SCHEDULE, H_SEQLEN_K, H_SEQLEN_Q, H_UNITS_PER_HEAD, H_VERSION, H_WINDOW_LEFT,
+                       H_CYC_STRIDE_LOG2, H_SCHEDULE, H_SEQLEN_K, H_SEQLEN_Q, H_UNITS_PER_HEAD, H_VERSION, H_WINDOW_LEFT,
                        H_WINDOW_RIGHT,
                        HEADER_FIELDS, HEADER_LEN, MAGIC, MASK_CAUSAL, MASK_CODES, MASK_FULL, MASK_LOCAL,
                        METADATA_VERSION, NUM_COLS, RANK_ASC, RANK_DESC,
@@ -90,13 +90,19 @@ def _decode(header, T: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.nda
     local_hi = seg + kv - (n_kv - np.minimum(pb, pairs_hi))
     # above the rectangle: lo tiles in descending order
     local_up = np.minimum(kv_end, pb) - 1 - kv
-    # cyclic leg over the rectangle: order by step, ties by segment slot
+    # cyclic leg over the rectangle: order by step, ties by segment slot. Slot j
+    # reaches rectangle tile qq at step (qq - k j) mod width (k = 2^cyc_stride_log2;
+    # k > 1 only where a segment has at most width / k slots, so reps = 0 then):
+    # lt counts the slots that reach it before this step, unwrapped and wrapped.
+    # (C++ shifts by the log2: no division by a run-time value in the dQ writer.)
+    sh = int(header[H_CYC_STRIDE_LOG2])
+    k = 1 << sh
     qq = q - rect
     slot = kv - pa
     reps = seg // width
     rem = seg % width
-    lt = (np.maximum(0, np.minimum(qq + 1, rem) - np.maximum(qq - step + 1, 0))
-          + np.maximum(0, rem - (width + qq - step + 1)))
+    lt = (np.maximum(0, np.minimum((qq >> sh) + 1, rem) - (np.maximum(qq - step + k, 0) >> sh))
+          + np.maximum(0, rem - (((width + qq - step) >> sh) + 1)))
     local_cyc = step * reps + lt + np.maximum(slot, 0) // width
     local = np.where(T[:, C_ROLE] == ROLE_HI, local_hi, np.where(q < rect, local_up, local_cyc))
     return q, base + local

@@ -296,7 +296,7 @@ def _ranks_by_key(gid: np.ndarray, *keys: np.ndarray) -> np.ndarray:
 
 
 def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, units, pairs_hi,
-            num_steps, offsets_len) -> np.ndarray:
+            num_steps, offsets_len, cyc_stride_log2=0) -> np.ndarray:
     g = geometry
     h = np.zeros(M.HEADER_LEN, dtype=np.int64)
     h[M.H_MAGIC] = M.MAGIC
@@ -318,6 +318,7 @@ def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, unit
     h[M.H_PAIRS_HI] = pairs_hi
     h[M.H_NUM_STEPS] = num_steps
     h[M.H_OFFSETS_LEN] = offsets_len
+    h[M.H_CYC_STRIDE_LOG2] = cyc_stride_log2
     return _i32(h)
 
 
@@ -497,6 +498,23 @@ def shift_layout(g: Geometry, name: str) -> tuple[int, int, int]:
     return units, pairs_hi, rect
 
 
+def cyc_stride_log2(width: int, units: int) -> int:
+    """log2 of k, the stride between the cyclic legs' starting tiles of consecutive slots.
+
+    Slot i of a segment starts its walk over the rectangle's ``width`` Q tiles at
+    R + (k i) % width. With k = 1 (the paper's shift) a rectangle tile takes its
+    contributions from consecutive slots on consecutive steps, so each dQ hand-off
+    (add, completion, release, the next writer's acquire: about one step of the
+    kernel at d = 128, benchmarks/RESULTS.md) must fit in one step. Where the
+    rectangle has room (width >= 2 units, e.g. 64-row Q tiles against 128-row KV
+    tiles) k, the largest power of two <= width // units, spaces consecutive
+    contributions k steps apart; with zero hand-off cost both orders take the
+    same time. (A power of two: the dQ writer decodes ranks with shifts; a
+    division by a run-time k made ptxas spill in its 24-register warps.)
+    """
+    return max(1, width // max(units, 1)).bit_length() - 1
+
+
 def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     """shift / symmetric_shift.
 
@@ -505,7 +523,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     [pa, pb); slot i = p - pa.
 
     lo tile p:  first the dense rectangle [R, n_q) as a cyclic shift starting at
-                R + i % W (W = n_q - R), then its remaining Q tiles [q_begin, R)
+                R + (k i) % W (W = n_q - R, k = 2^cyc_stride_log2(W, units)), then its remaining Q tiles [q_begin, R)
                 ascending (stage 2, the upper-left part). Without a rectangle
                 (R = n_q, windows): its Q range [q_begin, q_end) ascending.
     hi tile:    Q tiles n_q-1 down to its q_begin (stage 2, the folded lower-right
@@ -525,6 +543,8 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     units, pairs_hi, rect = shift_layout(g, name)
     width = g.n_q - rect
     wmod = max(width, 1)  # cyclic offsets; no cyclic leg when width == 0
+    k_log2 = cyc_stride_log2(width, units)
+    k = 1 << k_log2
     n = g.n_kv
     H = g.num_heads_total
     U = H * units
@@ -553,7 +573,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     step_q_parts = []
     cache = {}
     for r in range(T):
-        key = (int(role[r]), int(kv[r]), int(slot[r] % wmod))
+        key = (int(role[r]), int(kv[r]), int(k * slot[r] % wmod))
         seq = cache.get(key)
         if seq is None:
             if role[r] == 0:
@@ -586,7 +606,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     rows[:, M.C_N_STEPS] = lens
     rows[:, M.C_CYC_LEN] = np.where(role == 0, width, 0)
     rows[:, M.C_CYC_BASE] = np.where(role == 0, rect, 0)
-    rows[:, M.C_CYC_OFF] = np.where(role == 0, slot % wmod, 0)
+    rows[:, M.C_CYC_OFF] = np.where(role == 0, k * slot % wmod, 0)
     rows[:, M.C_LIN_BASE] = np.where(role == 0, g.q_begin[kv], g.n_q - 1)
     rows[:, M.C_LIN_DIR] = np.where(role == 0, 1, -1)
     rows[:, M.C_ROLE] = role
@@ -595,7 +615,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     rows[:, M.C_CTA] = cta
     rows[:, M.C_UNIT] = p
     header = _header(name, g, num_ctas, T, M.DISPATCH_STATIC, M.RANK_SHIFT, rect, units, pairs_hi,
-                     N, num_ctas + 1)
+                     N, num_ctas + 1, cyc_stride_log2=k_log2)
     meta = M.ScheduleMeta(header, _i32(cta_offsets), _i32(rows))
     return Schedule(name=name, geometry=g, num_sms=S, dispatch="static", num_ctas=num_ctas,
                     task_batch=batch, task_head=head, task_kv=kv, task_cta=cta, task_unit=p,

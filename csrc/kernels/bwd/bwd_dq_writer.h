@@ -45,6 +45,7 @@
 #include "kernels/bwd/bwd_mainloop.h"
 #include "kernels/bwd/bwd_semaphore.h"
 #include "kernels/bwd/bwd_tasks.h"
+#include "kernels/bwd/bwd_trace.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
 
@@ -107,14 +108,20 @@ struct BwdDqWriter {
       int const first = (writer - cta_step % Traits::kDqWriters + Traits::kDqWriters) % Traits::kDqWriters;
       cta_step += n_steps;
       schedule::StepOrder const order = schedule::StepOrder::of(row);  // kFixedSteps only
+      bool const deterministic = !Traits::kFixedSteps && p.deterministic;
       for (int s = first; s < n_steps; s += Traits::kDqWriters) {
         schedule::StepInfo const st = Traits::kFixedSteps ? schedule::StepInfo{order.q_tile(s), 0}
                                                           : schedule::decode_step(geo, p.rank, row, s);
-        bool const deterministic = !Traits::kFixedSteps && p.deterministic;
+        if (leader) {
+          DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterWait, tracing::now_clock());
+          DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterWaitNs, tracing::now_ns());
+        }
         if (leader && deterministic) {
           // Our turn: every contribution of lower rank has completed its add.
           semaphore_wait_for(sem_bh + st.q_tile, st.rank);
           fence_proxy_async_global();
+          DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterAcquired, tracing::now_clock());
+          DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterAcquiredNs, tracing::now_ns());
         }
         float* dq_tile = dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats;
         if constexpr (Traits::kDqSharedHalf) {
@@ -147,6 +154,7 @@ struct BwdDqWriter {
               tma_store_arrive();
             }
           }
+          if (leader) { DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterIssued, tracing::now_clock()); }
           // One bulk group per part, committed in order: part wg has been
           // read once at most (kParts - 1 - wg) groups are pending.
           cute::for_each(cute::make_int_sequence<kParts>{}, [&](auto wg) {
@@ -155,11 +163,14 @@ struct BwdDqWriter {
             // Part wg has been read: its next writer may overwrite it.
             named_barrier_arrive(next_writer_of(writer, decltype(wg)::value), Traits::kDqHandoffThreads);
           });
+          if (leader) { DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterRead, tracing::now_clock()); }
         }
         if (leader && deterministic) {
           bulk_wait_all_complete();  // both adds have landed in global memory
           fence_proxy_async_global();
           semaphore_release_increment(sem_bh + st.q_tile);  // hand the turn to rank + 1
+          DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterReleased, tracing::now_clock());
+          DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterReleasedNs, tracing::now_ns());
         }
       }
     }

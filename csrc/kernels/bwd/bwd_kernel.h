@@ -17,6 +17,7 @@
 #include "kernels/bwd/bwd_mainloop.h"
 #include "kernels/bwd/bwd_producer.h"
 #include "kernels/bwd/bwd_tasks.h"
+#include "kernels/bwd/bwd_trace.h"
 #include "kernels/bwd/bwd_traits.h"
 
 namespace dash_fa3::bwd {
@@ -113,6 +114,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       // its S^T was issued, made ptxas spill in the hdim-64 window kernel.)
       smem.v_full.wait(kv_phase);
       kv_phase ^= 1;
+      if (mma_tid == 0) {
+        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskCta, blockIdx.x);
+        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskSm, tracing::sm_id());
+        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskBegin, tracing::now_clock());
+        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskBeginNs, tracing::now_ns());
+      }
       Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps,
                          mma_tid, tdKrdK, tdVrdV);
       if (p.dk_partial == nullptr && !BwdEpilogue<Traits>::needs_direct_store(p, row)) {
@@ -122,6 +129,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
         // Every GEMM of the task has retired: sK and sV are free for the next task.
         Mainloop::release_kv();
         BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
+      }
+      if (mma_tid == 0) {
+        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEnd, tracing::now_clock());
+        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEndNs, tracing::now_ns());
       }
     }
   }

@@ -168,6 +168,11 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.window_left = a.window_left < 0 ? a.seqlen_k : a.window_left;
   p.window_right = a.window_right < 0 ? a.seqlen_q : a.window_right;
   p.deterministic = a.deterministic ? 1 : 0;
+#if DASH_FA3_BWD_TRACE
+  p.trace_tasks = a.trace_tasks;
+  p.trace_steps = a.trace_steps;
+  p.trace_max_steps = a.trace_max_steps;
+#endif
   return p;
 }
 

@@ -43,6 +43,7 @@
 #include "common/gemm_sm90.h"
 #include "common/named_barriers.h"
 #include "common/softcap.h"
+#include "kernels/bwd/bwd_trace.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
 
@@ -147,6 +148,15 @@ struct BwdMainloop {
   CUTE_DEVICE static void consumer_wait(Pipeline& pipeline, typename Pipeline::PipelineState const& state) {
     auto token = pipeline.consumer_try_wait(state);
     pipeline.consumer_wait(state, token);
+  }
+
+  // Trace builds (bwd_trace.h): warpgroup wg's first thread records the time
+  // around its dq_empty wait; nothing otherwise.
+  CUTE_DEVICE static void trace_empty_wait(Params const& p, int32_t const* row, int s, int wg, int mma_tid,
+                                           int field) {
+    if (mma_tid % Traits::kThreadsPerWarpgroup == 0) {
+      DASH_FA3_TRACE_STEP(p, row, s, field + 2 * wg, tracing::now_clock());
+    }
   }
 
   // Runs the n_steps >= 1 steps of one task. K and V must have landed.
@@ -486,6 +496,10 @@ struct BwdMainloop {
     };
     CUTE_NO_UNROLL
     for (int s = 0; s < n_steps; ++s) {
+      if (mma_tid == 0) {
+        DASH_FA3_TRACE_STEP(p, row, s, tracing::kMmaStepBegin, tracing::now_clock());
+        DASH_FA3_TRACE_STEP(p, row, s, tracing::kMmaStepBeginNs, tracing::now_ns());
+      }
       bool need_mask = mask_every_step;
       int m0 = 0;  // first row of the Q tile; only the causal and window masks read it
       if constexpr (kCausal) {
@@ -664,7 +678,9 @@ struct BwdMainloop {
         // Wait until the dQ writer has finished reading what it last took from
         // this warpgroup's half of this sdQ buffer (its partial dQ of
         // kStagesDq steps ago).
+        trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyWait);
         named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
+        trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone);
         warpgroup_wait<0>();  // dQ retired: sdS is read
         warpgroup_fence_operand(tQrDq);
         store_dq(sdq_thread, Traits::sdq_buffer(dq_stage), tQrDq);
@@ -684,7 +700,9 @@ struct BwdMainloop {
         // of kStagesDq steps ago; with a shared half (d = 256) warpgroup 0
         // waits for warpgroup 1's half of the previous step, warpgroup 1 for
         // warpgroup 0's of this step.
+        trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyWait);
         named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
+        trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone);
         store_dq(sdq_thread, Traits::sdq_buffer(dq_stage), tQrDq);
         warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
         warpgroup_fence_operand(tdVrdV);

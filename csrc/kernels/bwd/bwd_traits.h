@@ -549,6 +549,11 @@ struct BwdTraits {
     // (left: seqlen_k, right: seqlen_q; same block ranges, see make_bwd_params).
     // Unused otherwise (last, so the other fields keep their offsets).
     int window_left, window_right;
+#if DASH_FA3_BWD_TRACE
+    int64_t* trace_tasks;  // kernels/bwd/bwd_trace.h
+    int64_t* trace_steps;
+    int trace_max_steps;
+#endif
   };
 
   // The lengths and rows of problem (document) b.
