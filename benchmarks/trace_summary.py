@@ -17,6 +17,8 @@ slope, one offset per SM).
 Columns (medians over steps unless said otherwise):
   step         MMA warpgroup 0: start of a step to the start of the next one in the
                same task (p10 / p90 beside it: the per-step jitter)
+  compute      MMA warpgroup 0: start of a step to its dq_empty wait (the step's GEMMs
+               and softmax, without waiting for the dQ writer; p50 / p90)
   mma wait     share of the MMA warpgroups' task time spent in the dq_empty wait
                (waiting for the dQ writer to free an sdQ buffer)
   blocked      dQ writer: share of the contributions after the first of their dQ
@@ -182,6 +184,9 @@ def summarize(directory: Path, run: dict, bundle: list[M.ScheduleMeta] | None = 
     nxt[sched.step_offsets[1:][has_steps] - 1] = False
     dur = np.diff(step_start)[nxt[:-1]]
     out["step_us"] = (pct(dur, 50), pct(dur, 10), pct(dur, 90))
+    if (st[:, M_STEP] > 0).all():
+        compute = (st[:, M_EMPTY_WAIT] - st[:, M_STEP]) * slope * 1e-3
+        out["compute_us"] = (pct(compute, 50), pct(compute, 90))
 
     # MMA waits on dq_empty, per warpgroup, as a share of task time.
     task_time = float((end - begin)[has_steps].sum())
@@ -256,6 +261,7 @@ def main(argv=None) -> int:
     cols = [("run", lambda r: r["tag"]), ("ms (traced)", lambda r: f"{r['ms_plain']:.3f} ({r['ms_traced']:.3f})"),
             ("makespan us", lambda r: fmt(r["makespan_us"], 0)),
             ("step us p50/p10/p90", lambda r: fmt(r["step_us"])),
+            ("compute us p50/p90", lambda r: fmt(r["compute_us"]) if "compute_us" in r else "-"),
             ("mma wait", lambda r: f"{100 * r['mma_wait_share']:.1f}%"),
             ("blocked", lambda r: f"{100 * r['blocked_share']:.0f}%" if "blocked_share" in r else "-"),
             ("poll us p50/p90", lambda r: fmt(r["poll_us"]) if "poll_us" in r else "-"),

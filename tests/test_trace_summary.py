@@ -110,6 +110,7 @@ def test_summary_recovers_known_timings(tmp_path, name):
         assert row["step_us"][1] == pytest.approx(STEP_US - spread, abs=0.03)
         assert row["step_us"][2] == pytest.approx(STEP_US + spread, abs=0.03)
         assert row["add_us"] == pytest.approx(ADD_US, abs=0.01)
+        assert row["compute_us"][0] == pytest.approx(1.5, abs=0.01)  # step start to the dq_empty wait
         # wg 0 waits 0.1 us, wg 1 0.2 us per step.
         task_time = float((truth["end"] - truth["begin"]).sum()) if row is det_row else None
         if task_time:
