@@ -21,6 +21,8 @@ Columns (medians over steps unless said otherwise):
                and softmax, without waiting for the dQ writer; p50 / p90)
   mma wait     share of the MMA warpgroups' task time spent in the dq_empty wait
                (waiting for the dQ writer to free an sdQ buffer)
+  load wait    MMA warpgroup 0: share of its task time spent waiting for the steps'
+               Q and dO stages (the producer's loads)
   blocked      dQ writer: share of the contributions after the first of their dQ
                tile whose predecessor had not yet released when the writer asked
   poll         dQ writer, the others: from asking to holding the turn (p50 / p90; the
@@ -56,6 +58,8 @@ from dash_fa3.schedule.lowering import get_kernel_metadata  # noqa: E402
 # csrc/kernels/bwd/bwd_trace.h
 (W_WAIT, W_ACQ, W_ISSUED, W_READ, W_REL, W_WAIT_NS, W_ACQ_NS, W_REL_NS, M_STEP, M_STEP_NS, M_EMPTY_WAIT,
  M_EMPTY_DONE) = range(12)
+M_Q_WAIT, M_DO_WAIT = 14, 15  # cycles, MMA warpgroup 0
+M_Q_WAIT, M_DO_WAIT = 14, 15  # cycles, MMA warpgroup 0
 T_CTA, T_SM, T_BEGIN, T_BEGIN_NS, T_END, T_END_NS = range(6)
 
 INDEX_COLUMNS = ("tag", "schedule", "mode", "d", "causal", "b", "h", "hkv", "sq", "sk", "num_tasks", "max_steps",
@@ -195,6 +199,7 @@ def summarize(directory: Path, run: dict, bundle: list[M.ScheduleMeta] | None = 
         w = (st[:, M_EMPTY_DONE + 2 * wg] - st[:, M_EMPTY_WAIT + 2 * wg]) * slope * 1e-3
         mma_wait += float(w[st[:, M_EMPTY_WAIT + 2 * wg] > 0].sum())
     out["mma_wait_share"] = mma_wait / (2 * task_time)
+    out["load_wait_share"] = float((st[:, M_Q_WAIT] + st[:, M_DO_WAIT]).sum()) * slope * 1e-3 / task_time
 
     if det:
         out["chain_us"] = pct((st[:, W_REL] - st[:, W_ISSUED]) * slope * 1e-3, 50)
@@ -263,6 +268,7 @@ def main(argv=None) -> int:
             ("step us p50/p10/p90", lambda r: fmt(r["step_us"])),
             ("compute us p50/p90", lambda r: fmt(r["compute_us"]) if "compute_us" in r else "-"),
             ("mma wait", lambda r: f"{100 * r['mma_wait_share']:.1f}%"),
+            ("load wait", lambda r: f"{100 * r['load_wait_share']:.1f}%"),
             ("blocked", lambda r: f"{100 * r['blocked_share']:.0f}%" if "blocked_share" in r else "-"),
             ("poll us p50/p90", lambda r: fmt(r["poll_us"]) if "poll_us" in r else "-"),
             ("add us", lambda r: fmt(r["add_us"])),

@@ -80,6 +80,7 @@ def synthetic(tmp_path: Path, name: str, det: bool, num_sms: int = 4, seed: int 
             r[ts.W_WAIT], r[ts.W_WAIT_NS] = clk(sm, wait[i]), ns(wait[i])
             r[ts.W_ISSUED] = clk(sm, acq[i] + 0.1)
             r[ts.W_READ] = clk(sm, acq[i] + 0.1 + ADD_US)
+            r[ts.M_Q_WAIT], r[ts.M_DO_WAIT] = round(50 * GHZ), round(20 * GHZ)  # cycles: 0.05 and 0.02 us
             for wg in range(2):
                 r[ts.M_EMPTY_WAIT + 2 * wg] = clk(sm, step_start[i] + 1.5)
                 r[ts.M_EMPTY_DONE + 2 * wg] = clk(sm, step_start[i] + 1.5 + 0.1 * (wg + 1))
@@ -116,6 +117,7 @@ def test_summary_recovers_known_timings(tmp_path, name):
         if task_time:
             expect = 0.15 * truth["s"].num_steps / task_time
             assert row["mma_wait_share"] == pytest.approx(expect, rel=0.02)
+            assert row["load_wait_share"] == pytest.approx(0.07 * truth["s"].num_steps / task_time, rel=0.02)
     assert det_row["chain_us"] == pytest.approx(CHAIN_US - 0.1, abs=0.01)
     # Every blocked writer acquired LATENCY_US after its predecessor's release.
     # (shift spaces a Q tile's contributions two steps apart here: none waits.)

@@ -515,7 +515,7 @@ struct BwdMainloop {
 
       FragSdP tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       FragSdP tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      consumer_wait(pipeline_q, read_q);
+      DASH_FA3_TRACE_TIMED(p, row, s, tracing::kMmaQWait, mma_tid == 0, consumer_wait(pipeline_q, read_q));
       float const* lse = smem.lse[read_q.index()];
       // This thread's LSE values, loaded before the S^T GEMM so the exp2 below
       // does not wait for shared memory after the GEMM wait.
@@ -529,7 +529,7 @@ struct BwdMainloop {
         }
       }
       warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
-      consumer_wait(pipeline_do, read_do);
+      DASH_FA3_TRACE_TIMED(p, row, s, tracing::kMmaDoWait, mma_tid == 0, consumer_wait(pipeline_do, read_do));
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
       if (dq_pending >= 0) { hand_over_dq(dq_pending); }
       warpgroup_wait<1>();  // S^T is ready; dP^T may still run

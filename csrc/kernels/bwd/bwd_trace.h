@@ -17,6 +17,7 @@
 //     MMA wg 0     the step's start
 //     MMA wg w     before and after its dq_empty wait (how long the MMA warps
 //                  wait for the dQ writer: the deterministic mode's direct cost)
+//     MMA wg 0     how long it waited for the step's Q and dO stages (the producer)
 // benchmarks/cpp/bwd_bench.cu `trace` writes the buffers out;
 // benchmarks/trace_summary.py reads them.
 #pragma once
@@ -45,7 +46,9 @@ enum StepField : int {
   kMmaStepBeginNs,      // %globaltimer at kMmaStepBegin
   kMmaEmptyWait,        // MMA warpgroup w: before its dq_empty wait (+ 2 w)
   kMmaEmptyDone,        // MMA warpgroup w: after it (+ 2 w)
-  kNumStepFields = 16,  // two warpgroups' pairs end at 13; the rest is spare
+  kMmaQWait = 14,       // MMA warpgroup 0: its wait for the step's Q stage (and LSE), in clock64 cycles
+  kMmaDoWait,           // MMA warpgroup 0: its wait for the step's dO stage (and dPsum), in cycles
+  kNumStepFields = 16,
 };
 
 // One task-row record: kNumTaskFields int64.
@@ -92,9 +95,22 @@ CUTE_DEVICE void record_task(Params const& p, int32_t const* row, int field, int
 #define DASH_FA3_TRACE_STEP(p, row, step, field, value) \
   ::dash_fa3::bwd::tracing::record_step(p, row, step, field, value)
 #define DASH_FA3_TRACE_TASK(p, row, field, value) ::dash_fa3::bwd::tracing::record_task(p, row, field, value)
+// Runs the statement(s) and, if `recorder`, records the cycles they took.
+#define DASH_FA3_TRACE_TIMED(p, row, step, field, recorder, ...)                                        \
+  do {                                                                                                  \
+    int64_t const trace_t0_ = ::dash_fa3::bwd::tracing::now_clock();                                    \
+    __VA_ARGS__;                                                                                        \
+    if (recorder) {                                                                                     \
+      ::dash_fa3::bwd::tracing::record_step(p, row, step, field, ::dash_fa3::bwd::tracing::now_clock() - trace_t0_); \
+    }                                                                                                   \
+  } while (0)
 #else
 #define DASH_FA3_TRACE_STEP(p, row, step, field, value) ((void)0)
 #define DASH_FA3_TRACE_TASK(p, row, field, value) ((void)0)
+#define DASH_FA3_TRACE_TIMED(p, row, step, field, recorder, ...) \
+  do {                                                            \
+    __VA_ARGS__;                                                  \
+  } while (0)
 #endif
 
 }  // namespace dash_fa3::bwd::tracing
