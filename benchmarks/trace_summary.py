@@ -60,7 +60,7 @@ from dash_fa3.schedule.lowering import get_kernel_metadata  # noqa: E402
  M_EMPTY_DONE) = range(12)
 M_Q_WAIT, M_DO_WAIT = 14, 15  # cycles, MMA warpgroup 0
 M_Q_WAIT, M_DO_WAIT = 14, 15  # cycles, MMA warpgroup 0
-T_CTA, T_SM, T_BEGIN, T_BEGIN_NS, T_END, T_END_NS = range(6)
+T_CTA, T_SM, T_BEGIN, T_BEGIN_NS, T_END, T_END_NS, T_EPILOGUE, T_K_ISSUED, T_V_ISSUED = range(9)
 
 INDEX_COLUMNS = ("tag", "schedule", "mode", "d", "causal", "b", "h", "hkv", "sq", "sk", "num_tasks", "max_steps",
                  "step_fields", "task_fields", "num_sms", "ms_plain", "ms_traced")

@@ -122,6 +122,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       }
       Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps,
                          mma_tid, tdKrdK, tdVrdV);
+      if (mma_tid == 0) { DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEpilogue, tracing::now_clock()); }
       if (p.dk_partial == nullptr && !BwdEpilogue<Traits>::needs_direct_store(p, row)) {
         // MHA: dK/dV leave through sK/sV, which are released to the producer afterwards.
         BwdEpilogue<Traits>::store_tma(p, smem, tdKrdK, tdVrdV, row, mma_tid);

@@ -19,6 +19,7 @@
 #include "common/named_barriers.h"
 #include "common/problem_view.h"
 #include "kernels/bwd/bwd_tasks.h"
+#include "kernels/bwd/bwd_trace.h"
 #include "kernels/bwd/bwd_traits.h"
 #include "schedules/schedule_metadata.h"
 
@@ -169,11 +170,13 @@ struct BwdProducer {
         smem.task_ring.announced = task;
         smem.k_full.arrive_and_expect_tx(loads ? Traits::kTmaBytesK : 0u);
         if (loads) { copy(p.tma_k.with(k_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tKgK, tKsK); }
+        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskKIssued, tracing::now_clock());
       }
       named_barrier_sync(BwdBarrier::kVEmpty, Traits::kNumMmaThreads + Traits::kWarpThreads);
       if (leader) {
         smem.v_full.arrive_and_expect_tx(loads ? Traits::kTmaBytesV : 0u);
         if (loads) { copy(p.tma_v.with(v_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tVgV, tVsV); }
+        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskVIssued, tracing::now_clock());
         // Static dispatch knows this CTA's next task (dynamic: not yet claimed).
         if (!cursor.dynamic()) { prefetch_next_kv(p, task, cursor.end); }
       }

@@ -8,7 +8,8 @@
 // What is recorded (clock64 of the recording SM; %globaltimer next to some of
 // them, from which the reader fits each SM's clock to the common time base):
 //   per task row:  the CTA, its SM, and when the MMA warpgroups began it (the
-//                  task announced, K landed) and ended it (after the epilogue)
+//                  task announced, K landed), began its epilogue and ended it;
+//                  when the producer issued its K and its V load
 //   per (task, step):
 //     dQ writer    before the semaphore wait, after it (deterministic only),
 //                  after issuing the step's reduce-adds, after they were read
@@ -59,7 +60,10 @@ enum TaskField : int {
   kTaskBeginNs,  // %globaltimer at kTaskBegin
   kTaskEnd,      // MMA warpgroups: after the task's epilogue (clock64)
   kTaskEndNs,
-  kNumTaskFields = 8,
+  kTaskEpilogue,  // MMA warpgroups: the task's steps done, its epilogue begins (clock64)
+  kTaskKIssued,   // producer: sK free (kKEmpty), the task's K load issued (clock64)
+  kTaskVIssued,   // producer: sV free (kVEmpty), the task's V load issued (clock64)
+  kNumTaskFields = 12,
 };
 
 CUTE_DEVICE int64_t now_clock() { return clock64(); }
