@@ -526,3 +526,94 @@ def _simulate_dynamic(schedule, c, r, e, latency, S):
     st_a = np.asarray(st)
     return (np.asarray(scta, dtype=np.int64), st_a, st_a + c, np.asarray(rs), np.asarray(en),
             np.asarray(tcta, dtype=np.int64), np.asarray(tst), np.asarray(eps_), np.asarray(ten))
+
+
+# ------------------------------------------------------------------ writer pipeline, tasks claimed at run time
+def simulate_claims(schedule, costs: CostModel | None = None, *, num_sms: int | None = None) -> SimResult:
+    """The writer pipeline with a queue schedule's tasks claimed at run time, as
+    the kernel runs them by default (``lowering.KERNEL_DISPATCH == "dynamic"``,
+    csrc/kernels/bwd/bwd_tasks.h): each task, in queue order, goes to the CTA
+    whose previous task ends first (its epilogue included), so a CTA held up by
+    semaphore waits claims later. :func:`simulate` runs the launcher's static
+    lowering instead (each task to the CTA free first under a cost of one per
+    step, before any wait). The per-step rules are :class:`WriterProgram`'s:
+    the MMA warps' hand-off waits for the sdQ buffer of ``buffers`` steps ago,
+    the writer for its own previous add of that buffer and, deterministically,
+    for the release of the contribution ranked just before (+ ``latency``).
+    Static schedules are run by :func:`simulate` unchanged.
+    """
+    costs = costs or CostModel()
+    S = int(num_sms or schedule.num_sms)
+    if costs.pipeline != "writer":
+        raise ValueError("simulate_claims models the writer pipeline")
+    if not schedule.dynamic:
+        return simulate(schedule, costs, num_sms=S)
+    N, T = schedule.num_steps, schedule.num_tasks
+    c, r = costs.step_costs(schedule)
+    frac = costs.read_time / costs.reduce if costs.reduce > 0 else 1.0
+    rd = r * frac if costs.read is not None else r
+    e, lat, B = float(costs.epilogue), float(costs.latency), int(costs.buffers)
+    det = costs.deterministic
+    pred = np.full(N, -1, dtype=np.int64)
+    if det and N:
+        gid, rank = schedule.step_dq_tile, schedule.step_rank
+        order = np.lexsort((rank, gid))
+        same = gid[order][1:] == gid[order][:-1]
+        pred[order[1:][same]] = order[:-1][same]
+    offs = schedule.step_offsets.tolist()
+    cl, rl, rdl, pl = c.tolist(), r.tolist(), rd.tolist(), pred.tolist()
+    st, hs, ce, rs, en = ([0.0] * N for _ in range(5))
+    scta = [0] * N
+    ncta = max(1, min(S, T))
+    tcta, tst, eps_, ten = [0] * T, [0.0] * T, [0.0] * T, [0.0] * T
+    heap = [(0.0, i) for i in range(ncta)]
+    heapq.heapify(heap)
+    last_end = [None] * ncta                      # end of the CTA's last step (its hand-off)
+    recent = [[] for _ in range(ncta)]            # (read, writer done) of its last B steps
+    semw = stall = 0.0
+    waits = stalls = 0
+    for t in range(T):
+        free, cta = heapq.heappop(heap)
+        tcta[t], tst[t] = cta, free
+        first = True
+        for k in range(offs[t], offs[t + 1]):
+            # The previous task's epilogue runs on the MMA warps before this task's first step.
+            s0 = free if last_end[cta] is None else last_end[cta] + (e if first else 0.0)
+            first = False
+            back = recent[cta][0] if len(recent[cta]) == B else (-np.inf, -np.inf)
+            ready = s0 + cl[k]
+            h = max(ready, back[0])
+            if h > ready + 1e-12:
+                stalls += 1
+                stall += h - ready
+            own = max(h, back[1])
+            a = own
+            if det and pl[k] >= 0:
+                a = max(own, en[pl[k]] + lat)
+                if a > own + 1e-12:
+                    waits += 1
+                    semw += a - own
+            st[k], ce[k], hs[k], rs[k], en[k], scta[k] = s0, ready, h, a, a + rl[k], cta
+            recent[cta].append((a + rdl[k], a + rl[k] if det else a + rdl[k]))
+            if len(recent[cta]) > B:
+                recent[cta].pop(0)
+            last_end[cta] = h
+        if offs[t + 1] > offs[t]:
+            tst[t] = st[offs[t]]
+            eps_[t] = last_end[cta]
+        else:  # a task without steps: its epilogue alone
+            eps_[t] = free if last_end[cta] is None else last_end[cta] + e
+            if last_end[cta] is not None:
+                last_end[cta] = eps_[t]  # the next task's first step follows this epilogue
+        ten[t] = eps_[t] + e
+        heapq.heappush(heap, (ten[t], cta))
+    en_a = np.asarray(en)
+    makespan = float(max(max(ten) if T else 0.0, en_a.max() if N else 0.0))
+    work = float(c.sum() + e * T)
+    idle = max(0.0, 1.0 - work / (S * makespan)) if makespan > 0 else 0.0
+    return SimResult(schedule=schedule.name, num_sms=S, makespan=makespan, work=work, lower_bound=work / S,
+                     sm_idle_fraction=idle, waits=waits, wait_time=semw, step_cta=np.asarray(scta, np.int64),
+                     step_start=np.asarray(st), step_compute_end=np.asarray(ce), step_reduce_start=np.asarray(rs),
+                     step_end=en_a, task_cta=np.asarray(tcta, np.int64), task_start=np.asarray(tst),
+                     task_end=np.asarray(ten), epilogue_start=np.asarray(eps_), pipeline="writer",
+                     step_handoff=np.asarray(hs), buffer_stalls=stalls, buffer_stall_time=stall)
