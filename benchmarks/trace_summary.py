@@ -54,6 +54,7 @@ from dash_fa3.schedule.contract import SCHEDULES  # noqa: E402
 from dash_fa3.schedule.export import read_bundle  # noqa: E402
 from dash_fa3.schedule.geometry import Geometry  # noqa: E402
 from dash_fa3.schedule.lowering import get_kernel_metadata  # noqa: E402
+from dash_fa3.schedule.schedules import accumulation_predecessors  # noqa: E402
 
 # csrc/kernels/bwd/bwd_trace.h
 (W_WAIT, W_ACQ, W_ISSUED, W_READ, W_REL, W_WAIT_NS, W_ACQ_NS, W_REL_NS, M_STEP, M_STEP_NS, M_EMPTY_WAIT,
@@ -204,11 +205,7 @@ def summarize(directory: Path, run: dict, bundle: list[M.ScheduleMeta] | None = 
     if det:
         out["chain_us"] = pct((st[:, W_REL] - st[:, W_ISSUED]) * slope * 1e-3, 50)
         # Hand-off: predecessor (same dQ tile, rank - 1) released -> this writer acquired.
-        tile = sched.step_dq_tile
-        rank = sched.step_rank
-        key = tile * (rank.max() + 2) + rank
-        pos = {int(k): i for i, k in enumerate(key)}
-        pred = np.array([pos.get(int(k - 1), -1) if r > 0 else -1 for k, r in zip(key, rank)])
+        pred = accumulation_predecessors(sched.step_dq_tile, sched.step_rank)
         has_pred = pred >= 0
         # Events on two SMs: their %globaltimer readings (the clock fit's residual,
         # about a microsecond on an H100 whose SM clock moves, is too coarse here).

@@ -238,6 +238,15 @@ class Schedule:
             self._cache["step_dq"] = a
         return self._cache["step_dq"]
 
+    @property
+    def step_predecessor(self) -> np.ndarray:
+        """The step ranked just before each step in its dQ tile's order (-1: first)."""
+        if "step_pred" not in self._cache:
+            a = accumulation_predecessors(self.step_dq_tile, self.step_rank)
+            a.setflags(write=False)
+            self._cache["step_pred"] = a
+        return self._cache["step_pred"]
+
     # the three things a schedule fixes
     def cta_tasks(self, cta: int) -> np.ndarray:
         """(a) task indices CTA ``cta`` runs, in order (static schedules only)."""
@@ -293,6 +302,16 @@ def _ranks_by_key(gid: np.ndarray, *keys: np.ndarray) -> np.ndarray:
     rank = np.empty(n, dtype=np.int64)
     rank[order] = pos - group_start
     return rank
+
+
+def accumulation_predecessors(dq_tile: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Per step, the step whose contribution to the same dQ tile is ranked just
+    before it (-1: the tile's first), from per-step dQ tile ids and ranks."""
+    order = np.lexsort((rank, dq_tile))
+    same = dq_tile[order][1:] == dq_tile[order][:-1]
+    pred = np.full(dq_tile.size, -1, dtype=np.int64)
+    pred[order[1:][same]] = order[:-1][same]
+    return pred
 
 
 def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, units, pairs_hi,
@@ -544,7 +563,6 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     width = g.n_q - rect
     wmod = max(width, 1)  # cyclic offsets; no cyclic leg when width == 0
     k_log2 = cyc_stride_log2(width, units)
-    k = 1 << k_log2
     n = g.n_kv
     H = g.num_heads_total
     U = H * units
@@ -566,6 +584,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     batch, head = hidx // g.heads, hidx % g.heads
     pa, pb = u_pa[row_unit], u_pb[row_unit]
     slot = p - pa
+    cyc_off = ((slot << k_log2) % wmod).astype(np.int64)  # where a lo tile's cyclic leg starts
     lens = g.task_len[kv]
     T = kv.size
 
@@ -573,7 +592,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     step_q_parts = []
     cache = {}
     for r in range(T):
-        key = (int(role[r]), int(kv[r]), int(k * slot[r] % wmod))
+        key = (int(role[r]), int(kv[r]), int(cyc_off[r]))
         seq = cache.get(key)
         if seq is None:
             if role[r] == 0:
@@ -606,7 +625,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     rows[:, M.C_N_STEPS] = lens
     rows[:, M.C_CYC_LEN] = np.where(role == 0, width, 0)
     rows[:, M.C_CYC_BASE] = np.where(role == 0, rect, 0)
-    rows[:, M.C_CYC_OFF] = np.where(role == 0, k * slot % wmod, 0)
+    rows[:, M.C_CYC_OFF] = np.where(role == 0, cyc_off, 0)
     rows[:, M.C_LIN_BASE] = np.where(role == 0, g.q_begin[kv], g.n_q - 1)
     rows[:, M.C_LIN_DIR] = np.where(role == 0, 1, -1)
     rows[:, M.C_ROLE] = role

@@ -67,10 +67,9 @@ def fused_graph(schedule, prev_task: np.ndarray) -> FusedGraph:
     prog[off[:-1][has_steps]] = after_prev[has_steps]
     prog[N:] = np.where(has_steps, off[1:] - 1, after_prev)
     sync = np.full(n, NONE, dtype=np.int64)
-    gid, rank = schedule.step_dq_tile, schedule.step_rank
-    order = np.lexsort((rank, gid))
-    same = gid[order][1:] == gid[order][:-1]
-    sync[order[1:][same]] = order[:-1][same]
+    sp = schedule.step_predecessor
+    has = np.flatnonzero(sp >= 0)
+    sync[has] = sp[has]
     return FusedGraph(N, T, prog, sync)
 
 

@@ -232,10 +232,9 @@ def _critical_path_writer(schedule, costs) -> CriticalPath:
     if costs.deterministic and N:
         inv = np.empty(N, dtype=np.int64)
         inv[step_perm] = p
-        gid, rank = schedule.step_dq_tile, schedule.step_rank
-        order = np.lexsort((rank, gid))
-        same = gid[order][1:] == gid[order][:-1]
-        edge(X + inv[order[:-1][same]], R + inv[order[1:][same]], float(costs.latency))
+        sp = schedule.step_predecessor
+        has = np.flatnonzero(sp >= 0)
+        edge(X + inv[sp[has]], R + inv[has], float(costs.latency))
     edge(R + p, X + p)
     last = offs[1:][lens > 0] - 1
     edge(D + last, E + np.arange(T)[lens > 0])

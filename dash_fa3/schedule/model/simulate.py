@@ -316,10 +316,9 @@ class WriterProgram:
         self.inv = inv
         pred = np.full(N, -1, dtype=np.int64)
         if self.deterministic and N:
-            gid, rank = schedule.step_dq_tile, schedule.step_rank
-            order = np.lexsort((rank, gid))
-            same = gid[order][1:] == gid[order][:-1]
-            pred[inv[order[1:][same]]] = inv[order[:-1][same]]
+            sp = schedule.step_predecessor
+            has = sp >= 0
+            pred[inv[has]] = inv[sp[has]]
         B = int(buffers)
         prevB = np.arange(N, dtype=np.int64) - B
         okB = prevB >= 0
@@ -476,11 +475,7 @@ def _simulate_static(schedule, c, r, e, latency):
 
 def _simulate_dynamic(schedule, c, r, e, latency, S):
     N, T = schedule.num_steps, schedule.num_tasks
-    gid, rank = schedule.step_dq_tile, schedule.step_rank
-    order = np.lexsort((rank, gid))
-    same = gid[order][1:] == gid[order][:-1]
-    pred = np.full(N, -1, dtype=np.int64)
-    pred[order[1:][same]] = order[:-1][same]
+    pred = schedule.step_predecessor
     if np.any(pred >= np.arange(N)):
         raise RuntimeError(f"{schedule.name}: a contribution waits on a later-claimed one")
 
@@ -554,12 +549,7 @@ def simulate_claims(schedule, costs: CostModel | None = None, *, num_sms: int | 
     rd = r * frac if costs.read is not None else r
     e, lat, B = float(costs.epilogue), float(costs.latency), int(costs.buffers)
     det = costs.deterministic
-    pred = np.full(N, -1, dtype=np.int64)
-    if det and N:
-        gid, rank = schedule.step_dq_tile, schedule.step_rank
-        order = np.lexsort((rank, gid))
-        same = gid[order][1:] == gid[order][:-1]
-        pred[order[1:][same]] = order[:-1][same]
+    pred = schedule.step_predecessor if det else np.full(N, -1, dtype=np.int64)
     offs = schedule.step_offsets.tolist()
     cl, rl, rdl, pl = c.tolist(), r.tolist(), rd.tolist(), pred.tolist()
     st, hs, ce, rs, en = ([0.0] * N for _ in range(5))
