@@ -19,11 +19,16 @@
 // has few key blocks and the register stores cost more, and a kernel without
 // slots above.
 //
-// hdim 192 and 256 (no room in shared memory) store from registers, rows past
-// the problem's seqlen_q not written; so do a packed document's tiles that reach
-// past its last row (those rows belong to the next document; both warpgroups
-// of such a tile store from registers, so the shared slot's turns stay in
-// step) and tiles whose rows attend no key (store_empty), whatever the build.
+// hdim 192 and 256 (no room for a slot beside Q, K and V; Traits::kOutputInV):
+// each warpgroup's slot lies in V's buffer, which no one reads between a
+// tile's last PV GEMM (kOutputVFree: every warpgroup's has retired) and the
+// next tile's first V load, which the producer holds until every
+// warpgroup's issuing thread has seen its store read (o_read).
+// From registers, rows past the problem's seqlen_q not written: a packed
+// document's tiles that reach past its last row (those rows belong to the
+// next document; both warpgroups of such a tile store from registers, so the
+// shared slot's turns stay in step), tiles whose rows attend no key
+// (store_empty), and the kernels built with kOutputFromRegisters_.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -51,6 +56,9 @@ struct FwdEpilogue {
 
   static constexpr int kWarpgroupThreads = Traits::kThreadsPerWarpgroup;
   static constexpr int kSlots = Traits::kOutputSlots;
+  static constexpr bool kInV = Traits::kOutputInV;
+  static_assert(!kInV || cosize_v<typename Traits::SmemLayoutO> <= cosize_v<typename Traits::SmemLayoutVt>,
+                "O's warpgroup buffers fit in V's stages");
   // A turn of the shared slot counts the warpgroup that waits and the warp that passes.
   static constexpr int kOutputTurnThreads = kWarpgroupThreads + 32;
 
@@ -81,6 +89,15 @@ struct FwdEpilogue {
     }
   }
 
+  // kOutputInV: this warpgroup's O has left V's buffer (or never entered it):
+  // its issuing thread's arrival on o_read, one of the producer's
+  // kNumMmaWarpgroups for the tile.
+  CUTE_DEVICE static void signal_o_read(typename Traits::SharedStorage& smem, int mma_tid) {
+    if constexpr (kInV) {
+      if (issues_store(mma_tid)) { cutlass::arch::ClusterBarrier::arrive(&smem.o_read); }
+    }
+  }
+
   // O and LSE of a tile whose mainloop ran.
   CUTE_DEVICE static void store(Params const& p, typename Traits::SharedStorage& smem, FragO const& tOrO,
                                 float const (&lse)[2], FwdTile const& t, SeqlenInfo const& sl, int mma_tid) {
@@ -92,6 +109,9 @@ struct FwdEpilogue {
       }
     }
     store_direct(p, tOrO, lse, t, sl, mma_tid);
+    // No O in V's buffer: the producer may load the next tile's V once this
+    // tile's V stages are released (its pipeline's own barriers).
+    signal_o_read(smem, mma_tid);
   }
 
   // This warpgroup's 64 rows of O through its slot and one TMA store.
@@ -105,8 +125,21 @@ struct FwdEpilogue {
     convert_fragment(make_tensor(tOrO.data(), typename FragOWg::layout_type{}), tOrOut);
 
     int const slot = kSlots == 1 ? 0 : wg;
-    Tensor sO = make_tensor(make_smem_ptr(smem.out.o.data()), typename Traits::SmemLayoutO{})(_, _, slot);
-    if constexpr (kSlots == 1) {
+    Element* const o_base = [&] {
+      if constexpr (kInV) {
+        return smem.v.data();
+      } else {
+        return smem.out.o.data();
+      }
+    }();
+    Tensor sO = make_tensor(make_smem_ptr(o_base), typename Traits::SmemLayoutO{})(_, _, slot);
+    if constexpr (kInV) {
+      // kOutputVFree: every warpgroup's last PV GEMM of the tile has retired,
+      // so V's buffer is read by no one; the producer loads no V of the next
+      // tile before o_read. (This warpgroup's previous O left before its
+      // o_read arrival, below.)
+      named_barrier_sync(FwdBarrier::kOutputVFree, Traits::kNumMmaThreads);
+    } else if constexpr (kSlots == 1) {
       // kOutputTurn<wg>: the other warpgroup's store has read the shared slot.
       named_barrier_sync(output_turn(wg), kOutputTurnThreads);
     } else {
@@ -130,6 +163,12 @@ struct FwdEpilogue {
       auto tma_o = p.tma_o.get_slice(_0{});
       copy(p.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
       tma_store_arrive();
+      if constexpr (kInV) {
+        // The copy engine has read O out of V's buffer: the producer may
+        // load V again.
+        tma_store_wait<0>();
+        cutlass::arch::ClusterBarrier::arrive(&smem.o_read);
+      }
     }
     if constexpr (kSlots == 1) {
       if (mma_tid % kWarpgroupThreads < 32) {

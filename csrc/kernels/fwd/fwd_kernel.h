@@ -54,7 +54,13 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
   q_params.num_consumers = Traits::kNumMmaThreads;
   q_params.transaction_bytes = Traits::kTmaBytesQ;
   PipelineQ pipeline_q(smem.pipeline_q, q_params, Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) { FwdTileScheduler<Traits>::init_handoff(smem); }
+  if (threadIdx.x == 0) {
+    FwdTileScheduler<Traits>::init_handoff(smem);
+    if constexpr (Traits::kOutputInV) {
+      cutlass::arch::ClusterBarrier::init(&smem.o_read, Traits::kNumMmaWarpgroups);
+      cutlass::arch::fence_barrier_init();
+    }
+  }
   // Barrier inits must be visible to every thread before anyone waits.
   __syncthreads();
 

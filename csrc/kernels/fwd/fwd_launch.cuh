@@ -205,7 +205,7 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
           "q, k, v strides (batch, row, head) must be multiples of 8 elements");
   require(params.o_stride.row % 2 == 0 && params.o_stride.head % 2 == 0 && params.o_stride.batch % 2 == 0,
           "o strides must be even (O is written in 4-byte pairs)");
-  require(Traits::kOutputSlots == 0 || fwd::tma_strides_ok(params.o_stride),
+  require(!Traits::kTmaEpilogue || fwd::tma_strides_ok(params.o_stride),
           "o strides (batch, row, head) must be multiples of 8 elements (O leaves by TMA)");
   require(params.lse != nullptr, "lse must be given");
   require((params.cu_seqlens_q != nullptr) == kPacked && (params.cu_seqlens_k != nullptr) == kPacked,

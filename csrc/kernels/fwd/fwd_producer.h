@@ -9,7 +9,9 @@
 // which is the order in which the MMA warpgroups consume them with
 // intra-warpgroup overlap (S = Q K[n]^T is issued before O += P V[n+1]).
 // K and V have their own kStages-deep pipelines; the i-th K block and the
-// i-th V block of the CTA use the same stage index and phase.
+// i-th V block of the CTA use the same stage index and phase. Where O leaves
+// through V's buffer (FwdTraits::kOutputInV), a tile's first V load waits
+// until the previous tile's O has been read out of it (o_read).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -61,6 +63,7 @@ struct FwdProducer {
 
     using Scheduler = FwdTileScheduler<Traits>;
     int unit = 0;  // the current round's unit (Scheduler::tile_at)
+    int tiles_loaded = 0;  // tiles with key blocks so far (kOutputInV: o_read's phases)
     for (int k = 0;; ++k) {
       FwdTile t;
       SeqlenInfo sl;
@@ -104,6 +107,14 @@ struct FwdProducer {
         }
       };
 
+      // kOutputInV: the previous tile's O sits in V's buffer until the copy
+      // engine has read it; wait for that (o_read) before the tile's first V.
+      auto wait_o_read = [&] {
+        if constexpr (Traits::kOutputInV) {
+          if (tiles_loaded > 0) { cutlass::arch::ClusterBarrier::wait(&smem.o_read, (tiles_loaded - 1) & 1); }
+        }
+      };
+
       int n = kv_blocks.end - 1;
       load_k(n, write_state);
       // Waits until the MMA warpgroups released this Q stage (their last
@@ -114,14 +125,18 @@ struct FwdProducer {
              tQgQ, tQsQ(_, _, _, q_write_state.index()));
       }
       ++q_write_state;
+      bool first_v = true;
       for (--n; n >= kv_blocks.begin; --n) {
         PipelineState const v_state = write_state;  // V of block n+1 rides one step behind K
         ++write_state;
         load_k(n, write_state);
+        if (first_v) { wait_o_read(); first_v = false; }
         load_v(n + 1, v_state);
       }
+      if (first_v) { wait_o_read(); }
       load_v(kv_blocks.begin, write_state);
       ++write_state;
+      ++tiles_loaded;
     }
   }
 };

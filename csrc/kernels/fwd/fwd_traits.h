@@ -55,6 +55,10 @@ enum class FwdBarrier : uint32_t {
   // the copy engine has read the slot.
   kOutputTurn0 = 6,
   kOutputTurn1 = 7,
+  // O through V's buffer (FwdTraits::kOutputInV): every MMA thread syncs on
+  // it once its last PV GEMM of the tile has retired, so no warpgroup writes
+  // O over V while another still reads V.
+  kOutputVFree = 8,
   kCount,
 };
 
@@ -186,8 +190,8 @@ struct FwdTraits {
   // O leaves through shared memory and a TMA store per 64-row warpgroup slice
   // (fwd_epilogue.h): kOutputSlots 64-row buffers, one per MMA warpgroup where
   // they fit next to Q, K and V, one shared in turn where only one does (hdim
-  // 128 without a diagonal: 128 x 176 tiles, and (192, 128)), none (O
-  // straight from registers) at hdim 192 and 256 and with
+  // 128 without a diagonal: 128 x 176 tiles, and (192, 128)), none at hdim
+  // 192 and 256 (kOutputInV below puts O in V's buffer there) and with
   // kOutputFromRegisters_. (Packed documents store a document's last, partial
   // tile from registers: a TMA store clips at the tensor's end, not at the
   // document's.)
@@ -202,12 +206,22 @@ struct FwdTraits {
                                       : output_slots_fit(kNumMmaWarpgroups) ? kNumMmaWarpgroups
                                       : output_slots_fit(1)                 ? 1
                                                                             : 0;
-  static constexpr bool kTmaEpilogue = kOutputSlots > 0;
+  // Where no O slot fits (hdim 192 and 256), the warpgroups' O goes into V's
+  // buffer, both stages of which are free between a tile's last PV GEMM and
+  // the next tile's first V load: the producer holds that load until the
+  // copy engine has read O (SharedStorage::o_read; fwd_producer.h), which
+  // FA3 does too. Against O written from registers (H100, 2026-11-25, C++
+  // harness, bench grid): 1.06-1.23x at 512-2k tokens, 1.00-1.06x from 4k.
+  static constexpr bool kOutputInV =
+      !kOutputFromRegisters_ && kOutputSlots == 0 &&
+      kNumMmaWarpgroups * kOutputSlotBytes <= kStages * kBlockN * kHeadDimV * int(sizeof(Element));
+  static constexpr int kOutputBuffers = kOutputInV ? kNumMmaWarpgroups : kOutputSlots;
+  static constexpr bool kTmaEpilogue = kOutputBuffers > 0;
   static_assert(kOutputSlots == 0 || kOutputSlots == kNumMmaWarpgroups || (kOutputSlots == 1 && kNumMmaWarpgroups == 2),
                 "O slots: one per warpgroup, or one shared by two (kOutputTurn0/1)");
   using SmemLayoutO = decltype(tile_to_shape(
       gmma_smem_atom<GMMA::Major::K, Element, kHeadDimV>(),
-      Shape<_64, Int<kHeadDimV>, Int<kOutputSlots == 0 ? 1 : kOutputSlots>>{}));
+      Shape<_64, Int<kHeadDimV>, Int<kOutputBuffers == 0 ? 1 : kOutputBuffers>>{}));
   // One warpgroup's PV GEMM: the register layout of its 64 rows of O, which
   // the stmatrix copy into an O slot partitions.
   using TiledMmaPVWarpgroup = decltype(make_tiled_mma(
@@ -259,7 +273,10 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
-    std::conditional_t<kTmaEpilogue, OutputBuffer, NoOutputBuffer> out;
+    std::conditional_t<(kOutputSlots > 0), OutputBuffer, NoOutputBuffer> out;
+    // kOutputInV: completes a phase per tile once every MMA warpgroup's O
+    // has left V's buffer (one arrival per warpgroup).
+    alignas(8) uint64_t o_read;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelineKV::SharedStorage pipeline_k;
     alignas(16) typename PipelineKV::SharedStorage pipeline_v;
