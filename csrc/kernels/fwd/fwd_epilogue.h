@@ -57,8 +57,6 @@ struct FwdEpilogue {
   static constexpr int kWarpgroupThreads = Traits::kThreadsPerWarpgroup;
   static constexpr int kSlots = Traits::kOutputSlots;
   static constexpr bool kInV = Traits::kOutputInV;
-  static_assert(!kInV || cosize_v<typename Traits::SmemLayoutO> <= cosize_v<typename Traits::SmemLayoutVt>,
-                "O's warpgroup buffers fit in V's stages");
   // A turn of the shared slot counts the warpgroup that waits and the warp that passes.
   static constexpr int kOutputTurnThreads = kWarpgroupThreads + 32;
 
@@ -91,7 +89,8 @@ struct FwdEpilogue {
 
   // kOutputInV: this warpgroup's O has left V's buffer (or never entered it):
   // its issuing thread's arrival on o_read, one of the producer's
-  // kNumMmaWarpgroups for the tile.
+  // kNumMmaWarpgroups for the tile. (The issuing thread is the one that
+  // waited for its O store's read.)
   CUTE_DEVICE static void signal_o_read(typename Traits::SharedStorage& smem, int mma_tid) {
     if constexpr (kInV) {
       if (issues_store(mma_tid)) { cutlass::arch::ClusterBarrier::arrive(&smem.o_read); }
@@ -163,13 +162,10 @@ struct FwdEpilogue {
       auto tma_o = p.tma_o.get_slice(_0{});
       copy(p.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
       tma_store_arrive();
-      if constexpr (kInV) {
-        // The copy engine has read O out of V's buffer: the producer may
-        // load V again.
-        tma_store_wait<0>();
-        cutlass::arch::ClusterBarrier::arrive(&smem.o_read);
-      }
+      // kInV: O must have left V's buffer before the producer may load V again.
+      if constexpr (kInV) { tma_store_wait<0>(); }
     }
+    signal_o_read(smem, mma_tid);
     if constexpr (kSlots == 1) {
       if (mma_tid % kWarpgroupThreads < 32) {
         if (issues_store(mma_tid)) { tma_store_wait<0>(); }

@@ -222,6 +222,8 @@ struct FwdTraits {
   using SmemLayoutO = decltype(tile_to_shape(
       gmma_smem_atom<GMMA::Major::K, Element, kHeadDimV>(),
       Shape<_64, Int<kHeadDimV>, Int<kOutputBuffers == 0 ? 1 : kOutputBuffers>>{}));
+  static_assert(!kOutputInV || cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutVt>,
+                "kOutputInV: the warpgroups' O buffers fit in V's stages");
   // One warpgroup's PV GEMM: the register layout of its 64 rows of O, which
   // the stmatrix copy into an O slot partitions.
   using TiledMmaPVWarpgroup = decltype(make_tiled_mma(
