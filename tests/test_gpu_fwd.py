@@ -61,13 +61,15 @@ def test_forward_random_shapes(v):
 
 # Both sides of the run-time switches at 4096 (csrc/kernels/fwd/fwd_launch.cuh): dense
 # causal hdim 64 runs three MMA warpgroups from kCausalThreeWarpgroupsFrom query rows
-# on, full hdim 128 stores O from registers from kSharedOutputSlotBelowKeys keys on;
-# ragged, seqlen_q != seqlen_k both ways, GQA.
+# on; full hdim 128 and (192, 128) write O through V's buffer instead of a shared O slot
+# from kSharedOutputSlotBelowKeys keys on; ragged, seqlen_q != seqlen_k both ways, GQA.
 LONG_SHAPES = [(1, 4095, 4095, 2, 1), (1, 4096, 4096, 2, 2), (1, 4200, 5000, 4, 2), (1, 5000, 4100, 2, 1)]
 
 
 @pytest.mark.parametrize("shape", LONG_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("v", [v for v in FIXED_MASK_VARIANTS if v.hdim in (64, 128)], ids=lambda v: v.name)
+@pytest.mark.parametrize(
+    "v", [v for v in FIXED_MASK_VARIANTS if v.hdim in (64, 128) or v.hdim_v != v.hdim], ids=lambda v: v.name
+)
 def test_forward_long_sequences(v, shape):
     require_built(v, "fwd")
     run_case(v, shape, seed=sum(shape))

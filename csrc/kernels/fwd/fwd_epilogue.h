@@ -1,7 +1,7 @@
 // Epilogue role of the forward kernel: each MMA warpgroup writes its 64 rows
 // of O (converted to the input type) and each thread the LSE of its two rows.
 //
-// At hdim <= 128 and at (192, 128) (Traits::kTmaEpilogue): O goes into a
+// Every kernel built (Traits::kTmaEpilogue): O goes into a
 // 64-row slot of shared memory with stmatrix and leaves with one TMA store per
 // warpgroup, which runs while the warpgroup starts its next tile. Why: written
 // straight from registers (a 4-byte store per register pair, the four threads
@@ -15,11 +15,11 @@
 // (kOutputTurn0/1), the issuing warp passing the turn once its store has been
 // read. That wait sits on the second warpgroup's path and cost 2-3% from 4k
 // keys on (H100, 2026-11-23, docs/fwd_kernel.md), so run_fwd launches the
-// shared-slot kernel only below kSharedOutputSlotBelowKeys keys, where a tile
-// has few key blocks and the register stores cost more, and a kernel without
-// slots above.
+// shared-slot kernel only below kSharedOutputSlotBelowKeys keys and one with
+// O in V's buffer (below) from there on.
 //
-// hdim 192 and 256 (no room for a slot beside Q, K and V; Traits::kOutputInV):
+// hdim 192 and 256 (no room for a slot beside Q, K and V) and the long-key
+// kernels built with kOutputInV_ (Traits::kOutputInV):
 // each warpgroup's slot lies in V's buffer, which no one reads between a
 // tile's last PV GEMM (kOutputVFree: every warpgroup's has retired) and the
 // next tile's first V load, which the producer holds until every
@@ -27,8 +27,8 @@
 // From registers, rows past the problem's seqlen_q not written: a packed
 // document's tiles that reach past its last row (those rows belong to the
 // next document; both warpgroups of such a tile store from registers, so the
-// shared slot's turns stay in step), tiles whose rows attend no key
-// (store_empty), and the kernels built with kOutputFromRegisters_.
+// shared slot's turns stay in step) and tiles whose rows attend no key
+// (store_empty).
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -178,11 +178,12 @@ constexpr int kCausalThreeWarpgroupsFrom = 4096;
 
 // A kernel whose two MMA warpgroups share one O slot (FwdTraits::kOutputSlots
 // == 1: hdim 128 without a diagonal, and (192, 128)) runs below this many
-// keys, one that stores O from registers from here on: measured at hdim 128
-// on an H100 (2026-11-23, docs/fwd_kernel.md) the shared slot was 1.04-1.06x
-// the register stores at 512-1k keys, level at 2k, 0.97-0.98x from 4k on. (A
-// single kernel holding both stores, picked per launch, ran the long lengths
-// 3% slower still.) (192, 128) takes the same switch, not measured there.
+// keys, one that writes each warpgroup's O through V's buffer (kOutputInV_)
+// from here on. The shared slot's turn sits on the second warpgroup's path and
+// cost 2-3% from 4k keys against O stored from registers (H100, 2026-11-23);
+// O in V's buffer was 1.02-1.04x the register stores from 4k keys and
+// 0.95-1.01x the shared slot at 512-2k (hdim 128, H100, 2026-11-25; both in
+// docs/fwd_kernel.md). (192, 128) takes the same switch, not measured there.
 constexpr int kSharedOutputSlotBelowKeys = 4096;
 
 template <int kHeadDim, int kHeadDimV, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
@@ -231,8 +232,8 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   }
   if constexpr (Traits::kOutputSlots == 1) {
     if (params.seqlen_k >= kSharedOutputSlotBelowKeys) {
-      fwd::launch_fwd<fwd::FwdTraits<kHeadDim, kHeadDimV, Element<kDType>, kMask, kPacked, kSoftcap, 0, true>>(
-          params, stream);
+      using TraitsOutputInV = fwd::FwdTraits<kHeadDim, kHeadDimV, Element<kDType>, kMask, kPacked, kSoftcap, 0, true>;
+      fwd::launch_fwd<TraitsOutputInV>(params, stream);
       return;
     }
   }

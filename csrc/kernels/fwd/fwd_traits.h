@@ -112,10 +112,10 @@ template <bool kDiagonal> struct FwdTileConfig<192, 128, kDiagonal> {
 // kHeadDimV_: the head dim of V and O (kHeadDim_ but for MLA's (192, 128)).
 // kMmaWarpgroups_: 0 takes FwdTileConfig's; 2 or 3 overrides it (run_fwd's
 // second tile for long causal sequences at hdim 64, fwd_launch.cuh).
-// kOutputFromRegisters_: O leaves from registers even where an O slot fits
-// (run_fwd's second kernel for long full-mask sequences at hdim 128).
+// kOutputInV_: O leaves through V's buffer even where an O slot fits (run_fwd's
+// second kernel for long keys where the two warpgroups would share one slot).
 template <int kHeadDim_, int kHeadDimV_, class Element_, MaskKind kMask_, bool kPacked_, bool kSoftcap_,
-          int kMmaWarpgroups_ = 0, bool kOutputFromRegisters_ = false>
+          int kMmaWarpgroups_ = 0, bool kOutputInV_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -191,10 +191,9 @@ struct FwdTraits {
   // (fwd_epilogue.h): kOutputSlots 64-row buffers, one per MMA warpgroup where
   // they fit next to Q, K and V, one shared in turn where only one does (hdim
   // 128 without a diagonal: 128 x 176 tiles, and (192, 128)), none at hdim
-  // 192 and 256 (kOutputInV below puts O in V's buffer there) and with
-  // kOutputFromRegisters_. (Packed documents store a document's last, partial
-  // tile from registers: a TMA store clips at the tensor's end, not at the
-  // document's.)
+  // 192 and 256 and with kOutputInV_, where kOutputInV below puts O in V's
+  // buffer. (Packed documents store a document's last, partial tile from
+  // registers: a TMA store clips at the tensor's end, not at the document's.)
   static constexpr int kSmemQKVBytes =
       ((kQStages * kBlockM + kStages * kBlockN) * kHeadDim + kStages * kBlockN * kHeadDimV) * int(sizeof(Element));
   static constexpr int kOutputSlotBytes = 64 * kHeadDimV * int(sizeof(Element));
@@ -202,19 +201,21 @@ struct FwdTraits {
   static constexpr bool output_slots_fit(int slots) {
     return kSmemQKVBytes + slots * kOutputSlotBytes + kSmemBarrierReserve <= kSm90SharedMemoryBytes;
   }
-  static constexpr int kOutputSlots = kOutputFromRegisters_                    ? 0
+  static constexpr int kOutputSlots = kOutputInV_                           ? 0
                                       : output_slots_fit(kNumMmaWarpgroups) ? kNumMmaWarpgroups
                                       : output_slots_fit(1)                 ? 1
                                                                             : 0;
-  // Where no O slot fits (hdim 192 and 256), the warpgroups' O goes into V's
-  // buffer, both stages of which are free between a tile's last PV GEMM and
-  // the next tile's first V load: the producer holds that load until the
-  // copy engine has read O (SharedStorage::o_read; fwd_producer.h), which
-  // FA3 does too. Against O written from registers (H100, 2026-11-25, C++
-  // harness, bench grid): 1.06-1.23x at 512-2k tokens, 1.00-1.06x from 4k.
+  // Without slots, the warpgroups' O goes into V's buffer, both stages of
+  // which are free between a tile's last PV GEMM and the next tile's first V
+  // load: the producer holds that load until the copy engine has read O
+  // (SharedStorage::o_read; fwd_producer.h), which FA3 does too. Against O
+  // written from registers (H100, C++ harness, bench grid, 2026-11-25): hdim
+  // 192/256 1.06-1.23x at 512-2k tokens, 1.00-1.06x from 4k; hdim 128 full
+  // 1.02-1.04x from 4k keys (run_fwd's kSharedOutputSlotBelowKeys).
   static constexpr bool kOutputInV =
-      !kOutputFromRegisters_ && kOutputSlots == 0 &&
+      kOutputSlots == 0 &&
       kNumMmaWarpgroups * kOutputSlotBytes <= kStages * kBlockN * kHeadDimV * int(sizeof(Element));
+  static_assert(!kOutputInV_ || kOutputInV, "kOutputInV_: the warpgroups' O buffers fit in V's stages");
   static constexpr int kOutputBuffers = kOutputInV ? kNumMmaWarpgroups : kOutputSlots;
   static constexpr bool kTmaEpilogue = kOutputBuffers > 0;
   static_assert(kOutputSlots == 0 || kOutputSlots == kNumMmaWarpgroups || (kOutputSlots == 1 && kNumMmaWarpgroups == 2),
