@@ -59,11 +59,19 @@ def test_forward_random_shapes(v):
         run_case(v, shape, seed=i)
 
 
-# Both sides of the run-time switches at 4096 (csrc/kernels/fwd/fwd_launch.cuh): dense
-# causal hdim 64 runs three MMA warpgroups from kCausalThreeWarpgroupsFrom query rows
+# Both sides of the run-time switches (csrc/kernels/fwd/fwd_launch.cuh): dense causal
+# hdim 64 runs three MMA warpgroups from kCausalThreeWarpgroupsFrom (2048) query rows
 # on; full hdim 128 and (192, 128) write O through V's buffer instead of a shared O slot
-# from kSharedOutputSlotBelowKeys keys on; ragged, seqlen_q != seqlen_k both ways, GQA.
-LONG_SHAPES = [(1, 4095, 4095, 2, 1), (1, 4096, 4096, 2, 2), (1, 4200, 5000, 4, 2), (1, 5000, 4100, 2, 1)]
+# from kSharedOutputSlotBelowKeys (4096) keys on; ragged, seqlen_q != seqlen_k both ways, GQA.
+LONG_SHAPES = [
+    (1, 2047, 2047, 2, 1),
+    (2, 2048, 2048, 4, 2),
+    (1, 2100, 1500, 2, 2),
+    (1, 4095, 4095, 2, 1),
+    (1, 4096, 4096, 2, 2),
+    (1, 4200, 5000, 4, 2),
+    (1, 5000, 4100, 2, 1),
+]
 
 
 @pytest.mark.parametrize("shape", LONG_SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -54,7 +54,7 @@ for d, dv in PAIRS:
         cu = torch.tensor([0, 700, 1000, 1900, 2048], dtype=torch.int32, device="cuda")
         vp = torch.randn(2048, 16, dv, device="cuda", dtype=torch.bfloat16)
         dash_fa3.flash_attn_varlen_func(q[0], q[0], vp, cu, cu, 900, 900, causal=causal)
-# Dense causal from 4096 query rows (hdim 64 runs its three-warpgroup kernel there); the causal kernels
+# Dense causal at 4096 query rows (hdim 64 runs its three-warpgroup kernel from 2048); the causal kernels
 # take their tiles off a counter through the producer-to-MMA hand-off (fwd_tile_scheduler.h).
 for d, dv in PAIRS:
     q = torch.randn(1, 4096, 8, d, device="cuda", dtype=torch.bfloat16)

@@ -171,10 +171,11 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 }  // namespace fwd
 
 // Dense causal attention at hdim 64 runs three MMA warpgroups (192-row tiles)
-// from this many query rows on, two below: measured on an H100 (2026-11-23,
-// docs/fwd_kernel.md) three were 1.04-1.12x two from 4k rows, 0.81-0.95x at
-// 512-2k, where a 192-row tile's two diagonal blocks weigh more.
-constexpr int kCausalThreeWarpgroupsFrom = 4096;
+// from this many query rows on, two below: measured on an H100, three were
+// 1.04-1.12x two from 4k rows (2026-11-23) and, once their tiles came off the
+// counter (c9b7922), 1.04x at 2k but 0.88x at 1k rows (2026-11-25), where a
+// 192-row tile's two diagonal blocks weigh more (docs/fwd_kernel.md).
+constexpr int kCausalThreeWarpgroupsFrom = 2048;
 
 // A kernel whose two MMA warpgroups share one O slot (FwdTraits::kOutputSlots
 // == 1: hdim 128 without a diagonal, and (192, 128)) runs below this many
