@@ -62,7 +62,7 @@ def test_forward_random_shapes(v):
 # Both sides of the run-time switches (csrc/kernels/fwd/fwd_launch.cuh): dense causal
 # hdim 64 runs three MMA warpgroups from kCausalThreeWarpgroupsFrom (2048) query rows
 # on; full hdim 128 and (192, 128) write O through V's buffer instead of a shared O slot
-# from kSharedOutputSlotBelowKeys (4096) keys on; ragged, seqlen_q != seqlen_k both ways, GQA.
+# from kSharedOutputSlotBelowKeys (2048) keys on; ragged, seqlen_q != seqlen_k both ways, GQA.
 LONG_SHAPES = [
     (1, 2047, 2047, 2, 1),
     (2, 2048, 2048, 4, 2),

@@ -182,10 +182,11 @@ constexpr int kCausalThreeWarpgroupsFrom = 2048;
 // keys, one that writes each warpgroup's O through V's buffer (kOutputInV_)
 // from here on. The shared slot's turn sits on the second warpgroup's path and
 // cost 2-3% from 4k keys against O stored from registers (H100, 2026-11-23);
-// O in V's buffer was 1.02-1.04x the register stores from 4k keys and
-// 0.95-1.01x the shared slot at 512-2k (hdim 128, H100, 2026-11-25; both in
-// docs/fwd_kernel.md). (192, 128) takes the same switch, not measured there.
-constexpr int kSharedOutputSlotBelowKeys = 4096;
+// O in V's buffer was 1.02x the register stores from 4k keys, and against the
+// shared slot 0.95x at 512 keys, 0.98-1.00x at 1k, 1.01x at 2k, 1.02x at 3k
+// (hdim 128, H100, 2026-11-25; docs/fwd_kernel.md). (192, 128) takes the same
+// switch, not measured there.
+constexpr int kSharedOutputSlotBelowKeys = 2048;
 
 template <int kHeadDim, int kHeadDimV, DType kDType, MaskKind kMask, bool kPacked, bool kSoftcap>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
