@@ -87,15 +87,16 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       if (slot == Scheduler::Slot::kDone) { break; }
       if (slot == Scheduler::Slot::kSkip) { continue; }
       if (kv_blocks.end <= kv_blocks.begin) {
-        Epilogue::store_empty(p, t, sl, mma_tid);
+        Epilogue::store_empty(p, t, sl, Epilogue::tile_thread_index(mma_tid));
         continue;
       }
       typename Mainloop::FragO tOrO;
       float lse[2];
       Mainloop::run(p, smem, pipeline_q, pipeline_k, pipeline_v, q_state, read_state, t.m_block,
                     sl.seqlen_q, sl.seqlen_k, kv_blocks, mma_tid, tOrO, lse);
-      // The rows again, rather than registers held through the mainloop.
-      Epilogue::store(p, smem, tOrO, lse, t, Traits::seqlens(p, t.batch), mma_tid);
+      // The rows and the thread index again, rather than registers held
+      // through the mainloop (Epilogue::tile_thread_index).
+      Epilogue::store(p, smem, tOrO, lse, t, Traits::seqlens(p, t.batch), Epilogue::tile_thread_index(mma_tid));
     }
     Epilogue::finish(mma_tid);
   }
