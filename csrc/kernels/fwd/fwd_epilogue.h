@@ -69,16 +69,13 @@ struct FwdEpilogue {
   // Whether this thread issues its warpgroup's O stores (and alone waits for them).
   CUTE_DEVICE static bool issues_store(int mma_tid) { return mma_tid % kWarpgroupThreads == 0; }
 
-  // The MMA thread index the epilogue of a tile works with. Dense kernels read
-  // it from %tid.x again (volatile, so not hoisted): otherwise NVVM hoists the
-  // epilogue's per-thread address arithmetic (the stmatrix offsets into O's
-  // slot) out of the tile loop and holds it through the mainloop, which at
-  // hdim 256 causal took the last of 240 registers and spilled 20 bytes
-  // (the tile counter, the Q phase, that offset). The packed kernels keep
-  // the loop's index: there re-reading it moved their spills onto the
-  // document's per-tile values and grew them (hdim 256 causal, 20 -> 32 bytes).
+  // The MMA thread index the epilogue of a tile works with: with
+  // Traits::kEpilogueIndexPerTile, read from %tid.x again (volatile, so not
+  // hoisted), so that NVVM does not hoist the epilogue's per-thread address
+  // arithmetic (the stmatrix offsets into O's slot) out of the tile loop and
+  // hold it through the mainloop.
   CUTE_DEVICE static int tile_thread_index(int mma_tid) {
-    if constexpr (Traits::kPacked) {
+    if constexpr (!Traits::kEpilogueIndexPerTile) {
       return mma_tid;
     } else {
       uint32_t tid;

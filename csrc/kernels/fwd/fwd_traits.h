@@ -225,6 +225,14 @@ struct FwdTraits {
       Shape<_64, Int<kHeadDimV>, Int<kOutputBuffers == 0 ? 1 : kOutputBuffers>>{}));
   static_assert(!kOutputInV || cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutVt>,
                 "kOutputInV: the warpgroups' O buffers fit in V's stages");
+  // The epilogue re-reads the thread index per tile (FwdEpilogue::
+  // tile_thread_index) where the addressing hoisted out of the tile loop
+  // spilled: dense hdim 256 with a diagonal, 20 bytes (the tile counter, the
+  // Q phase, an stmatrix offset) -> none, 1.01-1.04x (H100, C++ harness,
+  // 2026-11-25). Elsewhere it cost up to 5% (hdim 64, hdim 128 full), and in
+  // the packed kernels it moved their spills onto the document's per-tile
+  // values and grew them (hdim 256 causal, 20 -> 32 bytes).
+  static constexpr bool kEpilogueIndexPerTile = !kPacked && kHeadDim == 256 && (kCausal || kLocal);
   // One warpgroup's PV GEMM: the register layout of its 64 rows of O, which
   // the stmatrix copy into an O slot partitions.
   using TiledMmaPVWarpgroup = decltype(make_tiled_mma(
