@@ -51,7 +51,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
                       ? PipelineQ::ThreadCategory::Producer
                       : PipelineQ::ThreadCategory::Consumer;
   q_params.is_leader = pipe_params.is_leader;
-  q_params.num_consumers = Traits::kNumMmaThreads;
+  // kQPerWarpgroup: a stage's rows belong to one warpgroup.
+  q_params.num_consumers = Traits::kQPerWarpgroup ? Traits::kThreadsPerWarpgroup : Traits::kNumMmaThreads;
   q_params.transaction_bytes = Traits::kTmaBytesQ;
   PipelineQ pipeline_q(smem.pipeline_q, q_params, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
@@ -75,7 +76,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     Mainloop::init(mma_tid);
     Epilogue::init(mma_tid);
     typename Traits::PipelineState read_state;
-    typename Traits::PipelineStateQ q_state;
+    // kQPerWarpgroup: warpgroup w reads stages w, w + W, ... (Mainloop::run).
+    typename Traits::PipelineStateQ q_state(Traits::kQPerWarpgroup ? Mainloop::warpgroup(mma_tid) : 0, 0, 0);
     using Scheduler = FwdTileScheduler<Traits>;
     int unit = 0;  // the current round's unit (Scheduler::tile_at)
     CUTE_NO_UNROLL

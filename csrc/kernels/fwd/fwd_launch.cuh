@@ -74,8 +74,8 @@ typename Traits::Params make_fwd_params(FwdParams const& a) {
                         make_stride(a.k_stride.row, _1{}, a.k_stride.head, a.k_stride.batch));
   auto gVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.v)), shape_vt,
                          make_stride(_1{}, a.v_stride.row, a.v_stride.head, a.v_stride.batch));
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, take<0, 2>(typename Traits::SmemLayoutQ{}),
-                          Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{});
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, typename Traits::SmemLayoutQLoad{},
+                          Shape<Int<Traits::kQRowsPerLoad>, Int<Traits::kHeadDim>>{}, _1{});
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(typename Traits::SmemLayoutK{}),
                           Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(typename Traits::SmemLayoutVt{}),

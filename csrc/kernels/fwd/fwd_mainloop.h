@@ -107,7 +107,10 @@ struct FwdMainloop {
         __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0) * Traits::kThreadsPerWarpgroup;
     auto wg_qk = mma_qk.get_slice(wg_first_tid);
     auto wg_pv = mma_pv.get_slice(wg_first_tid);
-    Tensor tSrQ = wg_qk.partition_fragment_A(sQ)(_, _, _, q_state.index());  // smem descriptors
+    // kQPerWarpgroup: stage index w of the Q pipeline is this warpgroup's rows of
+    // SmemLayoutQ's single stage.
+    int const q_stage = Traits::kQPerWarpgroup ? 0 : q_state.index();
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ)(_, _, _, q_stage);  // smem descriptors
     Tensor tSrK = wg_qk.partition_fragment_B(sK);    // (.., stage)
     Tensor tOrV = wg_pv.partition_fragment_B(sVt);   // (.., stage)
     Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -210,7 +213,8 @@ struct FwdMainloop {
 
     // Every S = Q K^T of the tile has retired: this Q stage may be refilled.
     pipeline_q.consumer_release(q_state);
-    ++q_state;
+    CUTE_UNROLL
+    for (int i = 0; i < (Traits::kQPerWarpgroup ? kWarpgroups : 1); ++i) { ++q_state; }
 
     // Last PV GEMM.
     consumer_wait(pipeline_v, read_state);

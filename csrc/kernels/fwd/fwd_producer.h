@@ -4,10 +4,11 @@
 // Per tile with key blocks n = end-1 ... 0 (visited from the last block down,
 // which puts the masked blocks first), the load order is
 //   K[end-1], Q, K[end-2], V[end-1], K[end-3], V[end-2], ..., V[0]
-// Q has its own kQStages-deep pipeline, so with kQStages = 2 the next tile's
-// Q lands while the current tile still runs.
 // which is the order in which the MMA warpgroups consume them with
 // intra-warpgroup overlap (S = Q K[n]^T is issued before O += P V[n+1]).
+// Q has its own kQStages-deep pipeline, so with kQStages = 2 the next tile's
+// Q lands while the current tile still runs; with FwdTraits::kQPerWarpgroup
+// Q is one load per MMA warpgroup's 64 rows, each a stage of that pipeline.
 // K and V have their own kStages-deep pipelines; the i-th K block and the
 // i-th V block of the CTA use the same stage index and phase. Where O leaves
 // through V's buffer (FwdTraits::kOutputInV), a tile's first V load waits
@@ -54,7 +55,8 @@ struct FwdProducer {
     auto tma_q = p.tma_q.get_slice(_0{});
     auto tma_k = p.tma_k.get_slice(_0{});
     auto tma_v = p.tma_v.get_slice(_0{});
-    Tensor tQsQ = tma_q.partition_D(sQ);    // (TMA, TMA_M, TMA_D, q stage)
+    constexpr int kQLoads = Traits::kQPerWarpgroup ? Traits::kNumMmaWarpgroups : 1;
+    constexpr int kQRows = Traits::kQRowsPerLoad;
     Tensor tKsK = tma_k.partition_D(sK);    // (TMA, TMA_N, TMA_D, stage)
     Tensor tVsV = tma_v.partition_D(sVt);   // (TMA, TMA_D, TMA_N, stage)
 
@@ -80,7 +82,7 @@ struct FwdProducer {
       constexpr bool kPacked = Traits::kPacked;
       Tensor gQ = local_tile(rows_from<kPacked>(p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, sl.tensor_batch),
                                                 sl.offset_q),
-                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
+                             Shape<Int<kQRows>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (rows, D, load)
       Tensor gK = local_tile(rows_from<kPacked>(p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, sl.tensor_batch),
                                                 sl.offset_k),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));   // (N, D, n)
@@ -88,7 +90,7 @@ struct FwdProducer {
       Tensor gVt = local_tile(rows_from<kPacked, 1>(p.tma_v.get_tma_tensor(p.shape_vt)(_, _, head_kv, sl.tensor_batch),
                                                     sl.offset_k),
                               Shape<Int<kHeadDimV>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (DV, N, n)
-      Tensor tQgQ = tma_q.partition_S(gQ);
+      Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_D, load)
       Tensor tKgK = tma_k.partition_S(gK);
       Tensor tVgV = tma_v.partition_S(gVt);
 
@@ -119,12 +121,19 @@ struct FwdProducer {
       load_k(n, write_state);
       // Waits until the MMA warpgroups released this Q stage (their last
       // S = Q K^T of the tile kQStages tiles back has retired).
-      pipeline_q.producer_acquire(q_write_state);
-      if (leader) {
-        copy(p.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0, TMA::CacheHintSm90::EVICT_FIRST),
-             tQgQ, tQsQ(_, _, _, q_write_state.index()));
+      // kQPerWarpgroup: one load per warpgroup's rows, each waiting only for that
+      // warpgroup's release.
+      CUTE_UNROLL
+      for (int l = 0; l < kQLoads; ++l) {
+        pipeline_q.producer_acquire(q_write_state);
+        int const q_stage = Traits::kQPerWarpgroup ? 0 : q_write_state.index();
+        Tensor sQl = local_tile(sQ(_, _, q_stage), Shape<Int<kQRows>, Int<kHeadDim>>{}, make_coord(l, _0{}));
+        if (leader) {
+          copy(p.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0, TMA::CacheHintSm90::EVICT_FIRST),
+               tQgQ(_, _, _, t.m_block * kQLoads + l), tma_q.partition_D(sQl));
+        }
+        ++q_write_state;
       }
-      ++q_write_state;
       bool first_v = true;
       for (--n; n >= kv_blocks.begin; --n) {
         PipelineState const v_state = write_state;  // V of block n+1 rides one step behind K

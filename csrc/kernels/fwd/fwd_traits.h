@@ -239,7 +239,24 @@ struct FwdTraits {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>()));
 
-  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  // kQPerWarpgroup: each MMA warpgroup's 64 rows of the single Q stage are a
+  // pipeline stage of their own: a warpgroup releases its rows once its last
+  // S GEMM of the tile retires and waits only for its own rows of the next
+  // tile, so the first warpgroup of the ping-pong need not wait for the
+  // second one's last S GEMM before the producer reloads its rows. At hdim
+  // 128 full (one Q stage, 176-key blocks) 1.04x at 512 keys, 1.02x at 1k,
+  // level from 2k; at hdim 256 (80-key blocks) 0.95x at 512, 0.97x at 1k
+  // (H100, C++ harness, 3 alternating processes, 2026-11-25), so only there.
+  static constexpr bool kQPerWarpgroup = kQStages == 1 && kHeadDim == 128;
+  static constexpr int kQPipelineStages = kQPerWarpgroup ? kNumMmaWarpgroups : kQStages;
+  static constexpr int kQRowsPerLoad = kQPerWarpgroup ? 64 : kBlockM;
+  // One load's rows of one Q stage, at their place in SmemLayoutQ's stage.
+  using SmemLayoutQLoad = std::conditional_t<
+      kQPerWarpgroup,
+      decltype(composition(take<0, 2>(SmemLayoutQ{}),
+                           make_layout(Shape<Int<kQRowsPerLoad>, Int<kHeadDim>>{}, make_stride(_1{}, Int<kBlockM>{})))),
+      decltype(take<0, 2>(SmemLayoutQ{}))>;
+  static constexpr uint32_t kTmaBytesQ = kQRowsPerLoad * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
 
@@ -251,7 +268,7 @@ struct FwdTraits {
   using TmaQ = decltype(make_tma_copy(
       SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
-      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+      SmemLayoutQLoad{}, Shape<Int<kQRowsPerLoad>, Int<kHeadDim>>{}, _1{}));
   using TmaK = decltype(make_tma_copy(
       SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}),
@@ -269,7 +286,7 @@ struct FwdTraits {
 
   // Q, K and V each have a TMA pipeline: full barriers complete on the TMA
   // transaction bytes, empty barriers when all MMA threads released.
-  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
+  using PipelineQ = cutlass::PipelineTmaAsync<kQPipelineStages>;
   using PipelineStateQ = typename PipelineQ::PipelineState;
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineKV::PipelineState;
