@@ -139,6 +139,17 @@ struct FwdMainloop {
       }
     };
 
+    // kQPerWarpgroup: this warpgroup's Q rows are released as soon as its S GEMM
+    // of the tile's last key block (block kv_blocks.begin) has retired, so the
+    // producer can load its rows of the next tile during the last softmax and
+    // PV GEMM (1.01x at 1k-2k keys, level from 4k; H100, 2026-11-25,
+    // benchmarks/RESULTS.md).
+    auto release_q_after_last_s = [&](int n) {
+      if constexpr (Traits::kQPerWarpgroup) {
+        if (n == kv_blocks.begin) { pipeline_q.consumer_release(q_state); }
+      }
+    };
+
     // First block: S, mask (it may hold keys past seqlen_k and the diagonal;
     // with a window, also the left side), softmax. No PV GEMM to overlap with yet.
     int n = kv_blocks.end - 1;
@@ -148,6 +159,7 @@ struct FwdMainloop {
       consumer_wait(pipeline_k, read_state);
       warpgroup_gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, uniform_stage(read_state)), tSrS);
       pipeline_k.consumer_release(read_state);
+      release_q_after_last_s(n);
       cap(tSrS);
       mask(tSrS, n);
       softmax.template update<true, true>(tSrS, o_scale);
@@ -178,6 +190,7 @@ struct FwdMainloop {
       warpgroup_wait<1>();  // S_n is ready; the PV GEMM may still run
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(read_state);
+      release_q_after_last_s(n);
       cap(tSrS);
       if constexpr (kMasked) { mask(tSrS, n); }
       softmax.template update<false, kMasked>(tSrS, o_scale);
@@ -211,8 +224,9 @@ struct FwdMainloop {
       for (; n >= kv_blocks.begin; --n) { step(n, cute::false_type{}); }
     }
 
-    // Every S = Q K^T of the tile has retired: this Q stage may be refilled.
-    pipeline_q.consumer_release(q_state);
+    // Every S = Q K^T of the tile has retired: this Q stage may be refilled
+    // (kQPerWarpgroup: released already, release_q_after_last_s).
+    if constexpr (!Traits::kQPerWarpgroup) { pipeline_q.consumer_release(q_state); }
     CUTE_UNROLL
     for (int i = 0; i < (Traits::kQPerWarpgroup ? kWarpgroups : 1); ++i) { ++q_state; }
 
