@@ -52,7 +52,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
                       : PipelineQ::ThreadCategory::Consumer;
   q_params.is_leader = pipe_params.is_leader;
   // kQPerWarpgroup: a stage's rows belong to one warpgroup.
-  q_params.num_consumers = Traits::kQPerWarpgroup ? Traits::kThreadsPerWarpgroup : Traits::kNumMmaThreads;
+  q_params.num_consumers = Traits::kNumMmaThreads / Traits::kQLoadsPerTile;
   q_params.transaction_bytes = Traits::kTmaBytesQ;
   PipelineQ pipeline_q(smem.pipeline_q, q_params, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {

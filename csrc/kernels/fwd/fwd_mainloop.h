@@ -109,8 +109,7 @@ struct FwdMainloop {
     auto wg_pv = mma_pv.get_slice(wg_first_tid);
     // kQPerWarpgroup: stage index w of the Q pipeline is this warpgroup's rows of
     // SmemLayoutQ's single stage.
-    int const q_stage = Traits::kQPerWarpgroup ? 0 : q_state.index();
-    Tensor tSrQ = wg_qk.partition_fragment_A(sQ)(_, _, _, q_stage);  // smem descriptors
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ)(_, _, _, Traits::q_smem_stage(q_state.index()));  // smem descriptors
     Tensor tSrK = wg_qk.partition_fragment_B(sK);    // (.., stage)
     Tensor tOrV = wg_pv.partition_fragment_B(sVt);   // (.., stage)
     Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -228,7 +227,7 @@ struct FwdMainloop {
     // (kQPerWarpgroup: released already, release_q_after_last_s).
     if constexpr (!Traits::kQPerWarpgroup) { pipeline_q.consumer_release(q_state); }
     CUTE_UNROLL
-    for (int i = 0; i < (Traits::kQPerWarpgroup ? kWarpgroups : 1); ++i) { ++q_state; }
+    for (int i = 0; i < Traits::kQLoadsPerTile; ++i) { ++q_state; }
 
     // Last PV GEMM.
     consumer_wait(pipeline_v, read_state);

@@ -55,7 +55,7 @@ struct FwdProducer {
     auto tma_q = p.tma_q.get_slice(_0{});
     auto tma_k = p.tma_k.get_slice(_0{});
     auto tma_v = p.tma_v.get_slice(_0{});
-    constexpr int kQLoads = Traits::kQPerWarpgroup ? Traits::kNumMmaWarpgroups : 1;
+    constexpr int kQLoads = Traits::kQLoadsPerTile;
     constexpr int kQRows = Traits::kQRowsPerLoad;
     Tensor tKsK = tma_k.partition_D(sK);    // (TMA, TMA_N, TMA_D, stage)
     Tensor tVsV = tma_v.partition_D(sVt);   // (TMA, TMA_D, TMA_N, stage)
@@ -126,8 +126,8 @@ struct FwdProducer {
       CUTE_UNROLL
       for (int l = 0; l < kQLoads; ++l) {
         pipeline_q.producer_acquire(q_write_state);
-        int const q_stage = Traits::kQPerWarpgroup ? 0 : q_write_state.index();
-        Tensor sQl = local_tile(sQ(_, _, q_stage), Shape<Int<kQRows>, Int<kHeadDim>>{}, make_coord(l, _0{}));
+        Tensor sQl = local_tile(sQ(_, _, Traits::q_smem_stage(q_write_state.index())),
+                                Shape<Int<kQRows>, Int<kHeadDim>>{}, make_coord(l, _0{}));
         if (leader) {
           copy(p.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0, TMA::CacheHintSm90::EVICT_FIRST),
                tQgQ(_, _, _, t.m_block * kQLoads + l), tma_q.partition_D(sQl));

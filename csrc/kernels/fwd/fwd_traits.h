@@ -248,8 +248,13 @@ struct FwdTraits {
   // level from 2k; at hdim 256 (80-key blocks) 0.95x at 512, 0.97x at 1k
   // (H100, C++ harness, 3 alternating processes, 2026-11-25), so only there.
   static constexpr bool kQPerWarpgroup = kQStages == 1 && kHeadDim == 128;
-  static constexpr int kQPipelineStages = kQPerWarpgroup ? kNumMmaWarpgroups : kQStages;
-  static constexpr int kQRowsPerLoad = kQPerWarpgroup ? 64 : kBlockM;
+  // TMA loads (Q pipeline stages) per tile's Q, their rows, and the
+  // SmemLayoutQ stage that Q pipeline stage i fills: producer and MMA
+  // warpgroups index both with these.
+  static constexpr int kQLoadsPerTile = kQPerWarpgroup ? kNumMmaWarpgroups : 1;
+  static constexpr int kQPipelineStages = kQStages * kQLoadsPerTile;
+  static constexpr int kQRowsPerLoad = kBlockM / kQLoadsPerTile;
+  CUTE_HOST_DEVICE static constexpr int q_smem_stage(int q_pipeline_stage) { return q_pipeline_stage / kQLoadsPerTile; }
   // One load's rows of one Q stage, at their place in SmemLayoutQ's stage.
   using SmemLayoutQLoad = std::conditional_t<
       kQPerWarpgroup,
