@@ -23,8 +23,8 @@
 //                        register groups in fragment order (common/dq_accum_layout.h)
 // Traits::kDkBeforeDq (hdim 128): dK is issued right after dV, before sdS
 // and kDsReady, so the tensor cores hold dV and dK while the warpgroups meet;
-// dQ, the last GEMM, goes to sdQ once it retires and is handed over after the
-// next step's S^T and dP^T are issued.
+// dQ, the last GEMM, goes to sdQ once it retires and is handed over once the
+// next step has computed its dS^T.
 // Head-dim split: S^T and dP^T of Q rows [32w, 32w + 32) as above; then P^T
 // and dS^T -> sP, sdS; after kDsReady dV += P^T dO, dQ = dS K and dK += dS^T Q
 // for head-dim half w, all three from shared memory; the dQ hand-off as above.
@@ -531,7 +531,6 @@ struct BwdMainloop {
       warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       DASH_FA3_TRACE_TIMED(p, row, s, tracing::kMmaDoWait, mma_tid == 0, consumer_wait(pipeline_do, read_do));
       warpgroup_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
-      if (dq_pending >= 0) { hand_over_dq(dq_pending); }
       warpgroup_wait<1>();  // S^T is ready; dP^T may still run
       warpgroup_fence_operand(tSrS);
       // P^T = exp2(S^T * scale_log2 - lse_log2). Entries past seqlen_k or
@@ -614,6 +613,11 @@ struct BwdMainloop {
           tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<1>(tScS(i))]);
         }
       }
+      // kDkBeforeDq: the previous step's dQ goes to the writer only now. Handed
+      // over right after the dP^T issue, its fence waited for the 8 STS.128 to
+      // drain, in front of the exp2s (hdim 128 full: 181 cycles per step, H100
+      // profile); here 1.01-1.02x non-deterministic (H100, 2026-11-25).
+      if (dq_pending >= 0) { hand_over_dq(dq_pending); }
       FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       if constexpr (!kSplitHeadDim) {
         // P^T is converted only now, after dS^T: converting it before the dP^T
@@ -684,8 +688,8 @@ struct BwdMainloop {
         warpgroup_wait<0>();  // dQ retired: sdS is read
         warpgroup_fence_operand(tQrDq);
         store_dq(sdq_thread, Traits::sdq_buffer(dq_stage), tQrDq);
-        // The fence and dq_full come after the next step's S^T and dP^T are
-        // issued (or at the task's end), by when the stores have drained.
+        // The fence and dq_full come after the next step's dS^T (or at the
+        // task's end), by when the stores have drained.
         dq_pending = dq_stage;
       } else {
         warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below

@@ -275,7 +275,7 @@ struct BwdTraits {
   static constexpr bool kLseEarly = kRowSplit && (kBlockM == 64 || (!kSoftcap && !(kLocal && kPacked)));
   // The row split's GEMM order in a step (bwd_mainloop.h). hdim 128: dV, dK,
   // then sdS, kDsReady and dQ, and dQ's hand-off to the writer (fence,
-  // dq_full) deferred until the next step's S^T and dP^T are issued. Other
+  // dq_full) deferred until the next step has computed its dS^T. Other
   // head dims: dV, sdS, kDsReady, dQ, dK, dQ handed over while dK runs.
   // Measured (H100, 2026-11-24, alternating builds, TFLOP/s against the
   // second order): hdim 128 non-deterministic +1-4% (-1.5% at causal 1k),
