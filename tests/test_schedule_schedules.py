@@ -108,7 +108,8 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **causal96), headdim=128) == "symmetric_shift"
     causal64 = dict(batch=1, heads=32, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal64)) == "spt"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal64)) == "symmetric_shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal64)) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=7168, **causal64)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **causal64)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal64)) == "spt"
     # the head-dim-split kernels' 64 x 64 tiles (head dims 192, 256): spt for causal masks

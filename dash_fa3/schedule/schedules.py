@@ -109,6 +109,9 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     480 / 504 TFLOP/s against ``symmetric_shift``'s 416 / 461 / 494; MLA 412 / 458 /
     483 against 393 / 426 / 460), full ``shift`` up to 16k tokens, 171 KV tiles (16k:
     545 against ``fa3``'s 511; MLA 500 against 504).
+    Square tiles (head dim 64), causal: ``spt`` at 32..63 KV tiles too (4k tokens: 472
+    against ``symmetric_shift``'s 461 TFLOP/s at c51eb7b, 469 / 461 at 2a67b5e, 466 / 458
+    at 916185e; H100, 2026-11-24/25, RESULTS.md), so ``spt`` at every length.
     Head dim 96 (64 x 128 tiles, as head dim 128; told apart by ``headdim``, which the
     op passes): causal ``spt`` at every length (H100, 2026-11-24, 4d18e9c: 4k / 8k / 16k
     430 / 475 / 500 TFLOP/s against ``symmetric_shift``'s 407 / 454 / 479; in-sample).
@@ -131,8 +134,7 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         # The shift orders lose where keys outnumber queries (see above).
         keys_within = g.seqlen_k <= g.seqlen_q
         if g.causal:
-            sym = (keys_within and g.n_kv >= 32 and g.block_n >= 128 and not (square and g.n_kv >= 64)
-                   and headdim != 96)
+            sym = keys_within and g.n_kv >= 32 and g.block_n >= 128 and not square and headdim != 96
             return "symmetric_shift" if sym else "spt"
         # Square tiles: shift from 4 KV tiles (512 tokens) up to 127 (at 128 the queue orders
         # are as fast); 64 x 96 (head dim 192): 5..171 (16k tokens); 64 x 128 and 64 x 64: 5..128.
