@@ -76,7 +76,7 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     (4k tokens), ``spt`` below, and ``spt`` again from 64 KV tiles (8k tokens)
     with head dim 64's square 128 x 128 tiles (H100, 2026-11-24, afcc41a:
     8k 493 against 487 TFLOP/s, 16k 528 against 518; ba57b3b, 2026-11-23:
-    486 / 485 and 519 / 512); full: ``shift`` for 5..64 KV tiles with square
+    486 / 485 and 519 / 512; below 64 KV tiles too, revised below); full: ``shift`` for 5..64 KV tiles with square
     tiles (head dim 64) and 5..128 with head dim 128's 64x128 tiles, else
     ``fa3`` (revised below). On the afcc41a grid (benchmarks/RESULTS.md) that pick's schedule
     is within 2.0% of the best one at all 24 points (the furthest: head dim
