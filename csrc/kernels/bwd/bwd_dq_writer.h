@@ -34,9 +34,10 @@
 //       is written next at step s + 2: dq_empty(b, w).
 //   one buffer (d = 192): every step uses it; part w is written next at step
 //       s + 1: dq_empty(1 - b, w).
-//   one shared half (d = 256): the halves of a step pass through one
-//       half-tile region in warpgroup order: after warpgroup 0's half,
-//       dq_empty(b, 1); after warpgroup 1's, dq_empty(1 - b, 0).
+//   one shared half (d = 256): the four quarters of a step pass through its
+//       two quarter-tile slots in order (warpgroup 0's halves, then warpgroup
+//       1's): after a quarter in slot k has been read, dq_empty(w, k) of the
+//       warpgroup w whose quarter goes there next.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -61,15 +62,21 @@ struct BwdDqWriter {
 
   static constexpr int kParts = Traits::kDqHandoffParts;
 
-  // The dq_empty barrier to arrive on once part wg of a step of set `set` has been read.
+  // The dq_empty barrier to arrive on once part wg of a step of set `set` has
+  // been read (not for a shared half: its slots have one barrier each).
   CUTE_DEVICE static BwdBarrier next_writer_of(int set, int wg) {
-    if constexpr (Traits::kDqSharedHalf) {
-      return wg == 0 ? Mainloop::dq_empty(set, 1) : Mainloop::dq_empty(1 - set, 0);
-    } else if constexpr (Traits::kStagesDq == 1) {
+    if constexpr (Traits::kStagesDq == 1) {
       return Mainloop::dq_empty(1 - set, wg);
     } else {
       return Mainloop::dq_empty(set, wg);
     }
+  }
+
+  // A shared half: the dq_empty barrier to arrive on once quarter i of a step
+  // has been read: that of the warpgroup whose quarter takes its slot next
+  // (warpgroup 1's of this step, or warpgroup 0's of the next).
+  CUTE_DEVICE static BwdBarrier next_in_slot(int i) {
+    return Mainloop::dq_empty(i < Traits::kDqSlots ? 1 : 0, i % Traits::kDqSlots);
   }
 
   // Run by all 32 lanes of writer warp `writer` (its hand-off set); lane 0 issues and waits.
@@ -79,11 +86,11 @@ struct BwdDqWriter {
     float const* sdq = smem.dq.data() + Traits::sdq_buffer(writer) * Traits::kDqBufferFloats;
 
     // Every region starts out empty: its first writer (step 0 or, with two
-    // buffers, step 1; warpgroup 0 first with a shared half) may fill it.
+    // buffers, step 1; with a shared half warpgroup 0, once per slot) may fill it.
     if (Traits::kStagesDq == 2 || writer == 0) {
       CUTE_UNROLL
-      for (int wg = 0; wg < (Traits::kDqSharedHalf ? 1 : kParts); ++wg) {
-        named_barrier_arrive(Mainloop::dq_empty(writer, wg), Traits::kDqHandoffThreads);
+      for (int part = 0; part < kParts; ++part) {
+        named_barrier_arrive(Mainloop::dq_empty(writer, part), Traits::kDqHandoffThreads);
       }
     }
     // Index of the next step among all steps of this CTA; the MMA warpgroups
@@ -125,22 +132,31 @@ struct BwdDqWriter {
         }
         float* dq_tile = dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats;
         if constexpr (Traits::kDqSharedHalf) {
-          // One half-tile region, filled by the warpgroups in turn: each half
-          // must have been read before the other warpgroup may write.
-          CUTE_UNROLL
-          for (int wg = 0; wg < kParts; ++wg) {
-            // Wait until MMA warpgroup wg has written its half of this step's partial dQ.
-            named_barrier_sync(Mainloop::dq_full(writer, wg), Traits::kDqHandoffThreads);
+          // Quarter i of the tile (warpgroup i / 2's half i % 2) passes through
+          // slot i % 2; a slot's quarter is released once read, one quarter
+          // later, so the next quarter's reduce is issued first.
+          constexpr int kQuarters = Traits::kNumMmaWarpgroups * Traits::kDqSlots;
+          cute::for_each(cute::make_int_sequence<kQuarters>{}, [&](auto i) {
+            constexpr int kSlot = decltype(i)::value % Traits::kDqSlots;
+            // Wait until quarter i of this step's partial dQ is in its slot.
+            named_barrier_sync(Mainloop::dq_full(writer, kSlot), Traits::kDqHandoffThreads);
             if (leader) {
-              bulk_reduce_add_f32(dq_tile + wg * Traits::kDqPartFloats, sdq, Traits::kDqPartBytes,
+              bulk_reduce_add_f32(dq_tile + decltype(i)::value * Traits::kDqSlotFloats,
+                                  sdq + kSlot * Traits::kDqSlotFloats, Traits::kDqSlotBytes,
                                   uint64_t(TMA::CacheHintSm90::EVICT_LAST));
               tma_store_arrive();
-              bulk_wait_read<0>();
             }
-            __syncwarp();
-            // The region has been read: the next warpgroup in turn may fill it.
-            named_barrier_arrive(next_writer_of(writer, wg), Traits::kDqHandoffThreads);
-          }
+            if constexpr (decltype(i)::value > 0) {
+              if (leader) { bulk_wait_read<1>(); }
+              __syncwarp();
+              // Quarter i - 1 has been read: the one after it in its slot may fill it.
+              named_barrier_arrive(next_in_slot(decltype(i)::value - 1), Traits::kDqHandoffThreads);
+            }
+          });
+          if (leader) { bulk_wait_read<0>(); }
+          __syncwarp();
+          // The last quarter has been read.
+          named_barrier_arrive(next_in_slot(kQuarters - 1), Traits::kDqHandoffThreads);
         } else {
           CUTE_UNROLL
           for (int wg = 0; wg < kParts; ++wg) {

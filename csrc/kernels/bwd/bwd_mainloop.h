@@ -135,10 +135,13 @@ struct BwdMainloop {
   // in fragment order: a warp's stores of one group cover 512 contiguous
   // bytes, so each is 4 wavefronts, the minimum (64-bit pair stores into the
   // swizzled row-major tile were 2-way bank conflicts).
+  // Groups [kFirst, kFirst + kCount) only where given (a slot of a shared half).
+  template <int kFirst = 0, int kCount = -1>
   CUTE_DEVICE static void store_dq(uint32_t sdq_thread, int buffer, FragDq const& tQrDq) {
     uint32_t const dst = sdq_thread + uint32_t(buffer) * Traits::kDqBufferBytes;
+    constexpr int kEnd = kCount < 0 ? int(size(FragDq{})) / kDqFragGroup : kFirst + kCount;
     CUTE_UNROLL
-    for (int g = 0; g < size(tQrDq) / kDqFragGroup; ++g) {
+    for (int g = kFirst; g < kEnd; ++g) {
       store_shared_v4(dst + uint32_t(dq_frag_reg_offset(0, kDqFragGroup * g)) * uint32_t(sizeof(float)),
                       tQrDq(4 * g), tQrDq(4 * g + 1), tQrDq(4 * g + 2), tQrDq(4 * g + 3));
     }
@@ -691,6 +694,29 @@ struct BwdMainloop {
         // The fence and dq_full come after the next step's dS^T (or at the
         // task's end), by when the stores have drained.
         dq_pending = dq_stage;
+      } else if constexpr (Traits::kDqSharedHalf) {
+        warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
+        warpgroup_fence_operand(tQrDq);
+        pipeline_do.consumer_release(read_do);  // dO and dPsum of this stage are read
+        ++read_do;
+        // This warpgroup's half in two quarters, one per slot (bwd_traits.h).
+        cute::for_each(cute::make_int_sequence<Traits::kDqSlots>{}, [&](auto slot) {
+          // Wait until the dQ writer has read the slot's last quarter (warpgroup
+          // 0: warpgroup 1's of the previous step; warpgroup 1: warpgroup 0's).
+          if (slot == 0) { trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyWait); }
+          named_barrier_sync(dq_empty(wg, slot), Traits::kDqHandoffThreads);
+          if (slot == 0) { trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone); }
+          store_dq<decltype(slot)::value * Traits::kDqSlotGroups, Traits::kDqSlotGroups>(sdq_thread, 0, tQrDq);
+          // sdQ is read by the bulk copy engine (async proxy).
+          cutlass::arch::fence_view_async_shared();
+          // Tell the dQ writer that the slot holds this quarter.
+          named_barrier_arrive(dq_full(dq_stage, slot), Traits::kDqHandoffThreads);
+        });
+        warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        pipeline_q.consumer_release(read_q);
+        ++read_q;
       } else {
         warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
         warpgroup_fence_operand(tQrDq);
@@ -701,9 +727,7 @@ struct BwdMainloop {
 
         // Wait until the dQ writer has finished reading what it last took from
         // this warpgroup's half of this sdQ buffer: this warpgroup's partial dQ
-        // of kStagesDq steps ago; with a shared half (d = 256) warpgroup 0
-        // waits for warpgroup 1's half of the previous step, warpgroup 1 for
-        // warpgroup 0's of this step.
+        // of kStagesDq steps ago.
         trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyWait);
         named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
         trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone);

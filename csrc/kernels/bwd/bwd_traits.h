@@ -97,6 +97,7 @@ enum class BwdBarrier : uint32_t {
   // has been read by the copy engine; warpgroup w waits on it before writing
   // there (bwd_dq_writer.h says which writer arrives). Per warpgroup, so that
   // neither waits for the other at the hand-off (they already meet at kDsReady).
+  // d = 256 indexes both by its sdQ slots instead (BwdTraits::kDqSharedHalf).
   kDqEmpty = 2,  // .. 5
   // kDqFull + 2 b + w (dq_full(b, w)): MMA warpgroup w has written its half
   // of a partial dQ of hand-off set b; dQ writer b waits on it before issuing
@@ -409,12 +410,26 @@ struct BwdTraits {
   static_assert(kDqPartBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   // The hand-off part of MMA warpgroup wg's region.
   CUTE_HOST_DEVICE static constexpr int dq_part(int wg) { return kDqHandoffParts == 1 ? 0 : wg; }
-  // d = 256: an sdQ buffer holds one warpgroup's half (32 KB), which the two
-  // MMA warpgroups fill in turn (bwd_dq_writer.h); a whole tile would leave
-  // room for one Q stage only.
+  // d = 256: the one sdQ buffer holds half a tile (32 KB; a whole tile would
+  // leave room for one Q stage only), as two slots of a quarter tile each,
+  // which the quarters of a step pass through in order: warpgroup 0's first
+  // and second half, then warpgroup 1's (bwd_dq_writer.h). With a slot per
+  // warpgroup half, warpgroup 1 waited for warpgroup 0's whole half to be
+  // stored and read; now for its first quarter only, read while warpgroup 0
+  // stores the second. Here dq_full(b, slot) is per hand-off set and slot,
+  // dq_empty(w, slot) per warpgroup and slot (the quarters' order).
   static constexpr bool kDqSharedHalf = kHeadDim > 192;
   static_assert(!kDqSharedHalf || kStagesDq == 1, "a shared half-tile sdQ is the one buffer");
-  static_assert(!kDqSharedHalf || kDqHandoffParts == kNumMmaWarpgroups, "a shared half holds one part");
+  static constexpr int kDqSlots = 2;  // slots of a shared half
+  static_assert(!kDqSharedHalf || (kDqHandoffParts == kDqSlots && kNumMmaWarpgroups == 2),
+                "a shared half: dq_full(b, slot) and dq_empty(w, slot) take the (set, part) barrier ids");
+  static constexpr int kDqSlotFloats = kDqWgFloats / kDqSlots;
+  static constexpr uint32_t kDqSlotBytes = kDqSlotFloats * sizeof(float);
+  // Register groups (dq_accum_layout.h) of a warpgroup per slot: group g lies
+  // at float 4 * 128 * g of its warpgroup's region, so a slot is a run of groups.
+  static constexpr int kDqSlotGroups = kDqSlotFloats / (kDqFragGroup * kDqFragWgThreads);
+  static_assert(!kDqSharedHalf || kDqSlotGroups * kDqFragGroup * kDqFragWgThreads == kDqSlotFloats,
+                "whole groups per slot");
   static constexpr int kDqBufferFloats = kDqSharedHalf ? kDqWgFloats : kDqTileFloats;
   static constexpr uint32_t kDqBufferBytes = kDqBufferFloats * sizeof(float);
   // Float offset of MMA warpgroup wg's region in an sdQ buffer.
