@@ -37,7 +37,11 @@
 //   one shared half (d = 256): the four quarters of a step pass through its
 //       two quarter-tile slots in order (warpgroup 0's halves, then warpgroup
 //       1's): after a quarter in slot k has been read, dq_empty(w, k) of the
-//       warpgroup w whose quarter goes there next.
+//       warpgroup w whose quarter goes there next. Each of these barriers
+//       alternates one arrival and one wait: the next arrival on it needs the
+//       quarter its waiter stores next (so that wait has passed), and
+//       warpgroup 0 stores a step's quarters only after both warpgroups met at
+//       kDsReady, past warpgroup 1's stores of the step before.
 #pragma once
 
 #include <cute/tensor.hpp>
