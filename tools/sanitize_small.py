@@ -52,15 +52,15 @@ for d, dv in PAIRS:
 
 # 16 heads x 16 query tiles of 128 rows: about two tiles per CTA on 132 SMs.
 for d, dv in PAIRS:
-    for causal in (False, True):
-        if not _built(d, dv, "causal" if causal else "full"):
+    for causal, kind in ((False, "full"), (True, "causal")):
+        if not _built(d, dv, kind):
             continue
         q = torch.randn(1, 2048, 16, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(1, 1000, 16, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(1, 1000, 16, dv, device="cuda", dtype=torch.bfloat16)
         dash_fa3.flash_attn_func(q, k, v, causal=causal)
         ran += 1
-        if _built(d, dv, "causal" if causal else "full", packed=True):
+        if _built(d, dv, kind, packed=True):
             # Packed documents: whole tiles leave by TMA, each document's partial last tile from registers.
             cu = torch.tensor([0, 700, 1000, 1900, 2048], dtype=torch.int32, device="cuda")
             vp = torch.randn(2048, 16, dv, device="cuda", dtype=torch.bfloat16)

@@ -694,29 +694,6 @@ struct BwdMainloop {
         // The fence and dq_full come after the next step's dS^T (or at the
         // task's end), by when the stores have drained.
         dq_pending = dq_stage;
-      } else if constexpr (Traits::kDqSharedHalf) {
-        warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
-        warpgroup_fence_operand(tQrDq);
-        pipeline_do.consumer_release(read_do);  // dO and dPsum of this stage are read
-        ++read_do;
-        // This warpgroup's half in two quarters, one per slot (bwd_traits.h).
-        cute::for_each(cute::make_int_sequence<Traits::kDqSlots>{}, [&](auto slot) {
-          // Wait until the dQ writer has read the slot's last quarter (warpgroup
-          // 0: warpgroup 1's of the previous step; warpgroup 1: warpgroup 0's).
-          if (slot == 0) { trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyWait); }
-          named_barrier_sync(dq_empty(wg, slot), Traits::kDqHandoffThreads);
-          if (slot == 0) { trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone); }
-          store_dq<decltype(slot)::value * Traits::kDqSlotGroups, Traits::kDqSlotGroups>(sdq_thread, 0, tQrDq);
-          // sdQ is read by the bulk copy engine (async proxy).
-          cutlass::arch::fence_view_async_shared();
-          // Tell the dQ writer that the slot holds this quarter.
-          named_barrier_arrive(dq_full(dq_stage, slot), Traits::kDqHandoffThreads);
-        });
-        warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        pipeline_q.consumer_release(read_q);
-        ++read_q;
       } else {
         warpgroup_wait<1>();  // dV and dQ retired; dK runs under the dQ hand-off below
         warpgroup_fence_operand(tQrDq);
@@ -725,19 +702,36 @@ struct BwdMainloop {
         pipeline_do.consumer_release(read_do);
         ++read_do;
 
-        // Wait until the dQ writer has finished reading what it last took from
-        // this warpgroup's half of this sdQ buffer: this warpgroup's partial dQ
-        // of kStagesDq steps ago.
-        trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyWait);
-        named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
-        trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone);
-        store_dq(sdq_thread, Traits::sdq_buffer(dq_stage), tQrDq);
+        if constexpr (Traits::kDqSharedHalf) {
+          // This warpgroup's half in two quarters, one per slot (bwd_traits.h),
+          // each handed over as soon as it is stored.
+          cute::for_each(cute::make_int_sequence<Traits::kDqSlots>{}, [&](auto slot) {
+            // Wait until the dQ writer has read the slot's last quarter (warpgroup
+            // 0: warpgroup 1's of the previous step; warpgroup 1: warpgroup 0's).
+            if (slot == 0) { trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyWait); }
+            named_barrier_sync(dq_empty(wg, slot), Traits::kDqHandoffThreads);
+            if (slot == 0) { trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone); }
+            store_dq<decltype(slot)::value * Traits::kDqSlotGroups, Traits::kDqSlotGroups>(sdq_thread, 0, tQrDq);
+            // sdQ is read by the bulk copy engine (async proxy).
+            cutlass::arch::fence_view_async_shared();
+            // Tell the dQ writer that the slot holds this quarter.
+            named_barrier_arrive(dq_full(dq_stage, slot), Traits::kDqHandoffThreads);
+          });
+        } else {
+          // Wait until the dQ writer has finished reading what it last took from
+          // this warpgroup's half of this sdQ buffer: this warpgroup's partial dQ
+          // of kStagesDq steps ago.
+          trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyWait);
+          named_barrier_sync(dq_empty(dq_stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
+          trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone);
+          store_dq(sdq_thread, Traits::sdq_buffer(dq_stage), tQrDq);
+        }
         warpgroup_wait<0>();  // dK retired: the Q stage and sdS are read
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
         // Fenced after the dK wait, by when the stores have drained, so the
         // fence costs nothing.
-        hand_over_dq(dq_stage);
+        if constexpr (!Traits::kDqSharedHalf) { hand_over_dq(dq_stage); }
         pipeline_q.consumer_release(read_q);
         ++read_q;
       }
