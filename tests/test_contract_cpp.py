@@ -207,6 +207,11 @@ def test_dq_fragment_order(driver):
         mine = got[pos:pos + want.size]
         pos += want.size
         assert np.array_equal(mine, want), f"block_m={bm} hdim={d}: dq_frag_offset differs"
+        # The postprocess (bwd_postprocess.cu) adds a row part and a column part: the
+        # offset of (m, c) is that of (m, 0) plus that of (0, c).
+        tile = mine.reshape(bm, d)
+        assert np.array_equal(tile, tile[:, :1] + tile[:1, :]), \
+            f"block_m={bm} hdim={d}: the fragment offset is not a row part plus a column part"
         wg, tid, r = np.meshgrid(np.arange(bwd_layouts.warpgroups(d)), np.arange(bwd_layouts.WG_THREADS),
                                  np.arange(bwd_layouts.wg_cols(bm, d) // 2), indexing="ij")
         want = bwd_layouts.reg_offset(bm, d, wg, tid, r).ravel()

@@ -35,6 +35,9 @@
 // So the 16 floats from dq_frag_offset(m, c) with m % 16 < 8 and c % 8 == 0
 // hold rows m and m + 8 x columns c .. c + 7: float4 k is
 // (m, c + 2k), (m, c + 2k + 1), (m + 8, c + 2k), (m + 8, c + 2k + 1).
+// Rows and columns place independently: the offset of (m, c) is that of
+// (m, 0) plus that of (0, c), which the postprocess uses (its threads keep one
+// column chunk) and tests/test_contract_cpp.py checks.
 //
 // Defined for block_m in {64, 128} with N a multiple of 8 (the smallest
 // atom): the head dims of the backward kernels (64, 96, 128, 192, 256).

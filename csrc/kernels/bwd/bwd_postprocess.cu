@@ -7,9 +7,15 @@
 // order (common/dq_accum_layout.h), not row by row: rows m and m + 8 (m % 16
 // < 8) x 8 columns are 16 consecutive floats there. One thread reads those 64
 // bytes (4 x 16-byte loads, whole 32-byte sectors) and writes the two rows'
-// 8 columns (2 x 16-byte stores); consecutive threads take consecutive column
-// chunks, so a warp's stores cover whole output rows.
+// 8 columns (2 x 16-byte stores). A block is (column chunks) x (row pairs):
+// threadIdx.x is the thread's chunk for the whole launch, so the column part
+// of its accumulator offset is computed once, and a warp's stores cover whole
+// output rows. (A flat index split by 64-bit divisions, and the general
+// dq_frag_offset per element, made the kernel issue-bound: about 450
+// instructions per thread and 64 bytes read, Nsight Compute at d = 256.)
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "common/cuda_check.h"
 #include "common/dq_accum_layout.h"
@@ -68,69 +74,72 @@ __host__ __device__ inline int kv_chunks_per_row(BwdPostprocessParams const& p) 
   return (p.headdim > p.headdim_v ? p.headdim : p.headdim_v) / kVec;
 }
 
-// One grid-stride loop over the dQ work (row pair, chunk) and then, with GQA,
-// the dK/dV chunks (both tensors of a chunk in one step; with MLA's narrower
-// dV the chunks past its width hold dK's only).
+// The launch's work (run_bwd_postprocess): dQ slabs, dK/dV slabs (GQA, else
+// 0), and the row pairs of a dQ slab.
+struct PostprocessWork {
+  int q_slabs, kv_slabs, pairs;
+};
+
+// Work comes in slabs: the dQ rows of each (batch, head), then, with GQA, the
+// dK/dV rows of each (batch, KV head). blockIdx.y strides over the slabs,
+// blockIdx.x and threadIdx.y over a slab's rows (dQ: row pairs); threadIdx.x
+// is the 8-column chunk (dK/dV: both tensors of a chunk in one step; with
+// MLA's narrower dV the chunks past its width hold dK's only).
 // Packed documents: the pairs of the padded accumulator rows, each row mapped
 // to its document's packed row (common/seqlen_info.h), padding not written.
 template <class Elem>
-__global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p) {
-  const int tensor_batch = tensor_batches(p.batch, p.cu_seqlens_q);
-  const int chunks_per_row = p.headdim / kVec;
-  const int chunks_per_kv_row = kv_chunks_per_row(p);
-  const int pairs = row_pairs(p.cu_seqlens_q != nullptr ? p.seqlen_q_rounded : p.seqlen_q);
-  const int64_t total_q = int64_t(tensor_batch) * p.heads * pairs * chunks_per_row;
-  const int64_t total_kv =
-      p.dk_partial != nullptr ? int64_t(tensor_batch) * p.heads_kv * p.seqlen_k * chunks_per_kv_row : 0;
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total_q + total_kv; i += stride) {
-    // dQ: (b, h, row pair, chunk); dK/dV: (b, h_kv, s, chunk); chunk fastest.
-    const bool is_q = i < total_q;
-    const int64_t e = is_q ? i : i - total_q;
-    const int rows = is_q ? pairs : p.seqlen_k;
-    const int heads = is_q ? p.heads : p.heads_kv;
-    const int chunks = is_q ? chunks_per_row : chunks_per_kv_row;
-    const int c = static_cast<int>(e % chunks);
-    int64_t rest = e / chunks;
-    const int s = static_cast<int>(rest % rows);  // dQ: the row pair
-    rest /= rows;
-    const int h = static_cast<int>(rest % heads);
-    const int b = static_cast<int>(rest / heads);
-    float vals[kVec];
-    if (is_q) {
-      // Rows lo and lo + 8 of tile lo / block_m, columns 8c .. 8c + 7: 16
-      // consecutive floats, float4 k = (lo, 8c+2k), (lo, 8c+2k+1), (hi, ...), (hi, ...).
-      const int lo = pair_row(s);
-      const int tile = lo / p.block_m;
-      const float4* src = reinterpret_cast<const float4*>(
-          p.dq_accum + ((int64_t(b) * p.heads + h) * p.seqlen_q_rounded + int64_t(tile) * p.block_m) * p.headdim +
-          dq_frag_offset(p.block_m, p.headdim, lo - tile * p.block_m, c * kVec));
-      float hi_vals[kVec];
-#pragma unroll
-      for (int k = 0; k < kVec / 2; ++k) {
-        const float4 v = src[k];
-        vals[2 * k] = v.x, vals[2 * k + 1] = v.y;
-        hi_vals[2 * k] = v.z, hi_vals[2 * k + 1] = v.w;
-      }
-      // The output rows of accumulator rows lo and lo + 8 (-1: padding).
-      const int out_lo = stat_input_row(lo, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
-      const int out_hi = stat_input_row(lo + kRowPair, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
+__global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p, PostprocessWork w) {
+  const int c = threadIdx.x;
+  const int row_step = gridDim.x * blockDim.y;
+  for (int slab = blockIdx.y; slab < w.q_slabs + w.kv_slabs; slab += gridDim.y) {
+    if (slab < w.q_slabs) {
+      if (c >= p.headdim / kVec) continue;
+      const int h = slab % p.heads, b = slab / p.heads;
+      // The fragment offset of (m, c) is that of (m, 0) plus that of (0, c)
+      // (tests/test_contract_cpp.py checks it): the column part once per thread.
+      const float* accum = p.dq_accum + int64_t(slab) * p.seqlen_q_rounded * p.headdim +
+                           dq_frag_offset(p.block_m, p.headdim, 0, c * kVec);
       Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + c * kVec;
-      if (out_lo >= 0) store_vec<Elem>(dst + out_lo * p.dq_stride.row, vals, p.softmax_scale);
-      if (out_hi >= 0) store_vec<Elem>(dst + out_hi * p.dq_stride.row, hi_vals, p.softmax_scale);
+      for (int pair = blockIdx.x * blockDim.y + threadIdx.y; pair < w.pairs; pair += row_step) {
+        // Rows lo and lo + 8, columns 8c .. 8c + 7: 16 consecutive floats,
+        // float4 k = (lo, 8c+2k), (lo, 8c+2k+1), (hi, ...), (hi, ...).
+        const int lo = pair_row(pair);
+        const int m = lo & (p.block_m - 1);  // block_m is 64 or 128 (dq_frag_layout_ok)
+        const float4* src = reinterpret_cast<const float4*>(
+            accum + int64_t(lo - m) * p.headdim + dq_frag_offset(p.block_m, p.headdim, m, 0));
+        float vals[kVec], hi_vals[kVec];
+#pragma unroll
+        for (int k = 0; k < kVec / 2; ++k) {
+          const float4 v = __ldg(src + k);
+          vals[2 * k] = v.x, vals[2 * k + 1] = v.y;
+          hi_vals[2 * k] = v.z, hi_vals[2 * k + 1] = v.w;
+        }
+        // The output rows of accumulator rows lo and lo + 8 (-1: padding).
+        const int out_lo = stat_input_row(lo, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
+        const int out_hi = stat_input_row(lo + kRowPair, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
+        if (out_lo >= 0) store_vec<Elem>(dst + out_lo * p.dq_stride.row, vals, p.softmax_scale);
+        if (out_hi >= 0) store_vec<Elem>(dst + out_hi * p.dq_stride.row, hi_vals, p.softmax_scale);
+      }
     } else {
+      const int kv_slab = slab - w.q_slabs;
+      const int h = kv_slab % p.heads_kv, b = kv_slab / p.heads_kv;
       // Query heads h * group ... h * group + group - 1 share KV head h.
       const int group = p.heads / p.heads_kv;
-      const int64_t row = (int64_t(b) * p.heads + int64_t(h) * group) * p.seqlen_k + s;
-      if (c * kVec < p.headdim) {
-        Elem* dk = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head;
-        group_sum(vals, p.dk_partial + row * p.headdim + c * kVec, group, int64_t(p.seqlen_k) * p.headdim);
-        store_vec<Elem>(dk + c * kVec, vals, 1.f);
-      }
-      if (c * kVec < p.headdim_v) {
-        Elem* dv = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head;
-        group_sum(vals, p.dv_partial + row * p.headdim_v + c * kVec, group, int64_t(p.seqlen_k) * p.headdim_v);
-        store_vec<Elem>(dv + c * kVec, vals, 1.f);
+      const int64_t first_row = (int64_t(b) * p.heads + int64_t(h) * group) * p.seqlen_k;
+      for (int s = blockIdx.x * blockDim.y + threadIdx.y; s < p.seqlen_k; s += row_step) {
+        float vals[kVec];
+        if (c * kVec < p.headdim) {
+          Elem* dk = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head;
+          group_sum(vals, p.dk_partial + (first_row + s) * p.headdim + c * kVec, group,
+                    int64_t(p.seqlen_k) * p.headdim);
+          store_vec<Elem>(dk + c * kVec, vals, 1.f);
+        }
+        if (c * kVec < p.headdim_v) {
+          Elem* dv = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head;
+          group_sum(vals, p.dv_partial + (first_row + s) * p.headdim_v + c * kVec, group,
+                    int64_t(p.seqlen_k) * p.headdim_v);
+          store_vec<Elem>(dv + c * kVec, vals, 1.f);
+        }
       }
     }
   }
@@ -147,23 +156,26 @@ void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaSt
     throw std::invalid_argument("dash_fa3: postprocess needs a dQ fragment order for (block_m, headdim) and "
                                 "seqlen_q <= seqlen_q_rounded, a multiple of block_m");
   }
+  const bool gqa = params.dk_partial != nullptr;
   const int tensor_batch = tensor_batches(params.batch, params.cu_seqlens_q);
-  const int64_t total_kv = params.dk_partial != nullptr
-                               ? int64_t(tensor_batch) * params.heads_kv * params.seqlen_k * kv_chunks_per_row(params)
-                               : 0;
-  const int64_t total = int64_t(tensor_batch) * params.heads *
-                            row_pairs(params.cu_seqlens_q != nullptr ? params.seqlen_q_rounded : params.seqlen_q) *
-                            (params.headdim / kVec) +
-                        total_kv;
-  if (total == 0) return;
-  int device = 0, sms = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
-  // A few waves of the grid-stride loop: enough blocks in flight to saturate HBM.
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, int64_t(sms) * 8);
+  PostprocessWork w{};
+  w.pairs = row_pairs(params.cu_seqlens_q != nullptr ? params.seqlen_q_rounded : params.seqlen_q);
+  w.q_slabs = tensor_batch * params.heads;
+  w.kv_slabs = gqa ? tensor_batch * params.heads_kv : 0;
+  const int chunks = gqa ? kv_chunks_per_row(params) : params.headdim / kVec;
+  if (chunks > kThreads) {
+    throw std::invalid_argument("dash_fa3: postprocess needs head dims of at most 8 * 256");
+  }
+  if (w.q_slabs + w.kv_slabs == 0 || (w.pairs == 0 && !gqa)) return;
+  const int rows_per_block = kThreads / chunks;
+  const int rows = std::max(w.pairs, gqa ? params.seqlen_k : 0);
+  // One row (pair) per thread where the grid allows; blockIdx.x and blockIdx.y stride beyond it.
+  const dim3 block(chunks, rows_per_block);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, 1 << 20)),
+                  static_cast<unsigned>(std::min(w.q_slabs + w.kv_slabs, 65535)));
   dispatch_dtype(dtype, [&](auto tag) {
     using Elem = typename decltype(tag)::type;
-    bwd_postprocess_kernel<Elem><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(params);
+    bwd_postprocess_kernel<Elem><<<grid, block, 0, stream>>>(params, w);
   });
   check_cuda(cudaGetLastError(), "bwd_postprocess launch");
 }

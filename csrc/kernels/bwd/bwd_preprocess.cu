@@ -22,13 +22,21 @@ namespace {
 
 constexpr int kThreads = 256;
 // Each thread loads 16 bytes (8 elements) at a time; kLanesPerRow lanes share a
-// row, so a warp covers 8 rows and every head dim that is a multiple of 8 works.
+// row, so a warp covers 32 / kLanesPerRow rows and every head dim that is a
+// multiple of 8 works. A lane issues the loads of up to kChunksPerLane chunks of
+// O and of dO before it uses any (head dims up to kLanesPerRow * kChunksPerLane
+// * kVec = 256 in one round): with one 16-byte pair in flight per lane the
+// kernel was bound by load latency, not by HBM.
 constexpr int kVec = 8;
-constexpr int kLanesPerRow = 4;
+constexpr int kLanesPerRow = 8;
+constexpr int kChunksPerLane = 4;
 constexpr int kRowsPerBlock = kThreads / kLanesPerRow;
 
+// The dot product of two 8-element chunks held in registers. Taking them by
+// value matters: a reference into global memory let the compiler split each
+// 16-byte load into eight 2-byte ones.
 template <class Elem>
-__device__ float dot_chunk(const uint4& a, const uint4& b) {
+__device__ float dot_chunk(uint4 a, uint4 b) {
   const Elem* x = reinterpret_cast<const Elem*>(&a);
   const Elem* y = reinterpret_cast<const Elem*>(&b);
   float acc = 0.f;
@@ -44,6 +52,9 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessP
   const int64_t num_rows = int64_t(tensor_batches(p.batch, p.cu_seqlens_q)) * p.heads * p.seqlen_q_rounded;
 
   // Rows are enumerated (b, h, s) with s fastest, the layout of dPsum and lse_log2.
+  // Every lane of the warp joins the row sums' shuffles, those past the last row too.
+  float acc = 0.f;
+  float lse_log2 = INFINITY;
   if (row < num_rows) {
     const int r = static_cast<int>(row % p.seqlen_q_rounded);
     const int64_t bh = row / p.seqlen_q_rounded;
@@ -51,28 +62,37 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(BwdPreprocessP
     const int b = static_cast<int>(bh / p.heads);
     // The input row (-1: padding); packed, in batch 0.
     const int s = stat_input_row(r, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
-    float acc = 0.f;
-    float lse_log2 = INFINITY;
     if (s >= 0) {
-      const Elem* o = static_cast<const Elem*>(p.o) + b * p.o_stride.batch + s * p.o_stride.row + h * p.o_stride.head;
-      const Elem* d = static_cast<const Elem*>(p.dout) + b * p.dout_stride.batch + s * p.dout_stride.row +
-                      h * p.dout_stride.head;
-      for (int c = lane_in_row; c < p.headdim / kVec; c += kLanesPerRow) {
-        acc += dot_chunk<Elem>(reinterpret_cast<const uint4*>(o)[c], reinterpret_cast<const uint4*>(d)[c]);
+      const uint4* o = reinterpret_cast<const uint4*>(static_cast<const Elem*>(p.o) + b * p.o_stride.batch +
+                                                      s * p.o_stride.row + h * p.o_stride.head);
+      const uint4* d = reinterpret_cast<const uint4*>(static_cast<const Elem*>(p.dout) + b * p.dout_stride.batch +
+                                                      s * p.dout_stride.row + h * p.dout_stride.head);
+      const int chunks = p.headdim / kVec;
+      for (int c0 = lane_in_row; c0 < chunks; c0 += kLanesPerRow * kChunksPerLane) {
+        uint4 ov[kChunksPerLane], dv[kChunksPerLane];
+#pragma unroll
+        for (int i = 0; i < kChunksPerLane; ++i) {
+          const int c = c0 + i * kLanesPerRow;
+          if (c < chunks) ov[i] = __ldg(o + c), dv[i] = __ldg(d + c);
+        }
+#pragma unroll
+        for (int i = 0; i < kChunksPerLane; ++i) {
+          if (c0 + i * kLanesPerRow < chunks) acc += dot_chunk<Elem>(ov[i], dv[i]);
+        }
       }
       const float lse = p.lse[(int64_t(b) * p.heads + h) * p.seqlen_q + s];  // packed: b = 0
       // A row that attends no key has lse = -inf and O = 0. +inf makes the main
       // kernel's P = exp2(S - lse) exactly 0 there instead of NaN.
       lse_log2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
     }
+  }
 #pragma unroll
-    for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) {
-      acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    }
-    if (lane_in_row == 0) {
-      p.dpsum[row] = acc;
-      p.lse_log2[row] = lse_log2;
-    }
+  for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) {
+    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  }
+  if (row < num_rows && lane_in_row == 0) {
+    p.dpsum[row] = acc;
+    p.lse_log2[row] = lse_log2;
   }
 
   // Zero the accumulators and semaphores (one span) with a grid-stride loop;
