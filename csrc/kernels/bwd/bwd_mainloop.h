@@ -489,12 +489,15 @@ struct BwdMainloop {
     // kDkBeforeDq: the sdQ set whose partial dQ this warpgroup stored but has
     // not yet handed to the dQ writer (-1: none).
     int dq_pending = -1;
-    auto hand_over_dq = [&](int stage) {
-      // sdQ is read by the bulk copy engine (async proxy).
+    // Tell the dQ writer that hand-off part `part` of set `stage` holds its
+    // partial dQ (fenced first: sdQ is read by the bulk copy engine, the async proxy).
+    auto signal_dq_full = [&](int stage, int part) {
       cutlass::arch::fence_view_async_shared();
-      // Tell the dQ writer that this warpgroup's half of the sdQ buffer holds
-      // its partial dQ.
-      named_barrier_arrive(dq_full(stage, Traits::dq_part(wg)), Traits::kDqHandoffThreads);
+      named_barrier_arrive(dq_full(stage, part), Traits::kDqHandoffThreads);
+    };
+    // This warpgroup's half of the sdQ buffer.
+    auto hand_over_dq = [&](int stage) {
+      signal_dq_full(stage, Traits::dq_part(wg));
       dq_pending = -1;
     };
     CUTE_NO_UNROLL
@@ -712,10 +715,7 @@ struct BwdMainloop {
             named_barrier_sync(dq_empty(wg, slot), Traits::kDqHandoffThreads);
             if (slot == 0) { trace_empty_wait(p, row, s, wg, mma_tid, tracing::kMmaEmptyDone); }
             store_dq<decltype(slot)::value * Traits::kDqSlotGroups, Traits::kDqSlotGroups>(sdq_thread, 0, tQrDq);
-            // sdQ is read by the bulk copy engine (async proxy).
-            cutlass::arch::fence_view_async_shared();
-            // Tell the dQ writer that the slot holds this quarter.
-            named_barrier_arrive(dq_full(dq_stage, slot), Traits::kDqHandoffThreads);
+            signal_dq_full(dq_stage, slot);  // the slot holds this quarter
           });
         } else {
           // Wait until the dQ writer has finished reading what it last took from
