@@ -149,6 +149,11 @@ def parse_args(argv=None):
                     help="SDPA backends for torch CP and T1: cudnn, flash, comma list or '' "
                          "(default cudnn,flash on cuda, none on cpu)")
     ap.add_argument("--rotate", default="allgather,alltoall", help="torch CP rotate methods")
+    ap.add_argument("--cp-transports", default="",
+                    help="ours det (the head-parallel algorithm): TRANSPORT:CHUNKS variants, each its own row, e.g. "
+                         "p2p:1,shared:2,shared:4 (DASH_FA3_CP_TRANSPORT / DASH_FA3_CP_CHUNKS for the call); empty: "
+                         "one row as the environment has it. The model assumes chunk transfers overlap compute, "
+                         "which the p2p transport did not achieve (docs/distributed.md)")
     ap.add_argument("--peer-gqa", choices=["auto", "native", "expand"], default="auto",
                     help="torch CP / SDPA with heads_kv < heads: enable_gqa (native), k/v expanded to the query "
                          "heads (expand), or native falling back to expand where it raises (auto)")
@@ -177,6 +182,10 @@ def parse_args(argv=None):
     except ValueError as e:
         ap.error(str(e))
     args.modes, args.layouts, args.rotate = _comma(args.modes), _comma(args.layouts), _comma(args.rotate)
+    try:
+        args.cp_transports = parse_transports(args.cp_transports)
+    except ValueError as e:
+        ap.error(f"--cp-transports: {e}")
     if args.peers is None:
         args.peers = list(PEERS) if args.device == "cuda" else []
     else:
@@ -208,6 +217,31 @@ def parse_args(argv=None):
     return args
 
 
+def parse_transports(text: str) -> list[tuple[str, int]]:
+    """"p2p:1,shared:4" -> [("p2p", 1), ("shared", 4)]; "" -> [("", 0)] (the environment's)."""
+    from dash_fa3.distributed import shared
+
+    out = []
+    for item in _comma(text):
+        name, _, chunks = item.partition(":")
+        if name not in shared.TRANSPORTS:
+            raise ValueError(f"unknown transport {name!r} in {item!r}; choose from {', '.join(shared.TRANSPORTS)}")
+        if not chunks.isdigit() or int(chunks) < 1:
+            raise ValueError(f"{item!r}: give the chunk count as TRANSPORT:N with N >= 1")
+        out.append((name, int(chunks)))
+    if len(set(out)) != len(out):
+        raise ValueError(f"{text!r} names a variant twice")
+    return out or [("", 0)]
+
+
+def det_models(args, cfg: dict, P: int, t1_ms: float | None = None) -> dict:
+    """The head-parallel model per (layout, chunks) of the det rows (``Impl.model_key``)."""
+    if "det" not in args.modes:
+        return {}
+    return {(lay, c or 1): model_prediction(cfg, P, lay, t1_ms, chunks=c or 1)
+            for lay in args.layouts for _, c in args.cp_transports}
+
+
 def tokens_problem(n: int, P: int) -> str | None:
     """Why N tokens cannot be split over P ranks (None if they can): whole blocks of 128 per zigzag chunk."""
     if n % (2 * P * G):
@@ -237,6 +271,13 @@ class Impl(NamedTuple):
     layout: str = ""     # cp_ours: contiguous / zigzag
     backend: str = ""    # t1_sdpa, cp_torch: cudnn / flash
     rotate: str = ""     # cp_torch: allgather / alltoall
+    transport: str = ""  # cp_ours det: DASH_FA3_CP_TRANSPORT for the call ("": as the environment has it)
+    chunks: int = 0      # cp_ours det: DASH_FA3_CP_CHUNKS for the call (0: as the environment has it)
+
+    @property
+    def model_key(self):
+        """The key of this row's model in ``models`` (see :func:`det_models`)."""
+        return (self.layout, self.chunks or 1) if self.mode == "det" else ("nd", self.layout)
 
     @property
     def single(self) -> bool:
@@ -259,7 +300,11 @@ def implementations(args) -> list[Impl]:
     """Everything timed per configuration, in the first round's order."""
     out = [Impl(t1_name(m), "t1_ours", m) for m in args.modes]
     out += [Impl(sdpa_t1_name(b), "t1_sdpa", backend=b) for b in args.peers]
-    out += [Impl(f"ours CP {m} {lay}", "cp_ours", m, lay) for m in args.modes for lay in args.layouts]
+    for m in args.modes:
+        for lay in args.layouts:
+            variants = args.cp_transports if m == "det" else [("", 0)]
+            out += [Impl(f"ours CP {m} {lay}" + (f" {t} x{c}" if t else ""), "cp_ours", m, lay, transport=t, chunks=c)
+                    for t, c in variants]
     out += [Impl(f"torch CP {PEER_LABEL[b]} {r}", "cp_torch", backend=b, rotate=r)
             for b in args.peers for r in args.rotate]
     return out
@@ -308,7 +353,7 @@ def _calibrated(simulate, cfg: dict, P: int, t1_ms: float | None, **kw):
     return simulate(P, cfg["tokens"], fwd_tflops=650.0 * scale, bwd_tflops=500.0 * scale, **kw)
 
 
-def model_prediction(cfg: dict, P: int, layout: str, t1_ms: float | None = None) -> dict:
+def model_prediction(cfg: dict, P: int, layout: str, t1_ms: float | None = None, chunks: int = 1) -> dict:
     """The head-parallel model's forward + backward for ours det
     (dash_fa3.schedule.cp_heads.simulate), calibrated on the measured ours T1 det when given
     (``_calibrated``). {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
@@ -317,7 +362,8 @@ def model_prediction(cfg: dict, P: int, layout: str, t1_ms: float | None = None)
     try:
         if P > 64:
             raise ValueError(f"the model is meant for P <= 64, not {P}")
-        r = _calibrated(cp_heads.simulate, cfg, P, t1_ms, layout=layout, elem_bytes=DTYPES[cfg["dtype"]].itemsize)
+        r = _calibrated(cp_heads.simulate, cfg, P, t1_ms, layout=layout, chunks=chunks,
+                        elem_bytes=DTYPES[cfg["dtype"]].itemsize)
         return {"eff": r.efficiency, "ms": r.time_ms, "t1_ms": r.single_ms}
     except Exception as e:   # a shape the model refuses: report why
         return {"unavailable": f"{type(e).__name__}: {e}"}
@@ -343,7 +389,7 @@ def figures(impls: list[Impl], ms: dict, P: int, models: dict | None = None) -> 
     eff_ours: ours CP vs ours T1 in its mode; torch CP vs ours T1 nd. eff_cudnn: every CP row vs
     SDPA cuDNN T1. eff_own: torch CP vs SDPA T1 of its own backend (ours: = eff_ours).
     ratios[ours][peer] = ours ms / peer ms. best_cudnn: the fastest torch CP cuDNN rotate method.
-    model: per ours row, the prediction and measured - model; ``models`` maps a layout to the
+    model: per ours row, the prediction and measured - model; ``models`` maps (layout, chunks) to the
     head-parallel model (ours det) and ("nd", layout) to the run plan's model (ours nd)."""
     models = models or {}
     t1_cudnn = ms.get(sdpa_t1_name("cudnn"))
@@ -355,9 +401,8 @@ def figures(impls: list[Impl], ms: dict, P: int, models: dict | None = None) -> 
         t1 = ms.get(t1_name(im.mode)) if im.ours else ms.get(t1_name("nd"))
         row = {"eff_ours": efficiency(t1, t, P), "eff_cudnn": efficiency(t1_cudnn, t, P)}
         row["eff_own"] = row["eff_ours"] if im.ours else efficiency(ms.get(sdpa_t1_name(im.backend)), t, P)
-        key = im.layout if im.mode == "det" else ("nd", im.layout)
-        if im.ours and key in models:
-            m = models[key]
+        if im.ours and im.model_key in models:
+            m = models[im.model_key]
             row["model"] = m
             if "eff" in m and row["eff_ours"] is not None:
                 row["model_minus_measured"] = m["eff"] - row["eff_ours"]
@@ -545,9 +590,10 @@ def dry_run(args) -> str:
     lines = [f"P = {P}, device {args.device}, backend {args.backend}",
              "implementations: " + ", ".join(im.name for im in impls)]
     for cfg in configs(args):
-        models = {lay: model_prediction(cfg, P, lay) for lay in args.layouts} if "det" in args.modes else {}
-        pred = ", ".join(f"{lay}: eff {m['eff']:.3f}, {m['ms']:.1f} ms (model T1 {m['t1_ms']:.1f} ms)"
-                         if "eff" in m else f"{lay}: {m['unavailable']}" for lay, m in models.items())
+        models = det_models(args, cfg, P)
+        label = (lambda lay, c: lay) if args.cp_transports == [("", 0)] else (lambda lay, c: f"{lay} x{c}")
+        pred = ", ".join(f"{label(*key)}: eff {m['eff']:.3f}, {m['ms']:.1f} ms (model T1 {m['t1_ms']:.1f} ms)"
+                         if "eff" in m else f"{label(*key)}: {m['unavailable']}" for key, m in models.items())
         lines.append(f"{config_name(cfg)} ({config_detail(cfg)})" + (f"; model, ours det: {pred}" if pred else ""))
     return "\n".join(lines) + "\n"
 
@@ -782,10 +828,31 @@ class OursCP(Runner):
         from dash_fa3.distributed import context_parallel_attn
 
         q, k, v = self.leaves
-        out = context_parallel_attn(q, k, v, self.ctx.group, causal=self.cfg["causal"],
-                                    deterministic=self.im.mode == "det", layout=self.im.layout)
-        out.backward(self.dout)
+        with transport_env(self.im):
+            out = context_parallel_attn(q, k, v, self.ctx.group, causal=self.cfg["causal"],
+                                        deterministic=self.im.mode == "det", layout=self.im.layout)
+            out.backward(self.dout)
         return out
+
+
+@contextlib.contextmanager
+def transport_env(im: Impl):
+    """DASH_FA3_CP_TRANSPORT / DASH_FA3_CP_CHUNKS as the row names them, for one call (forward and
+    backward), then as they were."""
+    if not im.transport:
+        yield
+        return
+    names = ("DASH_FA3_CP_TRANSPORT", "DASH_FA3_CP_CHUNKS")
+    before = {n: os.environ.get(n) for n in names}
+    os.environ.update(zip(names, (im.transport, str(im.chunks))))
+    try:
+        yield
+    finally:
+        for n, v in before.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
 
 
 def _cp_module():
@@ -1083,11 +1150,10 @@ def run_config(cfg: dict, args, ctx: Ctx, impls: list[Impl]) -> dict:
         res["samples_ms"] = samples[im.name]
         res["stats"] = round_stats(samples[im.name]) if res["status"] == "ok" else None
         ms[im.name] = res["stats"]["median"] if res["stats"] else None
-    models = ({lay: model_prediction(cfg, ctx.world, lay, ms.get(t1_name("det"))) for lay in args.layouts}
-              if "det" in args.modes else {})
+    models = det_models(args, cfg, ctx.world, ms.get(t1_name("det")))
     if "nd" in args.modes:
         models.update({("nd", lay): run_plan_model(cfg, ctx.world, lay, ms.get(t1_name("nd"))) for lay in args.layouts})
-    rec["model"] = {k if isinstance(k, str) else "/".join(k): m for k, m in models.items()}
+    rec["model"] = {"/".join(map(str, k)): m for k, m in models.items()}
     rec["figures"] = figures(impls, ms, ctx.world, models)
     rec["bar"] = bar_rows(cfg, impls, ms, rec["figures"], gpu=ctx.cuda)
     runners.clear()

@@ -194,7 +194,7 @@ def synthetic(args_extra=()):
 
 def test_figures_use_the_right_single_gpu_time():
     args, cfg, impls, ms = synthetic()
-    models = {"contiguous": {"eff": 0.85, "ms": 270.0, "t1_ms": 920.0}, "zigzag": {"eff": 0.81, "ms": 280.0}}
+    models = {("contiguous", 1): {"eff": 0.85, "ms": 270.0, "t1_ms": 920.0}, ("zigzag", 1): {"eff": 0.81, "ms": 280.0}}
     fig = bd.figures(impls, ms, 2, models)
     rows = fig["rows"]
     assert not any(name.startswith(("ours T1", "SDPA")) for name in rows)   # T1 rows have no efficiency
@@ -223,6 +223,26 @@ def test_figures_use_the_right_single_gpu_time():
     assert (fig["best_cudnn"], fig["best_cudnn_ms"]) == ("torch CP cuDNN alltoall", 240.0)
 
 
+def test_transport_variants_are_rows_of_their_own():
+    args = bd.parse_args(["--device", "cpu", "--tokens", "2048", "--heads", "2/2", "--cp-transports",
+                          "p2p:1,shared:2"])
+    names = [im.name for im in bd.implementations(args)]
+    assert "ours CP det zigzag p2p x1" in names and "ours CP det zigzag shared x2" in names
+    assert "ours CP nd zigzag" in names and not any(n.startswith("ours CP nd") and " x" in n for n in names)
+    cfg = bd.configs(args)[0]
+    models = bd.det_models(args, cfg, 2)
+    assert sorted(models) == [("contiguous", 1), ("contiguous", 2), ("zigzag", 1), ("zigzag", 2)]
+    shared_row = next(im for im in bd.implementations(args) if im.name == "ours CP det contiguous shared x2")
+    assert shared_row.model_key == ("contiguous", 2)
+    before = {n: os.environ.get(n) for n in ("DASH_FA3_CP_TRANSPORT", "DASH_FA3_CP_CHUNKS")}
+    with bd.transport_env(shared_row):
+        assert os.environ["DASH_FA3_CP_TRANSPORT"] == "shared" and os.environ["DASH_FA3_CP_CHUNKS"] == "2"
+    assert {n: os.environ.get(n) for n in before} == before
+    for bad in ("nccl:2", "shared", "shared:0", "p2p:1,p2p:1"):
+        with pytest.raises(SystemExit):
+            bd.parse_args(["--device", "cpu", "--tokens", "2048", "--cp-transports", bad])
+
+
 def test_figures_without_peers_or_t1():
     args = bd.parse_args(["--device", "cpu", "--tokens", "2048", "--heads", "2/2"])
     impls = bd.implementations(args)
@@ -236,7 +256,7 @@ def test_bar_per_mode_and_size():
     args, cfg, impls, ms = synthetic()
     ms.update({"ours CP nd contiguous": 236.0, "ours CP nd zigzag": 250.0, "ours CP det contiguous": 251.0,
                "ours CP det zigzag": 253.0, "ours T1 det": 480.0})
-    models = {"contiguous": {"eff": 0.99}, "zigzag": {"eff": 0.89}}
+    models = {("contiguous", 1): {"eff": 0.99}, ("zigzag", 1): {"eff": 0.89}}
     fig = bd.figures(impls, ms, 2, models)
     bar = {b["impl"]: b for b in bd.bar_rows(cfg, impls, ms, fig)}
     assert [b for b in bar] == ["ours CP nd contiguous", "ours CP nd zigzag", "ours CP det contiguous",
@@ -300,7 +320,7 @@ def synthetic_record():
     rec["impls"]["torch CP flash alltoall"]["check"]["diff"]["dq"] = 0.5
     rec["impls"]["ours T1 nd"]["check"] = {"is_reference": True}
     med = {n: (r["stats"]["median"] if r.get("stats") else None) for n, r in rec["impls"].items()}
-    models = {"contiguous": {"eff": 0.85, "ms": 271.0}, "zigzag": {"unavailable": "ValueError: nope"}}
+    models = {("contiguous", 1): {"eff": 0.85, "ms": 271.0}, ("zigzag", 1): {"unavailable": "ValueError: nope"}}
     rec["figures"] = bd.figures(impls, med, 2, models)
     rec["bar"] = bd.bar_rows(cfg, impls, med, rec["figures"])
     rec["peer_layout"] = "the same tokens as our zigzag layout on every rank"
@@ -459,7 +479,7 @@ def test_cpu_gloo_run_produces_the_tables(tmp_path):
                 mode = name.split()[2]
                 t1 = impls[f"ours T1 {mode}"]["stats"]["median"]
                 assert row["eff_ours"] == pytest.approx(t1 / (2 * impls[name]["stats"]["median"]))
-        assert "eff" in rec["model"]["contiguous"] and "eff" in rec["model"]["zigzag"]
+        assert "eff" in rec["model"]["contiguous/1"] and "eff" in rec["model"]["zigzag/1"]
         peer = impls["torch CP flash alltoall"]
         assert peer["status"] in ("ok", "not available", "error"), peer
         if peer["status"] != "ok":

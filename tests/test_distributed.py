@@ -86,12 +86,31 @@ def _job_attention(D, group, rank, P, job, outdir):
     return {}
 
 
+def _job_shared(D, group, rank, P, job, outdir):
+    """The head-parallel algorithm through the shared transport, heads in job['chunks'] chunks,
+    twice per config (the second pass reuses the buffers the first one grew)."""
+    os.environ["DASH_FA3_CP_TRANSPORT"] = "shared"
+    os.environ["DASH_FA3_CP_CHUNKS"] = str(job["chunks"])
+    n = LENGTHS[P][0]
+    for name, cfg in HEADS_CONFIGS.items():
+        for layout in LAYOUTS:
+            for rep in range(2):
+                res = _attention_run(D, group, job["seed"] + rep, n, cfg, layout, algorithm=None)
+                if rank == 0:
+                    torch.save(res, os.path.join(outdir, f"{name}-{layout}-{rep}.pt"))
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("dash_fa3-cp-")] if os.path.isdir("/dev/shm") else []
+    return {"leftovers": leftovers}
+
+
 def _job_fault(D, group, rank, P, job, outdir):
     """Rank job['bad'] misbehaves at its second forward tile (folds) or its forward compute (heads,
     one chunk); the others record how they fail."""
     from dash_fa3.distributed import backend, heads
 
     algorithm = job["algorithm"]
+    if algorithm == "heads-shared":
+        os.environ["DASH_FA3_CP_TRANSPORT"] = "shared"
+        algorithm = "heads"
     cfg = CONFIGS["causal_mha_bf16"] if algorithm == "folds" else HEADS_CONFIGS["heads_causal_gqa_bf16"]
     # a healthy call first, so `elapsed` below is communication and compute, not first-call set-up
     _attention_run(D, group, job["seed"], job["seqlen"], cfg, "contiguous", algorithm=algorithm)
@@ -216,7 +235,8 @@ def _worker(argv):
         job = json.load(f)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=P,
                             timeout=datetime.timedelta(seconds=job["timeout_s"]))
-    run = {"attention": _job_attention, "fault": _job_fault, "checkpoint": _job_checkpoint}[job["kind"]]
+    run = {"attention": _job_attention, "shared": _job_shared, "fault": _job_fault,
+           "checkpoint": _job_checkpoint}[job["kind"]]
     result = run(D, dist.group.WORLD, rank, P, job, outdir)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -386,6 +406,26 @@ def test_heads_bitwise_one_process_for_every_number_of_ranks(attention_runs, nam
                                        f"process in {(a != b).sum().item()} elements (seed {seed})")
 
 
+@pytest.mark.parametrize("P,chunks", [(2, 2), (3, 2)])
+def test_heads_shared_transport_bitwise_one_process(tmp_path, P, chunks):
+    """DASH_FA3_CP_TRANSPORT=shared (outboxes pulled, inboxes pushed, offsets derived on both sides
+    from the plan; on CPU the buffers are shared-memory files): the same bits as one process, also
+    on a second call through the same buffers; the buffer files do not outlive their mapping."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    results, _ = launch(P, {"kind": "shared", "seed": seed, "chunks": chunks, "timeout_s": 120}, tmp_path)
+    n = LENGTHS[P][0]
+    for name, cfg in HEADS_CONFIGS.items():
+        for rep in range(2):
+            want = one_process_heads(seed + rep, n, cfg)
+            for layout in LAYOUTS:
+                got = torch.load(tmp_path / f"{name}-{layout}-{rep}.pt")
+                for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    assert torch.equal(a, b), (f"{name} {layout} call {rep}: {what} through the shared transport "
+                                               f"(P={P}, {chunks} chunks) differs from one process in "
+                                               f"{(a != b).sum().item()} elements (seed {seed})")
+    assert all(not r["leftovers"] for r in results.values()), results
+
+
 @pytest.mark.parametrize("name", list(HEADS_CONFIGS))
 def test_heads_matches_fp64_reference(attention_runs, name):
     seed, load = attention_runs
@@ -405,7 +445,8 @@ def test_nondeterministic_run_plan_matches_fp64_reference(attention_runs, name, 
 
 
 @pytest.mark.parametrize("algorithm,fault,P", [("folds", "raise", 2), ("folds", "exit", 2), ("folds", "stall", 3),
-                                               ("heads", "raise", 2), ("heads", "stall", 3)])
+                                               ("heads", "raise", 2), ("heads", "stall", 3),
+                                               ("heads-shared", "raise", 2), ("heads-shared", "stall", 3)])
 def test_failed_rank_makes_the_others_fail(tmp_path, algorithm, fault, P):
     timeout_s, bad = 3, 1
     job = {"kind": "fault", "fault": fault, "bad": bad, "seed": 5, "seqlen": 2 * P * 128 * 2,
@@ -421,7 +462,7 @@ def test_failed_rank_makes_the_others_fail(tmp_path, algorithm, fault, P):
         assert "CommunicationError" in res["mro"], f"rank {r} raised {res['raised']}: {res['message']}"
         if fault == "stall":
             assert "CommunicationTimeout" in res["mro"] and "TimeoutError" in res["mro"], res
-        where = "step" if algorithm == "folds" else "chunk"
+        where = {"folds": "step", "heads": "chunk", "heads-shared": "barrier"}[algorithm]
         assert where in res["message"] and "rank" in res["message"], res["message"]
         # a survivor waits at most about one timeout for the rank that broke, plus one for a
         # survivor that broke before it; a live but silent rank costs the full timeout

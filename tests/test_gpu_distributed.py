@@ -5,7 +5,7 @@
   reference within 2x a plain 16-bit implementation's error;
 * deterministic gradients (head-parallel) are bitwise those of flash_attn_func(deterministic=True)
   on one GPU (its default schedule; the cases include shift orders, whose dQ add order depends on a
-  head's index);
+  head's index), through NCCL and through the shared (copy-engine) transport with two chunks;
 * algorithm="folds" is refused on CUDA before running anything.
 """
 
@@ -34,6 +34,10 @@ CASES = {
     "full_gqa_bf16_h128": (False, 1, 4, 2, 128, "bf16", 8192, "zigzag"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (deterministic, algorithm, (DASH_FA3_CP_TRANSPORT, DASH_FA3_CP_CHUNKS)) per run, named by RUNS below;
+# the last moves the head-parallel algorithm's data on copy engines, heads in two chunks.
+RUN_ARGS = ((False, None, ("p2p", "1")), (True, None, ("p2p", "1")), (False, "heads", ("p2p", "1")),
+            (True, None, ("shared", "2")))
 
 
 def make_inputs(seed, case):
@@ -64,8 +68,9 @@ def _worker(argv):
         causal, layout = case[0], case[7]
         q, k, v, dout = (t.cuda() for t in make_inputs(seed, case))
         full = []
-        for det, algorithm in ((False, None), (True, None), (False, "heads")):
+        for det, algorithm, transport in RUN_ARGS:
             ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
+            os.environ["DASH_FA3_CP_TRANSPORT"], os.environ["DASH_FA3_CP_CHUNKS"] = transport
             out = D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=det,
                                           algorithm=algorithm)
             out.backward(D.shard(dout, group, layout=layout))
@@ -115,7 +120,7 @@ def runs(tmp_path_factory):
     return seed, out
 
 
-RUNS = ("runs", "heads det", "heads nd")
+RUNS = ("runs", "heads det", "heads nd", "heads det shared")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -164,11 +169,12 @@ def test_deterministic_gradients_are_bitwise_one_gpus(runs, name):
     o = dash_fa3.flash_attn_func(q, k, v, causal=causal, deterministic=True)
     o = o[0] if isinstance(o, tuple) else o
     single = torch.autograd.grad(o, (q, k, v), dout.detach())
-    got = torch.load(out / f"{name}.pt")[1]
-    for what, a, b in zip(("dq", "dk", "dv"), got[1:4], single):
-        b = b.cpu()
-        assert torch.equal(a, b), (f"{name}: deterministic {what} differs from one GPU in "
-                                   f"{(a != b).sum().item()} elements (seed {seed})")
+    for which in (1, 3):
+        got = torch.load(out / f"{name}.pt")[which]
+        for what, a, b in zip(("dq", "dk", "dv"), got[1:4], single):
+            b = b.cpu()
+            assert torch.equal(a, b), (f"{name}: {RUNS[which]} {what} differs from one GPU in "
+                                       f"{(a != b).sum().item()} elements (seed {seed})")
 
 
 def test_folds_are_refused_on_cuda(runs):

@@ -13,9 +13,11 @@ among all heads, so a call holding only some heads would otherwise give them oth
 
 Messages go through ``batch_isend_irecv`` (NCCL runs them on its own stream, ordered after the
 compute stream's producers; ``Work.wait()`` makes the compute stream wait, not the host). The
-rank's heads can be cut into chunks (:data:`CHUNKS`) whose transfers are posted around the other
-chunks' compute; every rank posts the same sequence of batches (inputs 0, inputs 1, results 0,
-inputs 2, results 1, ...), each pairing with its peers' batch of the same position. Gathered
+rank's heads can be cut into chunks (:func:`default_chunks`) whose transfers are posted around the
+other chunks' compute; every rank posts the same sequence of batches (inputs 0, inputs 1, results 0,
+inputs 2, results 1, ...), each pairing with its peers' batch of the same position. With
+``DASH_FA3_CP_TRANSPORT=shared`` the same messages move through buffers every rank maps, on copy
+engines (shared.py); the bits are the same either way. Gathered
 tensors are stored sequence-major ((tokens, ...), the remaining dimensions in order), so that a
 peer's piece of tokens is one contiguous region its message fills in place; the kernels read them
 through strided views. On CPU (gloo) each wait is bounded by the process group's timeout and a
@@ -24,40 +26,64 @@ failed or stalled peer raises :class:`~.runtime.CommunicationError`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from .. import ops, reference
 from ..schedule import cp_heads
 from ..schedule.distributed import G
-from . import runtime
+from . import runtime, shared
 
 # The CPU compute's block edge: fixed, so a head's arithmetic does not depend on the call's shape.
 CPU_BLOCK = 128
 
 
 # Chunks of each rank's heads in the transfer/compute pipeline (at most the smallest rank's KV-head
-# count). One: on two H200s (2026-11-24) two or four chunks were no faster (64k, 16 heads: 61.0 ms
-# with one chunk, 64.5 with two, 61.0 with four): the transfers did not overlap the kernels. Our
-# reading, not measured: NCCL's kernels find no free SM while the persistent attention kernels hold
-# every SM's registers.
+# count). One by default: on two H200s (2026-11-24) two or four chunks were no faster through NCCL
+# (64k, 16 heads: 61.0 ms with one chunk, 64.5 with two, 61.0 with four): the transfers did not
+# overlap the kernels. Our reading, not measured: NCCL's kernels find no free SM while the persistent
+# attention kernels hold every SM. The ``shared`` transport (shared.py) moves data on copy engines
+# instead; ``DASH_FA3_CP_CHUNKS`` sets the count for it (and for p2p), the same on every rank.
 CHUNKS = 1
+CHUNKS_ENV = "DASH_FA3_CP_CHUNKS"
 
 
-def _seq_major(x: torch.Tensor, s: int) -> torch.Tensor:
-    """x with dimension s moved first, contiguous (a copy unless it already is)."""
-    return x.movedim(s, 0).contiguous()
+def default_chunks() -> int:
+    """``DASH_FA3_CP_CHUNKS`` if set (a positive integer), else :data:`CHUNKS`."""
+    text = os.environ.get(CHUNKS_ENV)
+    if text is None:
+        return CHUNKS
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{CHUNKS_ENV}={text!r}: a positive integer is needed")
+    return n
 
 
 class _Exchange:
-    """One batch of messages: (peer, tensor) sends and receives, posted together and waited for
-    together (bounded on gloo: :func:`~.runtime.wait_works`)."""
+    """One batch of point-to-point messages: (peer, tensor) sends and receives, posted together and
+    waited for together (bounded on gloo: :func:`~.runtime.wait_works`)."""
 
     def __init__(self, group, rank: int, what: str):
         self.group, self.rank, self.what = group, rank, what
         self.sends: list[tuple[int, torch.Tensor]] = []
         self.recvs: list[tuple[int, torch.Tensor]] = []
         self.works = []
+
+    def send(self, peer: int, x: torch.Tensor) -> None:
+        self.sends.append((peer, x.contiguous()))
+
+    def recv_into(self, peer: int, dst: torch.Tensor) -> None:
+        self.recvs.append((peer, dst))
+
+    def recv_buffer(self, peer: int, like: torch.Tensor, device) -> torch.Tensor:
+        buf = torch.empty(like.shape, dtype=like.dtype, device=device)
+        self.recvs.append((peer, buf))
+        return buf
 
     def post(self) -> "_Exchange":
         self.works = runtime.post_p2p(self.sends, self.recvs, self.group)
@@ -67,6 +93,21 @@ class _Exchange:
         peers = [("send to", p) for p, _ in self.sends] + [("receive from", p) for p, _ in self.recvs]
         runtime.wait_works(self.works, peers, self.group, self.rank, self.what)
         self.works = []
+
+
+class _SharedInputs:
+    """The input side of a :class:`~.shared.Pass` in :class:`_Exchange`'s terms."""
+
+    def __init__(self, ps: shared.Pass):
+        self.send, self.recv_into = ps.send_input, ps.recv_input
+
+
+class _SharedResults:
+    """The result side of a :class:`~.shared.Pass` in :class:`_Exchange`'s terms."""
+
+    def __init__(self, ps: shared.Pass):
+        self.send = ps.send_result
+        self.recv_buffer = lambda peer, like, device: ps.recv_result(peer, like)
 
 
 def _gather(x, s, hd, p: cp_heads.HeadPlan, rank, heads_of, ex: _Exchange):
@@ -84,9 +125,9 @@ def _gather(x, s, hd, p: cp_heads.HeadPlan, rank, heads_of, ex: _Exchange):
             continue
         plo, phi = heads_of(peer)
         for a, b, o in p.messages(rank, peer):
-            ex.sends.append((peer, _seq_major(x.narrow(s, o * G, (b - a) * G).narrow(hd, plo, phi - plo), s)))
+            ex.send(peer, x.narrow(s, o * G, (b - a) * G).narrow(hd, plo, phi - plo).movedim(s, 0))
         for a, b, _ in p.messages(peer, rank):
-            ex.recvs.append((peer, buf[a * G:b * G]))
+            ex.recv_into(peer, buf[a * G:b * G])
     return buf.movedim(0, s)
 
 
@@ -102,13 +143,14 @@ def _scatter(y, s, hd, p: cp_heads.HeadPlan, rank, heads_of, out, ex: _Exchange)
         if peer == rank:
             continue
         for a, b, _ in p.messages(peer, rank):
-            ex.sends.append((peer, _seq_major(y.narrow(s, a * G, (b - a) * G), s)))
+            ex.send(peer, y.narrow(s, a * G, (b - a) * G).movedim(s, 0))
         plo, phi = heads_of(peer)
         for a, b, o in p.messages(rank, peer):
             shape = list(out.shape)
             shape[s], shape[hd] = (b - a) * G, phi - plo
-            buf = out.new_empty([shape[s]] + [shape[i] for i in range(out.dim()) if i != s])
-            ex.recvs.append((peer, buf))
+            like = torch.empty([shape[s]] + [shape[i] for i in range(out.dim()) if i != s], dtype=out.dtype,
+                               device="meta")
+            buf = ex.recv_buffer(peer, like, out.device)
             landing.append((out.narrow(s, o * G, (b - a) * G).narrow(hd, plo, phi - plo), buf.movedim(0, s)))
     return landing
 
@@ -143,17 +185,20 @@ def _bwd_compute(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, 
     return torch.cat(dqs, 2), torch.cat(dks, 2), torch.cat(dvs, 2)
 
 
+def _heads_fn(p, c, per_q):
+    return (lambda r: p.q_heads(c, r)) if per_q else (lambda r: p.kv_heads(c, r))
+
+
 def _run(p, rank, group, inputs, compute, outputs, what):
     """The chunk pipeline of one pass. ``inputs``: [(local tensor, seq dim, head dim, per query
     head)]; ``compute(chunk, *gathered)`` -> results; ``outputs``: [(local result tensor, seq dim, head
     dim, per query head)] filled in place."""
-
-    def heads_fn(c, per_q):
-        return (lambda r: p.q_heads(c, r)) if per_q else (lambda r: p.kv_heads(c, r))
+    if p.num_ranks > 1 and shared.transport() == "shared":
+        return _run_shared(p, rank, group, inputs, compute, outputs, what)
 
     def post_inputs(c):
         ex = _Exchange(group, rank, f"{what} inputs, chunk {c}")
-        views = [_gather(x, s, hd, p, rank, heads_fn(c, pq), ex) for x, s, hd, pq in inputs]
+        views = [_gather(x, s, hd, p, rank, _heads_fn(p, c, pq), ex) for x, s, hd, pq in inputs]
         return ex.post(), views
 
     pending = [post_inputs(0)]
@@ -167,12 +212,61 @@ def _run(p, rank, group, inputs, compute, outputs, what):
         ex_out = _Exchange(group, rank, f"{what} results, chunk {c}")
         landing = []
         for y, (out, s, hd, pq) in zip(ys, outputs):
-            landing += _scatter(y, s, hd, p, rank, heads_fn(c, pq), out, ex_out)
+            landing += _scatter(y, s, hd, p, rank, _heads_fn(p, c, pq), out, ex_out)
         results.append((ex_out.post(), landing))
     for ex_out, landing in results:
         ex_out.wait()
         for dst, src in landing:
             dst.copy_(src)
+
+
+def slot_bytes(p: cp_heads.HeadPlan, inputs, outputs) -> int:
+    """The most bytes one rank sends another in either exchange of a pass (all chunks, messages
+    aligned as the shared transport lays them out): its slot. The same on every rank, since every
+    rank's local tensors have the same shapes."""
+    def row(t, s, hd):   # bytes per (token, head)
+        return t.numel() // (t.shape[s] * t.shape[hd]) * t.element_size()
+
+    def width(lo_hi):
+        return lo_hi[1] - lo_hi[0]
+
+    most = 0
+    for src in range(p.num_ranks):
+        for dst in range(p.num_ranks):
+            if src == dst:
+                continue
+            # _gather: src's pieces of dst's heads; _scatter: dst's pieces of src's heads
+            need_in = sum(shared.aligned((b - a) * G * width(_heads_fn(p, c, pq)(dst)) * row(x, s, hd))
+                          for c in range(len(p.chunks)) for x, s, hd, pq in inputs
+                          for a, b, _ in p.messages(src, dst))
+            need_out = sum(shared.aligned((b - a) * G * width(_heads_fn(p, c, pq)(src)) * row(o, s, hd))
+                           for c in range(len(p.chunks)) for o, s, hd, pq in outputs
+                           for a, b, _ in p.messages(dst, src))
+            most = max(most, need_in, need_out)
+    return most
+
+
+def _run_shared(p, rank, group, inputs, compute, outputs, what):
+    """:func:`_run` through the shared transport (shared.py): every chunk's inputs are packed and
+    pulled up front, each chunk computes once its pulls are done, and its results are pushed while
+    the next chunk computes."""
+    ps = shared.Pass(group, rank, p.num_ranks, slot_bytes(p, inputs, outputs), inputs[0][0].device, what)
+    side_in, side_out = _SharedInputs(ps), _SharedResults(ps)
+    views, pulls = [], []
+    for c in range(len(p.chunks)):
+        views.append([_gather(x, s, hd, p, rank, _heads_fn(p, c, pq), side_in) for x, s, hd, pq in inputs])
+        pulls.append(ps.registered())
+    ps.publish()
+    arrived = [ps.pull(chunk_pulls) for chunk_pulls in pulls]
+    landing = []
+    for c in range(len(p.chunks)):
+        ps.ready(arrived[c])
+        ys = compute(c, *views[c])
+        for y, (out, s, hd, pq) in zip(ys, outputs):
+            landing += _scatter(y, s, hd, p, rank, _heads_fn(p, c, pq), out, side_out)
+    ps.finish()
+    for dst, src in landing:
+        dst.copy_(src)
 
 
 SAVED_PER_CHUNK = 5   # q, k, v, out, lse of the chunk's heads over the whole sequence
@@ -194,7 +288,7 @@ def saved_shapes(q_shape, heads_kv: int, p: cp_heads.HeadPlan, rank: int) -> lis
 def plan_of(q_shape, heads_kv: int, group, layout: str, chunks: int | None = None) -> cp_heads.HeadPlan:
     P = dist.get_world_size(group)
     b, n, h, _ = q_shape
-    return cp_heads.plan(P, n * P, h, heads_kv, layout, chunks or CHUNKS)
+    return cp_heads.plan(P, n * P, h, heads_kv, layout, chunks or default_chunks())
 
 
 def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, chunks: int | None = None):
@@ -225,7 +319,8 @@ def backward(dout, saved, *, heads_kv: int, group, causal: bool, layout: str, so
     runtime.ensure_communicator(group, dout.device)
     rank = dist.get_rank(group)
     b, n, h, d = dout.shape
-    p = plan_of(dout.shape, heads_kv, group, layout, chunks)
+    # the forward's chunk count, whatever DASH_FA3_CP_CHUNKS says now
+    p = plan_of(dout.shape, heads_kv, group, layout, chunks or len(saved) // SAVED_PER_CHUNK)
     if len(saved) != SAVED_PER_CHUNK * len(p.chunks):
         raise ValueError(f"the backward got {len(saved)} saved tensors for {len(p.chunks)} chunks")
     dq = torch.empty_like(dout)

@@ -67,7 +67,8 @@ def post_p2p(sends, recvs, group) -> list:
 
 
 def wait_works(works, peers, group, rank: int, where: str, timeout=None) -> None:
-    """Wait for posted P2P works; ``peers``: a ("send to" | "receive from", peer) per work.
+    """Wait for posted works; ``peers``: a ("send to" | "receive from", peer) per work (peer None: a
+    collective, named by the first part alone).
 
     CPU (gloo): each wait is bounded by the process group's timeout; a peer that died fails it at
     once, one that stalls at the timeout, and either raises :class:`CommunicationError`
@@ -82,7 +83,8 @@ def wait_works(works, peers, group, rank: int, where: str, timeout=None) -> None
         return
     timeout = timeout or group_timeout(group)
     for (what, peer), work in zip(peers, works):
-        head = f"dash_fa3.distributed: rank {rank} of the group, {where}: {what} rank {peer}"
+        head = f"dash_fa3.distributed: rank {rank} of the group, {where}: {what}" + (
+            "" if peer is None else f" rank {peer}")
         limit = f"did not complete within the process group's timeout ({timeout.total_seconds():g} s)"
         try:
             ok = work.wait(timeout)
