@@ -1,4 +1,4 @@
-"""Context-parallel attention on P ranks (issue 16): dash_fa3.distributed.context_parallel_attn against
+"""Context-parallel attention on P ranks (issues 16 and 21): dash_fa3.distributed.context_parallel_attn against
 PyTorch's context_parallel, and against one GPU on the whole sequence; forward + backward wall time.
 
 On the two-H200 machine (one process per GPU, NCCL):
@@ -24,7 +24,12 @@ inputs (random normal, seeded, broadcast from rank 0):
   contiguous. GQA: ``enable_gqa=True`` first; if that raises, k/v are expanded to the query heads
   (repeat_interleave) and the output says so (--peer-gqa);
 * T1, one GPU on the whole sequence, on rank 0 while the other ranks wait: ours
-  ``dash_fa3.flash_attn_func`` per mode, and SDPA with each --peers backend.
+  ``dash_fa3.flash_attn_func`` per mode, and SDPA with each --peers backend. With --t1-tokens N, a
+  longer configuration's T1 rows time the first N tokens and are scaled by the attention FLOP ratio
+  (labelled extrapolated; issue 21 allows that where one GPU's time on the whole sequence is dear).
+
+Ours det rows can be split by transport and chunk count (--cp-transports p2p:1,shared:4: the
+head-parallel algorithm through NCCL or through the copy-engine transport, dash_fa3/distributed/shared.py).
 
 A timed call is one forward + backward: every rank synchronizes its device and passes a barrier, then
 records a CUDA event (perf_counter on CPU), runs the call, records the end event and waits for it; the
@@ -36,7 +41,7 @@ a round's figure is the median of its calls, the reported figure the median over
 Reported per configuration: ms, efficiency T1 / (P * T_P) against ours T1 in the same mode (nd for
 torch CP) and against SDPA cuDNN T1, ours / torch CP time ratios, and beside ours det rows the schedule
 model's prediction (dash_fa3.schedule.distributed.simulate, default cost parameters), labelled as the
-model. Then the issue-16 bar per configuration. An implementation that raises NotImplementedError is
+model. Then the GPU bar per configuration (issue 16 at P = 2, issue 21 at P = 4 and 8). An implementation that raises NotImplementedError is
 "not available" (with the message), one that runs out of memory "OOM"; neither stops the run. A hang
 inside a collective (one rank failing while the others wait in NCCL) ends at --timeout-s.
 
@@ -81,8 +86,10 @@ PEERS = ("cudnn", "flash")
 ROTATES = ("allgather", "alltoall")
 PEER_LABEL = {"cudnn": "cuDNN", "flash": "flash"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# issue 16's GPU bar: efficiency by total tokens; ours / torch CP cuDNN time by mode; model within 0.05
+# The GPU bars: efficiency by total tokens (issue 16, P = 2; issue 21, P = 4 and 8 from 256k tokens);
+# ours / torch CP cuDNN time by mode; model within 0.05
 EFF_TARGET = {65536: 0.90, 131072: 0.95}
+EFF_TARGET_MANY = (262144, 0.90)   # (from tokens, target) at P = 4 and 8
 PEER_RATIO_LIMIT = {"nd": 1.00, "det": 1.05}
 MODEL_TOLERANCE = 0.05
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -157,6 +164,9 @@ def parse_args(argv=None):
     ap.add_argument("--peer-gqa", choices=["auto", "native", "expand"], default="auto",
                     help="torch CP / SDPA with heads_kv < heads: enable_gqa (native), k/v expanded to the query "
                          "heads (expand), or native falling back to expand where it raises (auto)")
+    ap.add_argument("--t1-tokens", type=int, default=0,
+                    help="time the T1 rows (one GPU) on the first N tokens of a longer configuration and scale "
+                         "them by the attention FLOP ratio (reported as extrapolated); 0: always the whole sequence")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over rounds)")
     ap.add_argument("--iters", type=int, default=1, help="timed calls per implementation per round (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed calls per implementation after the check call")
@@ -207,6 +217,8 @@ def parse_args(argv=None):
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         ap.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.t1_tokens < 0 or args.t1_tokens % G:
+        ap.error(f"--t1-tokens must be a non-negative multiple of {G}, got {args.t1_tokens}")
     if not args.timeout_s > 0 or not args.check_tol > 0:
         ap.error("--timeout-s and --check-tol must be > 0")
     P = world_size_hint(args)
@@ -240,6 +252,18 @@ def det_models(args, cfg: dict, P: int, t1_ms: float | None = None) -> dict:
         return {}
     return {(lay, c or 1): model_prediction(cfg, P, lay, t1_ms, chunks=c or 1)
             for lay in args.layouts for _, c in args.cp_transports}
+
+
+def t1_prefix(args, cfg: dict) -> int | None:
+    """The tokens the T1 rows time for ``cfg`` when --t1-tokens shortens them (else None)."""
+    return args.t1_tokens if 0 < args.t1_tokens < cfg["tokens"] else None
+
+
+def flop_ratio(cfg: dict, n: int) -> float:
+    """Attention FLOPs of cfg's whole sequence over those of its first n tokens (causal: query row i
+    sees i + 1 keys)."""
+    N = cfg["tokens"]
+    return N * (N + 1) / (n * (n + 1)) if cfg["causal"] else (N / n) ** 2
 
 
 def tokens_problem(n: int, P: int) -> str | None:
@@ -416,12 +440,26 @@ def figures(impls: list[Impl], ms: dict, P: int, models: dict | None = None) -> 
             "best_cudnn_ms": best[0] if best else None}
 
 
-def bar_rows(cfg: dict, impls: list[Impl], ms: dict, fig: dict, gpu: bool = True) -> list[dict]:
-    """Issue 16's GPU bar for each ours CP row: efficiency >= EFF_TARGET[N] (where the issue sets one),
+def eff_target(P: int, tokens: int) -> float | None:
+    """The efficiency the issues ask for at P ranks and this many tokens (None: none asked)."""
+    if P == 2:
+        return EFF_TARGET.get(tokens)
+    if P in (4, 8) and tokens >= EFF_TARGET_MANY[0]:
+        return EFF_TARGET_MANY[1]
+    return None
+
+
+def bar_issue(P: int) -> str:
+    return "Issue 16" if P == 2 else "Issue 21"
+
+
+def bar_rows(cfg: dict, impls: list[Impl], ms: dict, fig: dict, gpu: bool = True, P: int = 2) -> list[dict]:
+    """The GPU bar (issue 16 at P = 2, issue 21 above) for each ours CP row: efficiency >=
+    :func:`eff_target` (where an issue sets one),
     time <= PEER_RATIO_LIMIT[mode] x the fastest torch CP cuDNN, model within MODEL_TOLERANCE (det).
     Each check is True / False / None (not applicable, a side missing, or not a GPU run)."""
     out = []
-    target = EFF_TARGET.get(cfg["tokens"])
+    target = eff_target(P, cfg["tokens"])
     judge = (lambda ok: ok) if gpu else (lambda ok: None)
     for im in impls:
         if im.kind != "cp_ours":
@@ -489,8 +527,8 @@ def header_lines(meta: dict) -> list[str]:
         f"after a check call and {meta['warmup']} warm-up(s); figures are medians over rounds (min–max over "
         f"rounds beside). T1 = {one} on the whole sequence (rank 0, the others wait). eff = T1 / (P · T_P): "
         "'vs ours T1' uses ours T1 in the row's mode (nd for torch CP), 'vs cuDNN T1' uses SDPA cuDNN T1. "
-        "'model' = for ours det, dash_fa3.schedule.distributed.simulate's prediction with its default "
-        "(uncalibrated, H200-like) cost parameters, its own T1 one GPU at the model's kernel rates; for ours nd, "
+        "'model' = for ours det, dash_fa3.schedule.cp_heads.simulate (the head-parallel model, at the row's "
+        "chunk count) with its kernel rates scaled to the measured ours T1 det; for ours nd, "
         "dash_fa3.schedule.cp_runs.simulate with its kernel rates scaled to the measured ours T1 nd. check = "
         "max abs difference of out, dq, dk, dv from ours T1 nd on the same inputs (! / WARN: above "
         f"{meta['check_tol']} x the reference's max abs value).",
@@ -544,9 +582,13 @@ def section_lines(rec: dict, impls: list[Impl], tol: float) -> list[str]:
     return lines
 
 
-def bar_lines(records: list[dict], gpu: bool = True) -> list[str]:
-    lines = ["", "## Issue 16 bar", ""] + ([] if gpu else ["Not a GPU run: the bar is for GPUs, no verdicts.", ""])
-    targets = ", ".join(f"{v:.2f} at {size_label(k)}" for k, v in EFF_TARGET.items())
+def bar_lines(records: list[dict], gpu: bool = True, P: int = 2) -> list[str]:
+    lines = ["", f"## {bar_issue(P)} bar", ""] + ([] if gpu else ["Not a GPU run: the bar is for GPUs, no verdicts.", ""])
+    if P == 2:
+        targets = ", ".join(f"{v:.2f} at {size_label(k)}" for k, v in EFF_TARGET.items())
+    else:
+        targets = (f"{EFF_TARGET_MANY[1]:.2f} from {size_label(EFF_TARGET_MANY[0])}" if P in (4, 8) else
+                   f"none at P = {P}")
     lines += [f"eff target {targets} tokens (— elsewhere); ours ≤ {PEER_RATIO_LIMIT['nd']:.2f}x (nd) / "
               f"{PEER_RATIO_LIMIT['det']:.2f}x (det) the fastest torch CP cuDNN; model within {MODEL_TOLERANCE:.2f} "
               "of the measured efficiency (model = simulation, not a measurement).", "",
@@ -568,7 +610,7 @@ def render(meta: dict, records: list[dict], impls: list[Impl]) -> str:
     lines = header_lines(meta)
     for rec in records:
         lines += section_lines(rec, impls, meta["check_tol"])
-    lines += bar_lines(records, meta["device_type"] == "cuda")
+    lines += bar_lines(records, meta["device_type"] == "cuda", meta["world_size"])
     return "\n".join(lines) + "\n"
 
 
@@ -1015,10 +1057,12 @@ def reference(cfg, ctx, full):
     return {k: v.detach() for k, v in res.items()}, im.name
 
 
-def check_call(im: Impl, runner: Runner, cfg: dict, args, ctx: Ctx, full, ref, rec) -> Runner | None:
+def check_call(im: Impl, runner: Runner, cfg: dict, args, ctx: Ctx, full, ref, rec,
+               prefix: int | None = None) -> Runner | None:
     """The first call of an implementation, untimed: its outputs and gradients against ``ref`` (T1 rows on
-    rank 0, CP rows on every rank, reduced). With --peer-gqa auto, a GQA peer whose enable_gqa call raises
-    is retried with k/v expanded. Returns the runner to time, or None (the failure is in ``rec``)."""
+    rank 0, CP rows on every rank, reduced; not a T1 row on the first ``prefix`` tokens). With --peer-gqa
+    auto, a GQA peer whose enable_gqa call raises is retried with k/v expanded. Returns the runner to
+    time, or None (the failure is in ``rec``)."""
     res = rec["impls"][im.name]
     retry = bool(im.backend) and _gqa(cfg) and args.peer_gqa == "auto"   # built native first
     out, err = run_once(runner)
@@ -1053,6 +1097,8 @@ def check_call(im: Impl, runner: Runner, cfg: dict, args, ctx: Ctx, full, ref, r
             res["note"] = runner.note
     if ref is None:
         res["check"] = {"skipped": rec["reference"]}
+    elif prefix is not None:
+        res["check"] = {"skipped": f"timed on the first {prefix} tokens"}
     elif not im.single:
         res["check"] = compare(runner.result(out), ref, runner.ref_layout, ctx, distributed=True)
     elif im == Impl(t1_name("nd"), "t1_ours", "nd"):
@@ -1083,12 +1129,14 @@ def run_config(cfg: dict, args, ctx: Ctx, impls: list[Impl]) -> dict:
 
     # ---- build every runner; one that cannot be built is reported
     runners: dict[str, Runner] = {}
+    prefix = t1_prefix(args, cfg)
+    t1_inputs = full if prefix is None or full is None else [x[:, :prefix] for x in full]
     for im in impls:
         res = rec["impls"][im.name] = {"status": "ok"}
         expand = args.peer_gqa == "expand"
         runner, err = None, None
         try:
-            runner = make_runner(im, cfg, ctx, full, expand)
+            runner = make_runner(im, cfg, ctx, t1_inputs if im.single else full, expand)
         except Exception as e:
             err = e
         try:
@@ -1117,7 +1165,8 @@ def run_config(cfg: dict, args, ctx: Ctx, impls: list[Impl]) -> dict:
     ref, rec["reference"] = (None, "skipped (--no-check)") if args.no_check else reference(cfg, ctx, full)
     for im in impls:
         if im.name in runners:
-            runners[im.name] = check_call(im, runners[im.name], cfg, args, ctx, full, ref, rec)
+            runners[im.name] = check_call(im, runners[im.name], cfg, args, ctx, t1_inputs if im.single else full,
+                                          ref, rec, prefix if im.single else None)
             if runners[im.name] is None:
                 del runners[im.name]
     del ref
@@ -1149,13 +1198,21 @@ def run_config(cfg: dict, args, ctx: Ctx, impls: list[Impl]) -> dict:
         res = rec["impls"][im.name]
         res["samples_ms"] = samples[im.name]
         res["stats"] = round_stats(samples[im.name]) if res["status"] == "ok" else None
+        if im.single and prefix is not None and res["stats"]:
+            scale = flop_ratio(cfg, prefix)
+            res["measured_stats"] = res["stats"]
+            res["stats"] = {k: ([x * scale for x in v] if isinstance(v, list) else v * scale)
+                            for k, v in res["stats"].items()}
+            res["note"] = ((res.get("note", "") + "; ") if res.get("note") else "") + (
+                f"extrapolated: timed on the first {prefix} tokens ({res['measured_stats']['median']:.1f} ms), "
+                f"scaled by the attention FLOP ratio {scale:.3f}")
         ms[im.name] = res["stats"]["median"] if res["stats"] else None
     models = det_models(args, cfg, ctx.world, ms.get(t1_name("det")))
     if "nd" in args.modes:
         models.update({("nd", lay): run_plan_model(cfg, ctx.world, lay, ms.get(t1_name("nd"))) for lay in args.layouts})
     rec["model"] = {"/".join(map(str, k)): m for k, m in models.items()}
     rec["figures"] = figures(impls, ms, ctx.world, models)
-    rec["bar"] = bar_rows(cfg, impls, ms, rec["figures"], gpu=ctx.cuda)
+    rec["bar"] = bar_rows(cfg, impls, ms, rec["figures"], gpu=ctx.cuda, P=ctx.world)
     runners.clear()
     del full
     gc.collect()
@@ -1191,7 +1248,7 @@ def worker(args) -> int:
                 print("\n".join(section_lines(rec, impls, args.check_tol)), flush=True)
                 write_outputs(args, meta, records, impls)   # after every configuration: partial results survive
         if ctx.rank == 0:
-            print("\n".join(bar_lines(records, ctx.cuda)), flush=True)
+            print("\n".join(bar_lines(records, ctx.cuda, ctx.world)), flush=True)
             write_outputs(args, meta, records, impls)
         ctx.barrier()
     finally:

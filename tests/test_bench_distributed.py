@@ -243,6 +243,27 @@ def test_transport_variants_are_rows_of_their_own():
             bd.parse_args(["--device", "cpu", "--tokens", "2048", "--cp-transports", bad])
 
 
+def test_targets_follow_the_issue_of_each_rank_count():
+    assert bd.eff_target(2, 65536) == 0.90 and bd.eff_target(2, 131072) == 0.95 and bd.eff_target(2, 262144) is None
+    assert bd.eff_target(4, 131072) is None and bd.eff_target(4, 262144) == 0.90 and bd.eff_target(8, 1 << 20) == 0.90
+    assert bd.eff_target(3, 1 << 20) is None
+    args, cfg, impls, ms = synthetic()
+    fig = bd.figures(impls, ms, 4)
+    assert bd.bar_rows(dict(cfg, tokens=262144), impls, ms, fig, P=4)[0]["eff_target"] == 0.90
+    assert "## Issue 21 bar" in "\n".join(bd.bar_lines([], P=4))
+
+
+def test_t1_prefix_and_flop_ratio():
+    args = bd.parse_args(["--tokens", "128k,512k", "--heads", "16/16", "--t1-tokens", "131072"])
+    short, long_ = bd.configs(args)
+    assert bd.t1_prefix(args, short) is None and bd.t1_prefix(args, long_) == 131072
+    assert bd.flop_ratio(long_, 131072) == pytest.approx(524288 * 524289 / (131072 * 131073))
+    assert bd.flop_ratio(dict(long_, causal=False), 131072) == 16.0
+    for bad in ("-128", "1000"):
+        with pytest.raises(SystemExit):
+            bd.parse_args(["--t1-tokens", bad])
+
+
 def test_figures_without_peers_or_t1():
     args = bd.parse_args(["--device", "cpu", "--tokens", "2048", "--heads", "2/2"])
     impls = bd.implementations(args)
