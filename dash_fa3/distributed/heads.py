@@ -68,8 +68,8 @@ class _Exchange:
     """One batch of point-to-point messages: (peer, tensor) sends and receives, posted together and
     waited for together (bounded on gloo: :func:`~.runtime.wait_works`)."""
 
-    def __init__(self, group, rank: int, what: str):
-        self.group, self.rank, self.what = group, rank, what
+    def __init__(self, group, rank: int, what: str, device):
+        self.group, self.rank, self.what, self.device = group, rank, what, device
         self.sends: list[tuple[int, torch.Tensor]] = []
         self.recvs: list[tuple[int, torch.Tensor]] = []
         self.works = []
@@ -80,8 +80,8 @@ class _Exchange:
     def recv_into(self, peer: int, dst: torch.Tensor) -> None:
         self.recvs.append((peer, dst))
 
-    def recv_buffer(self, peer: int, like: torch.Tensor, device) -> torch.Tensor:
-        buf = torch.empty(like.shape, dtype=like.dtype, device=device)
+    def recv_buffer(self, peer: int, shape, dtype) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
         self.recvs.append((peer, buf))
         return buf
 
@@ -106,8 +106,7 @@ class _SharedResults:
     """The result side of a :class:`~.shared.Pass` in :class:`_Exchange`'s terms."""
 
     def __init__(self, ps: shared.Pass):
-        self.send = ps.send_result
-        self.recv_buffer = lambda peer, like, device: ps.recv_result(peer, like)
+        self.send, self.recv_buffer = ps.send_result, ps.recv_result
 
 
 def _gather(x, s, hd, p: cp_heads.HeadPlan, rank, heads_of, ex: _Exchange):
@@ -148,9 +147,7 @@ def _scatter(y, s, hd, p: cp_heads.HeadPlan, rank, heads_of, out, ex: _Exchange)
         for a, b, o in p.messages(rank, peer):
             shape = list(out.shape)
             shape[s], shape[hd] = (b - a) * G, phi - plo
-            like = torch.empty([shape[s]] + [shape[i] for i in range(out.dim()) if i != s], dtype=out.dtype,
-                               device="meta")
-            buf = ex.recv_buffer(peer, like, out.device)
+            buf = ex.recv_buffer(peer, [shape[s]] + [shape[i] for i in range(out.dim()) if i != s], out.dtype)
             landing.append((out.narrow(s, o * G, (b - a) * G).narrow(hd, plo, phi - plo), buf.movedim(0, s)))
     return landing
 
@@ -197,7 +194,7 @@ def _run(p, rank, group, inputs, compute, outputs, what):
         return _run_shared(p, rank, group, inputs, compute, outputs, what)
 
     def post_inputs(c):
-        ex = _Exchange(group, rank, f"{what} inputs, chunk {c}")
+        ex = _Exchange(group, rank, f"{what} inputs, chunk {c}", inputs[0][0].device)
         views = [_gather(x, s, hd, p, rank, _heads_fn(p, c, pq), ex) for x, s, hd, pq in inputs]
         return ex.post(), views
 
@@ -209,7 +206,7 @@ def _run(p, rank, group, inputs, compute, outputs, what):
         ex_in, views = pending[c]
         ex_in.wait()
         ys = compute(c, *views)
-        ex_out = _Exchange(group, rank, f"{what} results, chunk {c}")
+        ex_out = _Exchange(group, rank, f"{what} results, chunk {c}", inputs[0][0].device)
         landing = []
         for y, (out, s, hd, pq) in zip(ys, outputs):
             landing += _scatter(y, s, hd, p, rank, _heads_fn(p, c, pq), out, ex_out)

@@ -62,6 +62,13 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def _nbytes(shape, dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 class _CudaBuffers:
     """This rank's buffer in PyTorch's symmetric memory and views of the peers' (``get_buffer``)."""
 
@@ -181,9 +188,9 @@ class Pass:
         self._pending: list[tuple[int, int, torch.Tensor]] = []
         self._keep: list[torch.Tensor] = []
 
-    def _take(self, offsets: list[int], peer: int, t: torch.Tensor) -> int:
+    def _take(self, offsets: list[int], peer: int, shape, dtype) -> int:
         off = offsets[peer]
-        offsets[peer] = off + aligned(t.numel() * t.element_size())
+        offsets[peer] = off + aligned(_nbytes(shape, dtype))
         if offsets[peer] > self.slot:
             raise RuntimeError(f"dash_fa3.distributed ({self.what}): messages for rank {peer} exceed the "
                                f"{self.slot}-byte slot the plan sized (internal error)")
@@ -201,21 +208,20 @@ class Pass:
         return (self.P - 1 + self._index(owner, peer)) * self.slot + off
 
     @staticmethod
-    def _view(buf: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
-        n = like.numel() * like.element_size()
-        return buf[start:start + n].view(like.dtype).view(like.shape)
+    def _view(buf: torch.Tensor, start: int, shape, dtype) -> torch.Tensor:
+        return buf[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
 
     # ---- inputs: packed here, pulled by the peer
 
     def send_input(self, peer: int, x: torch.Tensor) -> None:
         """Pack ``x`` (any strides) into this rank's outbox slot for ``peer`` (compute stream)."""
-        off = self._take(self._packed, peer, x)
-        self._view(self.bufs.local, self._outbox(self.rank, peer, off), x).copy_(x)
+        off = self._take(self._packed, peer, x.shape, x.dtype)
+        self._view(self.bufs.local, self._outbox(self.rank, peer, off), x.shape, x.dtype).copy_(x)
 
     def recv_input(self, peer: int, dst: torch.Tensor) -> None:
         """Register the copy of ``peer``'s next message for this rank into ``dst`` (contiguous); it
         is issued by the :meth:`pull` of the list :meth:`registered` returns."""
-        self._pending.append((peer, self._take(self._pulled, peer, dst), dst))
+        self._pending.append((peer, self._take(self._pulled, peer, dst.shape, dst.dtype), dst))
 
     def registered(self) -> list[tuple[int, int, torch.Tensor]]:
         """The pulls registered since the last call (one chunk's), for :meth:`pull`."""
@@ -232,7 +238,7 @@ class Pass:
         returns the event the compute that reads them waits for (:meth:`ready`)."""
         with self.bufs.copy_context():
             for peer, off, dst in pulls:
-                dst.copy_(self._view(self.bufs.remote(peer), self._outbox(peer, self.rank, off), dst))
+                dst.copy_(self._view(self.bufs.remote(peer), self._outbox(peer, self.rank, off), dst.shape, dst.dtype))
         return self.bufs.mark()
 
     def ready(self, event) -> None:
@@ -245,16 +251,16 @@ class Pass:
         stream, then the transfer on the copy stream once the compute stream has made it."""
         y = y.contiguous()
         self._keep.append(y)   # read by the copy stream; freed after finish() orders that read
-        off = self._take(self._pushed, peer, y)
+        off = self._take(self._pushed, peer, y.shape, y.dtype)
         self.bufs.copy_after_compute()
         with self.bufs.copy_context():
-            self._view(self.bufs.remote(peer), self._inbox(peer, self.rank, off), y).copy_(y)
+            self._view(self.bufs.remote(peer), self._inbox(peer, self.rank, off), y.shape, y.dtype).copy_(y)
 
-    def recv_result(self, peer: int, like: torch.Tensor) -> torch.Tensor:
-        """The view of this rank's inbox where ``peer``'s next message (shaped as ``like``) lands;
-        valid after :meth:`finish`."""
-        off = self._take(self._received, peer, like)
-        return self._view(self.bufs.local, self._inbox(self.rank, peer, off), like)
+    def recv_result(self, peer: int, shape, dtype) -> torch.Tensor:
+        """The view of this rank's inbox where ``peer``'s next message lands; valid after
+        :meth:`finish`."""
+        off = self._take(self._received, peer, shape, dtype)
+        return self._view(self.bufs.local, self._inbox(self.rank, peer, off), shape, dtype)
 
     def finish(self) -> None:
         """Barrier B (copy stream): every rank's pushes have landed; the compute stream waits."""
