@@ -88,7 +88,9 @@ def _job_attention(D, group, rank, P, job, outdir):
 
 def _job_shared(D, group, rank, P, job, outdir):
     """The head-parallel algorithm through the shared transport, heads in job['chunks'] chunks,
-    twice per config (the second pass reuses the buffers the first one grew)."""
+    twice per config (the second pass reuses the buffers the first one grew); then once more in a
+    new process group of the same name whose ranks are the old ones shifted by one (the old group's
+    buffers must not be reused)."""
     os.environ["DASH_FA3_CP_TRANSPORT"] = "shared"
     os.environ["DASH_FA3_CP_CHUNKS"] = str(job["chunks"])
     n = LENGTHS[P][0]
@@ -98,6 +100,20 @@ def _job_shared(D, group, rank, P, job, outdir):
                 res = _attention_run(D, group, job["seed"] + rep, n, cfg, layout, algorithm=None)
                 if rank == 0:
                     torch.save(res, os.path.join(outdir, f"{name}-{layout}-{rep}.pt"))
+    import datetime
+
+    import torch.distributed as dist
+
+    name = dist.group.WORLD.group_name
+    dist.destroy_process_group()
+    rank = (rank + 1) % P   # the same processes, other ranks: stale mappings would reach the wrong peers
+    dist.init_process_group("gloo", init_method=f"file://{job['store2']}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=job["timeout_s"]))
+    assert dist.group.WORLD.group_name == name
+    cfg_name = next(iter(HEADS_CONFIGS))
+    res = _attention_run(D, dist.group.WORLD, job["seed"] + 2, n, HEADS_CONFIGS[cfg_name], "contiguous", algorithm=None)
+    if rank == 0:
+        torch.save(res, os.path.join(outdir, "again.pt"))
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("dash_fa3-cp-")] if os.path.isdir("/dev/shm") else []
     return {"leftovers": leftovers}
 
@@ -412,7 +428,8 @@ def test_heads_shared_transport_bitwise_one_process(tmp_path, P, chunks):
     from the plan; on CPU the buffers are shared-memory files): the same bits as one process, also
     on a second call through the same buffers; the buffer files do not outlive their mapping."""
     seed = int.from_bytes(os.urandom(4), "little")
-    results, _ = launch(P, {"kind": "shared", "seed": seed, "chunks": chunks, "timeout_s": 120}, tmp_path)
+    results, _ = launch(P, {"kind": "shared", "seed": seed, "chunks": chunks, "timeout_s": 120,
+                            "store2": str(tmp_path / "store2")}, tmp_path)
     n = LENGTHS[P][0]
     for name, cfg in HEADS_CONFIGS.items():
         for rep in range(2):
@@ -423,6 +440,10 @@ def test_heads_shared_transport_bitwise_one_process(tmp_path, P, chunks):
                     assert torch.equal(a, b), (f"{name} {layout} call {rep}: {what} through the shared transport "
                                                f"(P={P}, {chunks} chunks) differs from one process in "
                                                f"{(a != b).sum().item()} elements (seed {seed})")
+    name = next(iter(HEADS_CONFIGS))
+    for what, a, b in zip(("out", "dq", "dk", "dv"), torch.load(tmp_path / "again.pt"),
+                          one_process_heads(seed + 2, n, HEADS_CONFIGS[name])):
+        assert torch.equal(a, b), f"{name} in a new group of the same name: {what} differs (seed {seed})"
     assert all(not r["leftovers"] for r in results.values()), results
 
 

@@ -78,6 +78,7 @@ class _CudaBuffers:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         from torch.distributed import _symmetric_memory as symm_mem
 
+        self.group = group
         try:
             symm_mem.enable_symm_mem_for_group(group.group_name)
             self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
@@ -162,6 +163,10 @@ def buffers(group, device, nbytes: int):
     every rank asks for the same size at the same call, so all ranks take the same branch."""
     key = (group.group_name, str(device))
     have = _buffers.get(key)
+    if have is not None and have.group is not group:
+        # a new group under an old one's name (the old one destroyed): its peers are others
+        del _buffers[key]
+        have = None
     if have is not None and have.nbytes >= nbytes:
         return have
     if have is not None:
