@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export CUDA_HOME ?= /usr/local/cuda
 
-.PHONY: install dev test test-cpu ptxas gpu-check bench clean
+.PHONY: install dev test test-cpu ptxas gpu-check cp-check bench clean
 
 install:  ## build and install (DASH_FA3_VARIANTS narrows the variants)
 	$(PYTHON) -m pip install --no-build-isolation -v -e ".[test]"
@@ -18,6 +18,9 @@ ptxas:  ## per-kernel registers / spills / shared memory for the selected varian
 
 gpu-check:  ## on the Hopper machine: build (or use a carried build), GPU tests, main job; logs in $$OUT
 	bash tools/gpu_check.sh
+
+cp-check:  ## on a machine of 2+ GPUs: distributed GPU tests and bench_distributed (CP_NPROC, CP_BENCH_ARGS); logs in $$OUT
+	bash tools/cp_gpu_check.sh
 
 bench:  ## the main job
 	$(PYTHON) -m dash_fa3.bench
