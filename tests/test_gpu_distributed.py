@@ -1,4 +1,4 @@
-"""dash_fa3.distributed on CUDA with NCCL: two spawned ranks, one GPU each (this file is also the worker).
+"""dash_fa3.distributed on CUDA with NCCL: spawned ranks, one GPU each (this file is also the worker).
 
 * the forward (both modes) is bitwise the single-GPU kernel's output on the whole sequence;
 * non-deterministic gradients (the run plan, and the head-parallel algorithm) agree with the fp32
@@ -6,7 +6,9 @@
 * deterministic gradients (head-parallel) are bitwise those of flash_attn_func(deterministic=True)
   on one GPU (its default schedule; the cases include shift orders, whose dQ add order depends on a
   head's index), through NCCL and through the shared (copy-engine) transport with two chunks;
-* algorithm="folds" is refused on CUDA before running anything.
+* algorithm="folds" is refused on CUDA before running anything;
+* with 3, 4 or 8 GPUs (as many as the machine has), the deterministic output and gradients are
+  bitwise one GPU's through both transports (issue 21), so the same for every P.
 """
 
 import json
@@ -33,11 +35,20 @@ CASES = {
     "causal_gqa_fp16_h64_b2": (True, 2, 8, 2, 64, "fp16", 4096, "contiguous"),
     "full_gqa_bf16_h128": (False, 1, 4, 2, 128, "bf16", 8192, "zigzag"),
 }
+# Issue 21: more ranks (as many GPUs as the machine has, of 3, 4, 8), GQA whose 8 KV heads cover
+# 8 ranks, a length every one of those P splits (a multiple of 2 * 24 * 128); deterministic only,
+# through both transports.
+MANY = (3, 4, 8)
+MANY_CASES = {
+    "causal_gqa_bf16_h128_contig": (True, 1, 16, 8, 128, "bf16", 12288, "contiguous"),
+    "causal_gqa_bf16_h128_zigzag": (True, 1, 16, 8, 128, "bf16", 12288, "zigzag"),
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (deterministic, algorithm, (DASH_FA3_CP_TRANSPORT, DASH_FA3_CP_CHUNKS)) per run, named by RUNS below;
 # the last moves the head-parallel algorithm's data on copy engines, heads in two chunks.
 RUN_ARGS = ((False, None, ("p2p", "1")), (True, None, ("p2p", "1")), (False, "heads", ("p2p", "1")),
             (True, None, ("shared", "2")))
+MANY_RUN_ARGS = ((True, None, ("p2p", "1")), (True, None, ("shared", "2")))
 
 
 def make_inputs(seed, case):
@@ -48,7 +59,8 @@ def make_inputs(seed, case):
 
 
 def _worker(argv):
-    rank, store, outdir, seed = int(argv[0]), argv[1], argv[2], int(argv[3])
+    rank, store, outdir, seed, world = int(argv[0]), argv[1], argv[2], int(argv[3]), int(argv[4])
+    cases, run_args = (CASES, RUN_ARGS) if world == P else (MANY_CASES, MANY_RUN_ARGS)
     sys.path.insert(0, ROOT)
     for var, val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -60,15 +72,15 @@ def _worker(argv):
     from dash_fa3 import distributed as D
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=P,
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
     result = {}
-    for name, case in CASES.items():
+    for name, case in cases.items():
         causal, layout = case[0], case[7]
         q, k, v, dout = (t.cuda() for t in make_inputs(seed, case))
         full = []
-        for det, algorithm, transport in RUN_ARGS:
+        for det, algorithm, transport in run_args:
             ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
             os.environ["DASH_FA3_CP_TRANSPORT"], os.environ["DASH_FA3_CP_CHUNKS"] = transport
             out = D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=det,
@@ -77,6 +89,8 @@ def _worker(argv):
             full.append([D.unshard(x, group, layout=layout).cpu() for x in (out.detach(), ql.grad, kl.grad, vl.grad)])
         if rank == 0:
             torch.save(full, os.path.join(outdir, f"{name}.pt"))
+        if world != P:
+            continue
         try:
             D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=True,
                                     algorithm="folds")
@@ -89,27 +103,27 @@ def _worker(argv):
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    if torch.cuda.device_count() < P:
-        pytest.skip(f"needs {P} GPUs, found {torch.cuda.device_count()}")
+def _launch(world, cases, out):
+    """Run this file as ``world`` NCCL ranks on ``cases``; returns the seed (fails, never hangs)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     from attn_utils import require_built
     from dash_fa3 import variants
-    for case in CASES.values():
+    for case in cases.values():
         v = variants.Variant(case[4], case[5], "causal" if case[0] else "full")
         require_built(v, "fwd")
         require_built(v, "bwd")
     seed = int.from_bytes(os.urandom(4), "little")
-    out = tmp_path_factory.mktemp("gpu_dist")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, HERE, str(r), str(out / "store"), str(out), str(seed)], env=env,
-                              stdout=open(out / f"rank{r}.log", "w"), stderr=subprocess.STDOUT) for r in range(P)]
+    procs = [subprocess.Popen([sys.executable, HERE, str(r), str(out / "store"), str(out), str(seed), str(world)],
+                              env=env, stdout=open(out / f"rank{r}.log", "w"), stderr=subprocess.STDOUT)
+             for r in range(world)]
     deadline = time.monotonic() + 600
     try:
         codes = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
         if any(codes):
-            # the rank that raised first has the cause; the other is usually aborted by the watchdog
-            logs = [(out / f"rank{r}.log").read_text() for r in range(P)]
+            # the rank that raised first has the cause; the others are usually aborted by the watchdog
+            logs = [(out / f"rank{r}.log").read_text() for r in range(world)]
             causes = ["\n".join(ln for ln in log.splitlines() if "Error" in ln or "error" in ln)[-2000:] for log in logs]
             pytest.fail(f"exit codes {codes}; error lines per rank:\n" + "\n---\n".join(causes) +
                         "\nlast lines of rank 0:\n" + logs[0][-1500:])
@@ -117,7 +131,19 @@ def runs(tmp_path_factory):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return seed, out
+    return seed
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_dist")
+    return _launch(P, CASES, out), out
+
+
+@pytest.fixture(scope="module", params=MANY)
+def runs_many(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"gpu_dist_P{request.param}")
+    return request.param, _launch(request.param, MANY_CASES, out), out
 
 
 RUNS = ("runs", "heads det", "heads nd", "heads det shared")
@@ -175,6 +201,25 @@ def test_deterministic_gradients_are_bitwise_one_gpus(runs, name):
             b = b.cpu()
             assert torch.equal(a, b), (f"{name}: {RUNS[which]} {what} differs from one GPU in "
                                        f"{(a != b).sum().item()} elements (seed {seed})")
+
+
+@pytest.mark.parametrize("name", list(MANY_CASES))
+def test_more_ranks_are_bitwise_one_gpu(runs_many, name):
+    """Issue 21: at P = 3, 4, 8 the deterministic output and gradients, through either transport,
+    are bitwise one GPU's (and so the same for every P)."""
+    import dash_fa3
+
+    world, seed, out = runs_many
+    case = MANY_CASES[name]
+    q, k, v, dout = (t.cuda().requires_grad_() for t in make_inputs(seed, case))
+    o = dash_fa3.flash_attn_func(q, k, v, causal=case[0], deterministic=True)
+    o = o[0] if isinstance(o, tuple) else o
+    single = [o.detach(), *torch.autograd.grad(o, (q, k, v), dout.detach())]
+    for (_, _, transport), got in zip(MANY_RUN_ARGS, torch.load(out / f"{name}.pt")):
+        for what, a, b in zip(("out", "dq", "dk", "dv"), got, single):
+            b = b.cpu()
+            assert torch.equal(a, b), (f"{name}, P={world}, {transport[0]} x{transport[1]}: {what} differs from one "
+                                       f"GPU in {(a != b).sum().item()} elements (seed {seed})")
 
 
 def test_folds_are_refused_on_cuda(runs):
