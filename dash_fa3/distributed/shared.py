@@ -87,13 +87,16 @@ class _CudaBuffers:
             raise RuntimeError(f"{ENV}=shared needs every rank of the group on one host with peer access "
                                f"between its GPUs (PyTorch symmetric memory): {e}") from e
         self.nbytes = nbytes
+        self._remote: dict[int, torch.Tensor] = {}
         self.copy_stream = torch.cuda.Stream(device)
         # A peer that never arrives makes the barrier kernel trap after the group's timeout (the
         # process then fails with a CUDA error) instead of spinning forever.
         self.timeout_ms = int(runtime.group_timeout(group).total_seconds() * 1000)
 
     def remote(self, rank: int) -> torch.Tensor:
-        return self.handle.get_buffer(rank, (self.nbytes,), torch.uint8)
+        if rank not in self._remote:
+            self._remote[rank] = self.handle.get_buffer(rank, (self.nbytes,), torch.uint8)
+        return self._remote[rank]
 
     def barrier(self, what: str) -> None:
         """On the current stream: returns at once; later work on the stream waits for every rank."""
