@@ -1,9 +1,9 @@
 """Transfers of the head-parallel algorithm through buffers that every rank of the group maps
 (``DASH_FA3_CP_TRANSPORT=shared``; the default, ``p2p``, is ``batch_isend_irecv``).
 
-Why: through NCCL a transfer is a kernel, and while a persistent attention kernel holds every SM
-that kernel cannot start, so cutting a rank's heads into chunks did not overlap transfers with
-compute (two H200s, 2026-11-24: one, two and four chunks took the same time). A copy between two
+Why: cutting a rank's heads into chunks did not overlap NCCL's transfers with compute (two H200s,
+2026-11-24: 61.0, 64.5 and 61.0 ms with one, two and four chunks). Our reading, not profiled: through
+NCCL a transfer is a kernel, which cannot start while a persistent attention kernel holds every SM. A copy between two
 GPUs' mapped buffers (``cudaMemcpyAsync`` over NVLink, which ``Tensor.copy_`` issues for contiguous
 tensors of one dtype) runs on a copy engine and needs no SM. With it, chunk c+1's inputs arrive and
 chunk c-1's results leave while chunk c computes. On CUDA the buffers are PyTorch's symmetric memory
