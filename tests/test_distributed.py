@@ -422,6 +422,23 @@ def test_heads_bitwise_one_process_for_every_number_of_ranks(attention_runs, nam
                                        f"process in {(a != b).sum().item()} elements (seed {seed})")
 
 
+def test_transport_and_chunk_settings_are_checked(monkeypatch):
+    from dash_fa3.distributed import heads, shared
+
+    monkeypatch.delenv("DASH_FA3_CP_TRANSPORT", raising=False)
+    monkeypatch.delenv("DASH_FA3_CP_CHUNKS", raising=False)
+    assert shared.transport() == "p2p" and heads.default_chunks() == heads.CHUNKS
+    monkeypatch.setenv("DASH_FA3_CP_TRANSPORT", "nccl")
+    with pytest.raises(ValueError, match="DASH_FA3_CP_TRANSPORT='nccl': choose from p2p, shared"):
+        shared.transport()
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("DASH_FA3_CP_CHUNKS", bad)
+        with pytest.raises(ValueError, match="a positive integer"):
+            heads.default_chunks()
+    monkeypatch.setenv("DASH_FA3_CP_CHUNKS", "3")
+    assert heads.default_chunks() == 3
+
+
 @pytest.mark.parametrize("P,chunks", [(2, 2), (3, 2)])
 def test_heads_shared_transport_bitwise_one_process(tmp_path, P, chunks):
     """DASH_FA3_CP_TRANSPORT=shared (outboxes pulled, inboxes pushed, offsets derived on both sides

@@ -190,7 +190,7 @@ def _run(p, rank, group, inputs, compute, outputs, what):
     """The chunk pipeline of one pass. ``inputs``: [(local tensor, seq dim, head dim, per query
     head)]; ``compute(chunk, *gathered)`` -> results; ``outputs``: [(local result tensor, seq dim, head
     dim, per query head)] filled in place."""
-    if p.num_ranks > 1 and shared.transport() == "shared":
+    if shared.transport() == "shared" and p.num_ranks > 1:   # the name is checked at every P
         return _run_shared(p, rank, group, inputs, compute, outputs, what)
 
     def post_inputs(c):
