@@ -39,11 +39,13 @@ call's time is the maximum over ranks (all_reduce MAX). After one untimed check 
 a round's figure is the median of its calls, the reported figure the median over rounds.
 
 Reported per configuration: ms, efficiency T1 / (P * T_P) against ours T1 in the same mode (nd for
-torch CP) and against SDPA cuDNN T1, ours / torch CP time ratios, and beside ours det rows the schedule
-model's prediction (dash_fa3.schedule.distributed.simulate, default cost parameters), labelled as the
-model. Then the GPU bar per configuration (issue 16 at P = 2, issue 21 at P = 4 and 8). An implementation that raises NotImplementedError is
-"not available" (with the message), one that runs out of memory "OOM"; neither stops the run. A hang
-inside a collective (one rank failing while the others wait in NCCL) ends at --timeout-s.
+torch CP) and against SDPA cuDNN T1, ours / torch CP time ratios, and beside ours rows the model's
+prediction (det: dash_fa3.schedule.cp_heads.simulate at the row's chunk count; nd:
+dash_fa3.schedule.cp_runs.simulate; kernel rates scaled to the measured ours T1), labelled as the model.
+Then the GPU bar per configuration (issue 16 at P = 2, issue 21 at P = 4 and 8). An implementation that
+raises NotImplementedError is "not available" (with the message), one that runs out of memory "OOM";
+neither stops the run. A hang inside a collective (one rank failing while the others wait in NCCL)
+ends at --timeout-s.
 
 NVLink multicast stays off (set below, before torch.distributed starts): on the shared GPU hosts a
 program that uses it can take the host's GPUs out of service for a day or more (device docs, KINDS.md).
@@ -89,7 +91,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # The GPU bars: efficiency by total tokens (issue 16, P = 2; issue 21, P = 4 and 8 from 256k tokens);
 # ours / torch CP cuDNN time by mode; model within 0.05
 EFF_TARGET = {65536: 0.90, 131072: 0.95}
-EFF_TARGET_MANY = (262144, 0.90)   # (from tokens, target) at P = 4 and 8
+EFF_TARGET_MANY = (262144, 0.90)   # (from tokens, target) at P in EFF_TARGET_MANY_P
+EFF_TARGET_MANY_P = (4, 8)
 PEER_RATIO_LIMIT = {"nd": 1.00, "det": 1.05}
 MODEL_TOLERANCE = 0.05
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -444,7 +447,7 @@ def eff_target(P: int, tokens: int) -> float | None:
     """The efficiency the issues ask for at P ranks and this many tokens (None: none asked)."""
     if P == 2:
         return EFF_TARGET.get(tokens)
-    if P in (4, 8) and tokens >= EFF_TARGET_MANY[0]:
+    if P in EFF_TARGET_MANY_P and tokens >= EFF_TARGET_MANY[0]:
         return EFF_TARGET_MANY[1]
     return None
 
@@ -587,7 +590,7 @@ def bar_lines(records: list[dict], gpu: bool = True, P: int = 2) -> list[str]:
     if P == 2:
         targets = ", ".join(f"{v:.2f} at {size_label(k)}" for k, v in EFF_TARGET.items())
     else:
-        targets = (f"{EFF_TARGET_MANY[1]:.2f} from {size_label(EFF_TARGET_MANY[0])}" if P in (4, 8) else
+        targets = (f"{EFF_TARGET_MANY[1]:.2f} from {size_label(EFF_TARGET_MANY[0])}" if P in EFF_TARGET_MANY_P else
                    f"none at P = {P}")
     lines += [f"eff target {targets} tokens (— elsewhere); ours ≤ {PEER_RATIO_LIMIT['nd']:.2f}x (nd) / "
               f"{PEER_RATIO_LIMIT['det']:.2f}x (det) the fastest torch CP cuDNN; model within {MODEL_TOLERANCE:.2f} "

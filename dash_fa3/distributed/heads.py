@@ -192,9 +192,10 @@ def _run(p, rank, group, inputs, compute, outputs, what):
     dim, per query head)] filled in place."""
     if shared.transport() == "shared" and p.num_ranks > 1:   # the name is checked at every P
         return _run_shared(p, rank, group, inputs, compute, outputs, what)
+    device = inputs[0][0].device
 
     def post_inputs(c):
-        ex = _Exchange(group, rank, f"{what} inputs, chunk {c}", inputs[0][0].device)
+        ex = _Exchange(group, rank, f"{what} inputs, chunk {c}", device)
         views = [_gather(x, s, hd, p, rank, _heads_fn(p, c, pq), ex) for x, s, hd, pq in inputs]
         return ex.post(), views
 
@@ -206,7 +207,7 @@ def _run(p, rank, group, inputs, compute, outputs, what):
         ex_in, views = pending[c]
         ex_in.wait()
         ys = compute(c, *views)
-        ex_out = _Exchange(group, rank, f"{what} results, chunk {c}", inputs[0][0].device)
+        ex_out = _Exchange(group, rank, f"{what} results, chunk {c}", device)
         landing = []
         for y, (out, s, hd, pq) in zip(ys, outputs):
             landing += _scatter(y, s, hd, p, rank, _heads_fn(p, c, pq), out, ex_out)
@@ -261,6 +262,7 @@ def _run_shared(p, rank, group, inputs, compute, outputs, what):
         ys = compute(c, *views[c])
         for y, (out, s, hd, pq) in zip(ys, outputs):
             landing += _scatter(y, s, hd, p, rank, _heads_fn(p, c, pq), out, side_out)
+        ps.push()
     ps.finish()
     for dst, src in landing:
         dst.copy_(src)

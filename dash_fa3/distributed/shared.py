@@ -185,7 +185,8 @@ def buffers(group, device, nbytes: int):
 
 class Pass:
     """One pass's input exchange (``send_input`` / ``recv_input``, then :meth:`publish` and
-    :meth:`pull`) and result exchange (``send_result`` / ``recv_result``, then :meth:`finish`)."""
+    :meth:`pull`) and result exchange (``send_result`` / ``recv_result``, :meth:`push` per chunk,
+    then :meth:`finish`)."""
 
     def __init__(self, group, rank: int, num_ranks: int, slot: int, device, what: str):
         self.rank, self.P, self.slot, self.what = rank, num_ranks, slot, what
@@ -193,7 +194,8 @@ class Pass:
         # running offsets within a slot, per peer: what this rank packed for it, pulls from it,
         # pushed to it, and receives from it
         self._packed, self._pulled, self._pushed, self._received = ([0] * num_ranks for _ in range(4))
-        self._pending: list[tuple[int, int, torch.Tensor]] = []
+        self._pending: list[tuple[int, int, torch.Tensor]] = []   # pulls not yet handed out
+        self._outgoing: list[tuple[int, int, torch.Tensor]] = []  # pushes not yet issued
         self._keep: list[torch.Tensor] = []
 
     def _take(self, offsets: list[int], peer: int, shape, dtype) -> int:
@@ -255,14 +257,20 @@ class Pass:
     # ---- results: pushed here, placed by the peer
 
     def send_result(self, peer: int, y: torch.Tensor) -> None:
-        """Push ``y`` into ``peer``'s inbox slot for this rank: a contiguous copy on the compute
-        stream, then the transfer on the copy stream once the compute stream has made it."""
+        """Make ``y`` contiguous (compute stream) and register its transfer into ``peer``'s inbox
+        slot for this rank; :meth:`push` issues it."""
         y = y.contiguous()
         self._keep.append(y)   # read by the copy stream; freed after finish() orders that read
-        off = self._take(self._pushed, peer, y.shape, y.dtype)
+        self._outgoing.append((peer, self._take(self._pushed, peer, y.shape, y.dtype), y))
+
+    def push(self) -> None:
+        """Issue the registered pushes (one chunk's) on the copy stream, once the compute stream has
+        made them."""
         self.bufs.copy_after_compute()
         with self.bufs.copy_context():
-            self._view(self.bufs.remote(peer), self._inbox(peer, self.rank, off), y.shape, y.dtype).copy_(y)
+            for peer, off, y in self._outgoing:
+                self._view(self.bufs.remote(peer), self._inbox(peer, self.rank, off), y.shape, y.dtype).copy_(y)
+        self._outgoing = []
 
     def recv_result(self, peer: int, shape, dtype) -> torch.Tensor:
         """The view of this rank's inbox where ``peer``'s next message lands; valid after
