@@ -8,7 +8,10 @@
   head's index), through NCCL and through the shared (copy-engine) transport with two chunks;
 * algorithm="folds" is refused on CUDA before running anything;
 * with 3, 4 or 8 GPUs (as many as the machine has), the deterministic output and gradients are
-  bitwise one GPU's through both transports (issue 21), so the same for every P.
+  bitwise one GPU's through both transports (issue 21), so the same for every P;
+* on any machine with a GPU: 2 and 3 ranks sharing that GPU (gloo for the group's collectives,
+  symmetric memory between the processes) run the shared transport's CUDA path, its copies,
+  barriers and slot offsets as on several GPUs, and give one GPU's bits.
 """
 
 import json
@@ -49,6 +52,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RUN_ARGS = ((False, None, ("p2p", "1")), (True, None, ("p2p", "1")), (False, "heads", ("p2p", "1")),
             (True, None, ("shared", "2")))
 MANY_RUN_ARGS = ((True, None, ("p2p", "1")), (True, None, ("shared", "2")))
+# Ranks sharing one GPU: only the shared transport (NCCL refuses two ranks on one device).
+ONE_GPU = (2, 3)
+ONE_GPU_RUN_ARGS = ((True, None, ("shared", "2")), (True, None, ("shared", "1")))
 
 
 def make_inputs(seed, case):
@@ -60,7 +66,9 @@ def make_inputs(seed, case):
 
 def _worker(argv):
     rank, store, outdir, seed, world = int(argv[0]), argv[1], argv[2], int(argv[3]), int(argv[4])
-    cases, run_args = (CASES, RUN_ARGS) if world == P else (MANY_CASES, MANY_RUN_ARGS)
+    one_gpu = argv[5] == "one-gpu"
+    cases, run_args = ((MANY_CASES, ONE_GPU_RUN_ARGS) if one_gpu else (CASES, RUN_ARGS) if world == P
+                       else (MANY_CASES, MANY_RUN_ARGS))
     sys.path.insert(0, ROOT)
     for var, val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -71,9 +79,16 @@ def _worker(argv):
 
     from dash_fa3 import distributed as D
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    timeout = datetime.timedelta(seconds=120)
+    if one_gpu:
+        # symmetric memory maps the other processes' buffers on the same device only if told to
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout,
+                                device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
     result = {}
     for name, case in cases.items():
@@ -86,10 +101,12 @@ def _worker(argv):
             out = D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=det,
                                           algorithm=algorithm)
             out.backward(D.shard(dout, group, layout=layout))
-            full.append([D.unshard(x, group, layout=layout).cpu() for x in (out.detach(), ql.grad, kl.grad, vl.grad)])
+            # (gloo gathers host tensors)
+            full.append([D.unshard(x.cpu() if one_gpu else x, group, layout=layout).cpu()
+                         for x in (out.detach(), ql.grad, kl.grad, vl.grad)])
         if rank == 0:
             torch.save(full, os.path.join(outdir, f"{name}.pt"))
-        if world != P:
+        if world != P or one_gpu:
             continue
         try:
             D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=True,
@@ -103,10 +120,11 @@ def _worker(argv):
     dist.destroy_process_group()
 
 
-def _launch(world, cases, out):
-    """Run this file as ``world`` NCCL ranks on ``cases``; returns the seed (fails, never hangs)."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+def _launch(world, cases, out, one_gpu=False):
+    """Run this file as ``world`` NCCL ranks on ``cases`` (``one_gpu``: gloo ranks sharing GPU 0);
+    returns the seed (fails, never hangs)."""
+    if torch.cuda.device_count() < (1 if one_gpu else world):
+        pytest.skip(f"needs {1 if one_gpu else world} GPUs, found {torch.cuda.device_count()}")
     from attn_utils import require_built
     from dash_fa3 import variants
     for case in cases.values():
@@ -115,7 +133,8 @@ def _launch(world, cases, out):
         require_built(v, "bwd")
     seed = int.from_bytes(os.urandom(4), "little")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, HERE, str(r), str(out / "store"), str(out), str(seed), str(world)],
+    procs = [subprocess.Popen([sys.executable, HERE, str(r), str(out / "store"), str(out), str(seed), str(world),
+                               "one-gpu" if one_gpu else "gpus"],
                               env=env, stdout=open(out / f"rank{r}.log", "w"), stderr=subprocess.STDOUT)
              for r in range(world)]
     deadline = time.monotonic() + 600
@@ -144,6 +163,12 @@ def runs(tmp_path_factory):
 def runs_many(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"gpu_dist_P{request.param}")
     return request.param, _launch(request.param, MANY_CASES, out), out
+
+
+@pytest.fixture(scope="module", params=ONE_GPU)
+def runs_one_gpu(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"gpu_dist_one_gpu_P{request.param}")
+    return request.param, _launch(request.param, MANY_CASES, out, one_gpu=True), out
 
 
 RUNS = ("runs", "heads det", "heads nd", "heads det shared")
@@ -207,15 +232,23 @@ def test_deterministic_gradients_are_bitwise_one_gpus(runs, name):
 def test_more_ranks_are_bitwise_one_gpu(runs_many, name):
     """Issue 21: at P = 3, 4, 8 the deterministic output and gradients, through either transport,
     are bitwise one GPU's (and so the same for every P)."""
+    _check_bitwise(*runs_many, name, MANY_RUN_ARGS)
+
+
+@pytest.mark.parametrize("name", list(MANY_CASES))
+def test_shared_transport_ranks_on_one_gpu_are_bitwise_one_gpu(runs_one_gpu, name):
+    _check_bitwise(*runs_one_gpu, name, ONE_GPU_RUN_ARGS)
+
+
+def _check_bitwise(world, seed, out, name, run_args):
     import dash_fa3
 
-    world, seed, out = runs_many
     case = MANY_CASES[name]
     q, k, v, dout = (t.cuda().requires_grad_() for t in make_inputs(seed, case))
     o = dash_fa3.flash_attn_func(q, k, v, causal=case[0], deterministic=True)
     o = o[0] if isinstance(o, tuple) else o
     single = [o.detach(), *torch.autograd.grad(o, (q, k, v), dout.detach())]
-    for (_, _, transport), got in zip(MANY_RUN_ARGS, torch.load(out / f"{name}.pt")):
+    for (_, _, transport), got in zip(run_args, torch.load(out / f"{name}.pt")):
         for what, a, b in zip(("out", "dq", "dk", "dv"), got, single):
             b = b.cpu()
             assert torch.equal(a, b), (f"{name}, P={world}, {transport[0]} x{transport[1]}: {what} differs from one "

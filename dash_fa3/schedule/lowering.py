@@ -22,8 +22,9 @@ import numpy as np
 
 from . import metadata as M
 from .geometry import Geometry
-from .schedules import (Schedule, _check_num_sms, _i32, get_schedule, greedy_assignment, resolve_schedule_name,
-                        task_claim_cost)
+from .schedules import (DYNAMIC_SCHEDULES, Schedule, _check_num_sms, _i32, build_metadata, get_schedule,
+                        greedy_assignment, resolve_schedule_name, task_claim_cost)
+from .validate import check_metadata
 
 
 def lowering_order(s: Schedule, num_ctas: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -78,8 +79,14 @@ if KERNEL_DISPATCH not in KERNEL_DISPATCHES:
 
 @lru_cache(maxsize=1024)
 def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int, dispatch: str) -> M.ScheduleMeta:
-    s = get_schedule(name, geometry, num_sms)
-    return s.meta if dispatch == "dynamic" else lower_to_static(s).meta
+    if dispatch == "static" and name in DYNAMIC_SCHEDULES:
+        return lower_to_static(get_schedule(name, geometry, num_sms)).meta
+    # From the rows alone, checked on what the kernel decodes: time and memory grow with the steps
+    # of one head, not of the whole call (build_schedule's full check held 12 GB and took a minute
+    # at 128k tokens and 32 heads).
+    meta = build_metadata(name, geometry, num_sms)
+    check_metadata(meta, geometry, num_sms)
+    return meta
 
 
 def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int, dispatch: str | None = None) -> M.ScheduleMeta:
@@ -89,5 +96,6 @@ def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int, dispatch: s
     dispatch = dispatch or KERNEL_DISPATCH
     if dispatch not in KERNEL_DISPATCHES:
         raise ValueError(f"dispatch must be one of {KERNEL_DISPATCHES}, got {dispatch!r}")
-    return _kernel_metadata_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms,
-                                   dispatch)
+    name = resolve_schedule_name(name, geometry, num_sms=num_sms)
+    # a static schedule runs its own CTA lists whatever the dispatch: one cache entry
+    return _kernel_metadata_cached(name, geometry, num_sms, dispatch if name in DYNAMIC_SCHEDULES else "static")

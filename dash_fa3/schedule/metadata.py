@@ -51,19 +51,20 @@ def tile_geometry_of(header) -> TileGeometry:
                         int(header[H_BLOCK_N]), int(header[H_WINDOW_LEFT]), int(header[H_WINDOW_RIGHT]))
 
 
-def _decode(header, T: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(q, rank) of step ``step[i]`` of task row ``T[i]`` (int64 arrays).
+def _decode(header, col, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, rank) of each step ``step[i]``; ``col(c)`` gives column c of each step's task row (int64
+    arrays; a function, so that only the columns a rank rule reads are gathered per step).
 
     Every branch is evaluated for every element and the results selected, so
     the divisors of branches an element does not take are made safe first.
     """
     tiles = tile_geometry_of(header)
     # ---- which Q tile
-    cyc_len = T[:, C_CYC_LEN]
+    cyc_len = col(C_CYC_LEN)
     safe_len = np.where(cyc_len > 0, cyc_len, 1)
-    q = np.where(step < cyc_len, T[:, C_CYC_BASE] + (T[:, C_CYC_OFF] + step) % safe_len,
-                 T[:, C_LIN_BASE] + T[:, C_LIN_DIR] * (step - cyc_len))
-    kv = T[:, C_KV]
+    q = np.where(step < cyc_len, col(C_CYC_BASE) + (col(C_CYC_OFF) + step) % safe_len,
+                 col(C_LIN_BASE) + col(C_LIN_DIR) * (step - cyc_len))
+    kv = col(C_KV)
     # ---- dQ tile q receives contributions from KV tiles [kv_begin, kv_end)
     kv_begin, kv_end = (np.broadcast_to(x, q.shape) for x in tiles.kv_range(q))
     # ---- rank in the accumulation order of dQ tile q
@@ -75,8 +76,8 @@ def _decode(header, T: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.nda
     # RANK_SHIFT: units (KV tile p, optionally paired with hi tile n_kv-1-p) run in
     # waves; units [seg_begin, seg_end) of this head share this task's wave.
     n_kv = tiles.n_kv
-    pa = T[:, C_SEG_BEGIN]
-    pb = T[:, C_SEG_END]
+    pa = col(C_SEG_BEGIN)
+    pb = col(C_SEG_END)
     seg = pb - pa
     pairs_hi = int(header[H_PAIRS_HI])
     rect = int(header[H_RECT_BEGIN])
@@ -104,14 +105,14 @@ def _decode(header, T: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.nda
     lt = (np.maximum(0, np.minimum((qq >> sh) + 1, rem) - (np.maximum(qq - step + k, 0) >> sh))
           + np.maximum(0, rem - (((width + qq - step) >> sh) + 1)))
     local_cyc = step * reps + lt + np.maximum(slot, 0) // width
-    local = np.where(T[:, C_ROLE] == ROLE_HI, local_hi, np.where(q < rect, local_up, local_cyc))
+    local = np.where(col(C_ROLE) == ROLE_HI, local_hi, np.where(q < rect, local_up, local_cyc))
     return q, base + local
 
 
 def decode_step(header, row, step: int) -> tuple[int, int]:
     """(q_tile, rank) of step ``step`` of task ``row`` (Python ints)."""
     T = np.asarray(row, dtype=np.int64).reshape(1, NUM_COLS)
-    q, rank = _decode(header, T, np.array([step], dtype=np.int64))
+    q, rank = _decode(header, lambda c: T[:, c], np.array([step], dtype=np.int64))
     return int(q[0]), int(rank[0])
 
 
@@ -123,7 +124,7 @@ def decode_all(header: np.ndarray, tasks: np.ndarray):
     row = np.repeat(np.arange(t.shape[0], dtype=np.int64), n_steps)
     starts = np.cumsum(n_steps) - n_steps
     step = np.arange(total, dtype=np.int64) - starts[row]
-    q, rank = _decode(header, t[row], step)
+    q, rank = _decode(header, lambda c: t[:, c][row], step)
     return row, step, q, rank
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import os
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -445,6 +446,29 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
     Every KV tile has a task; a tile no query sees (windows) gets one
     without steps, which stores its dK = dV = 0.
     """
+    hidx, kv, meta = _dynamic_tasks(name, g, num_sms)
+    T = kv.size
+    batch, head = hidx // g.heads, hidx % g.heads
+    lens = g.task_len[kv]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    N = int(offsets[-1])
+    step_task = np.repeat(np.arange(T, dtype=np.int64), lens)
+    s = np.arange(N, dtype=np.int64) - offsets[step_task]
+    qb = g.q_begin[kv]
+    qe = g.q_end[kv]
+    q = qb[step_task] + s if name != "descending" else (qe[step_task] - 1) - s
+    gid = hidx[step_task] * g.n_q + q
+    skv = kv[step_task]
+    rank = _ranks_by_key(gid, skv if name != "spt" else -skv)
+    return Schedule(name=name, geometry=g, num_sms=num_sms, dispatch="dynamic", num_ctas=int(meta.header[M.H_NUM_CTAS]),
+                    task_batch=batch, task_head=head, task_kv=kv, task_cta=np.full(T, -1, np.int64),
+                    task_unit=kv.copy(), step_offsets=offsets, step_q=q,
+                    step_rank=rank, step_wave=None, step_time=None, meta=meta)
+
+
+def _dynamic_tasks(name: str, g: Geometry, num_sms: int) -> tuple[np.ndarray, np.ndarray, M.ScheduleMeta]:
+    """The queue of a dynamic schedule: (head index, KV tile) per task in queue order, and the
+    metadata the kernel decodes the orders from (O(tasks): no step is enumerated)."""
     tiles = np.arange(g.n_kv, dtype=np.int64)
     ascending_rank = name != "spt"
     kv_order = tiles if ascending_rank else tiles[::-1]
@@ -457,18 +481,9 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
         hidx, kv = hidx[order], kv[order]
     batch, head = hidx // g.heads, hidx % g.heads
     lens = g.task_len[kv]
-    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    N = int(offsets[-1])
-    step_task = np.repeat(np.arange(T, dtype=np.int64), lens)
-    s = np.arange(N, dtype=np.int64) - offsets[step_task]
+    ascending_q = name != "descending"
     qb = g.q_begin[kv]
     qe = g.q_end[kv]
-    ascending_q = name != "descending"
-    q = qb[step_task] + s if ascending_q else (qe[step_task] - 1) - s
-    gid = hidx[step_task] * g.n_q + q
-    skv = kv[step_task]
-    rank = _ranks_by_key(gid, skv if ascending_rank else -skv)
-
     rows = np.zeros((T, M.NUM_COLS), dtype=np.int64)
     rows[:, M.C_BATCH], rows[:, M.C_HEAD], rows[:, M.C_KV] = batch, head, kv
     rows[:, M.C_N_STEPS] = lens
@@ -480,12 +495,8 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
     num_ctas = min(num_sms, T)
     header = _header(name, g, num_ctas, T, M.DISPATCH_DYNAMIC,
                      M.RANK_ASC if ascending_rank else M.RANK_DESC,
-                     0, g.n_kv, 0, N, 0)
-    meta = M.ScheduleMeta(header, np.zeros(0, dtype=np.int32), _i32(rows))
-    return Schedule(name=name, geometry=g, num_sms=num_sms, dispatch="dynamic", num_ctas=num_ctas,
-                    task_batch=batch, task_head=head, task_kv=kv, task_cta=np.full(T, -1, np.int64),
-                    task_unit=kv.copy(), step_offsets=offsets, step_q=q,
-                    step_rank=rank, step_wave=None, step_time=None, meta=meta)
+                     0, g.n_kv, 0, int(lens.sum()), 0)
+    return hidx, kv, M.ScheduleMeta(header, np.zeros(0, dtype=np.int32), _i32(rows))
 
 
 # ---------------------------------------------------------------- static
@@ -561,6 +572,76 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     ranks run down the KV tiles of the segment (the decode's descending leg).
     A KV tile no query sees (windows) is a unit whose task has no steps.
     """
+    st = _static_tasks(name, g, num_sms)
+    g_rect, width, kv, p, role = st.rect, st.width, st.kv, st.p, st.role
+    T = kv.size
+    # (b) explicit visiting orders, built from their definition
+    step_q_parts = []
+    cache = {}
+    for r in range(T):
+        key = (int(role[r]), int(kv[r]), int(st.cyc_off[r]))
+        seq = cache.get(key)
+        if seq is None:
+            if role[r] == 0:
+                rect_part = np.roll(np.arange(g_rect, g.n_q, dtype=np.int64), -key[2])
+                rest = np.arange(g.q_begin[kv[r]], min(g_rect, int(g.q_end[kv[r]])), dtype=np.int64)
+                seq = np.concatenate([rect_part, rest])
+            else:
+                seq = np.arange(g.n_q - 1, g.q_begin[kv[r]] - 1, -1, dtype=np.int64)
+            cache[key] = seq
+        step_q_parts.append(seq)
+    step_q = np.concatenate(step_q_parts) if step_q_parts else np.zeros(0, np.int64)
+    lens = g.task_len[kv]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    N = int(offsets[-1])
+    step_task = np.repeat(np.arange(T, dtype=np.int64), lens)
+    s = np.arange(N, dtype=np.int64) - offsets[step_task]
+    # (c) ranks by planned time
+    t = st.t0[step_task] + s
+    wave = st.wave[step_task]
+    in_rect_leg = (role[step_task] == 0) & (s < width)
+    tie = np.where(in_rect_leg, st.slot[step_task], -p[step_task])
+    gid = st.hidx[step_task] * g.n_q + step_q
+    rank = _ranks_by_key(gid, wave, t, tie)
+    return Schedule(name=name, geometry=g, num_sms=num_sms, dispatch="static", num_ctas=st.num_ctas,
+                    task_batch=st.hidx // g.heads, task_head=st.hidx % g.heads, task_kv=kv, task_cta=st.cta,
+                    task_unit=p, step_offsets=offsets, step_q=step_q, step_rank=rank,
+                    step_wave=wave, step_time=t, meta=st.meta)
+
+
+class _StaticTasks(NamedTuple):
+    """A static schedule's rows (task-table order) and what its steps' planned times derive from."""
+    meta: M.ScheduleMeta
+    hidx: np.ndarray     # batch * heads + head
+    kv: np.ndarray
+    p: np.ndarray        # the unit's lo tile
+    role: np.ndarray     # 0: lo tile, 1: hi tile
+    slot: np.ndarray     # the unit's place in its segment
+    cyc_off: np.ndarray
+    cta: np.ndarray
+    wave: np.ndarray     # planned time of step s: (wave, t0 + s)
+    t0: np.ndarray
+    rect: int
+    width: int
+    num_ctas: int
+
+
+def planned_wave(hidx, p, units: int, num_sms: int):
+    """The wave of unit p of head index hidx: unit u = hidx * units + p runs on CTA u % S in wave
+    u // S. With the step's time within its unit (:func:`planned_t0` + step) it is the planned
+    time the static schedules rank dQ adds by; :func:`.validate.check_metadata` certifies
+    deadlock freedom with it."""
+    return (hidx * units + p) // num_sms
+
+
+def planned_t0(g: Geometry, role, p):
+    """Planned time of a row's first step within its unit: a hi tile runs after its lo tile p."""
+    return np.where(role == 1, g.task_len[p], 0)
+
+
+def _static_tasks(name: str, g: Geometry, num_sms: int) -> _StaticTasks:
+    """The rows of a static schedule and the metadata the kernel decodes (O(tasks): no step is
+    enumerated)."""
     units, pairs_hi, rect = shift_layout(g, name)
     width = g.n_q - rect
     wmod = max(width, 1)  # cyclic offsets; no cyclic leg when width == 0
@@ -571,7 +652,7 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     S = num_sms
     u = np.arange(U, dtype=np.int64)
     u_head, u_p = u // units, u % units
-    u_cta, u_wave = u % S, u // S
+    u_cta, u_wave = u % S, planned_wave(u // units, u % units, units, S)
     u_pa = np.maximum(0, u_wave * S - u_head * units)
     u_pb = np.minimum(units, (u_wave + 1) * S - u_head * units)
     u_rows = 1 + (u_p < pairs_hi)
@@ -589,36 +670,6 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     cyc_off = ((slot << k_log2) % wmod).astype(np.int64)  # where a lo tile's cyclic leg starts
     lens = g.task_len[kv]
     T = kv.size
-
-    # (b) explicit visiting orders, built from their definition
-    step_q_parts = []
-    cache = {}
-    for r in range(T):
-        key = (int(role[r]), int(kv[r]), int(cyc_off[r]))
-        seq = cache.get(key)
-        if seq is None:
-            if role[r] == 0:
-                rect_part = np.roll(np.arange(rect, g.n_q, dtype=np.int64), -key[2])
-                rest = np.arange(g.q_begin[kv[r]], min(rect, int(g.q_end[kv[r]])), dtype=np.int64)
-                seq = np.concatenate([rect_part, rest])
-            else:
-                seq = np.arange(g.n_q - 1, g.q_begin[kv[r]] - 1, -1, dtype=np.int64)
-            cache[key] = seq
-        step_q_parts.append(seq)
-    step_q = np.concatenate(step_q_parts) if step_q_parts else np.zeros(0, np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    N = int(offsets[-1])
-    step_task = np.repeat(np.arange(T, dtype=np.int64), lens)
-    s = np.arange(N, dtype=np.int64) - offsets[step_task]
-    # (c) ranks by planned time
-    lo_len = g.task_len[p]
-    t = np.where(role == 1, lo_len, 0)[step_task] + s
-    wave = u_wave[row_unit][step_task]
-    in_rect_leg = (role[step_task] == 0) & (s < width)
-    tie = np.where(in_rect_leg, slot[step_task], -p[step_task])
-    gid = hidx[step_task] * g.n_q + step_q
-    rank = _ranks_by_key(gid, wave, t, tie)
-
     num_ctas = min(S, U)
     cta = u_cta[row_unit]
     cta_offsets = np.concatenate([[0], np.cumsum(np.bincount(cta, minlength=num_ctas))])
@@ -636,12 +687,10 @@ def _build_static(name: str, g: Geometry, num_sms: int) -> Schedule:
     rows[:, M.C_CTA] = cta
     rows[:, M.C_UNIT] = p
     header = _header(name, g, num_ctas, T, M.DISPATCH_STATIC, M.RANK_SHIFT, rect, units, pairs_hi,
-                     N, num_ctas + 1, cyc_stride_log2=k_log2)
+                     int(lens.sum()), num_ctas + 1, cyc_stride_log2=k_log2)
     meta = M.ScheduleMeta(header, _i32(cta_offsets), _i32(rows))
-    return Schedule(name=name, geometry=g, num_sms=S, dispatch="static", num_ctas=num_ctas,
-                    task_batch=batch, task_head=head, task_kv=kv, task_cta=cta, task_unit=p,
-                    step_offsets=offsets, step_q=step_q, step_rank=rank,
-                    step_wave=wave, step_time=t, meta=meta)
+    return _StaticTasks(meta, hidx, kv, p, role, slot, cyc_off, cta, u_wave[row_unit], planned_t0(g, role, p),
+                        rect, width, num_ctas)
 
 
 # ---------------------------------------------------------------- entry points
@@ -660,6 +709,19 @@ def build_schedule(name: str, geometry: Geometry, num_sms: int, *, validate: boo
     if validate:
         sched.validate()
     return sched
+
+
+def build_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
+    """Only the kernel's input of schedule ``name``, from its rows alone (O(tasks) time and
+    memory: the same arrays as ``build_schedule(...).meta``, without enumerating a step).
+    Unvalidated: the kernel path checks it with :func:`.validate.check_metadata`."""
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
+    num_sms = _check_num_sms(num_sms)
+    name = resolve_schedule_name(name, geometry, num_sms=num_sms)
+    if name in DYNAMIC_SCHEDULES:
+        return _dynamic_tasks(name, geometry, num_sms)[2]
+    return _static_tasks(name, geometry, num_sms).meta
 
 
 @lru_cache(maxsize=32)

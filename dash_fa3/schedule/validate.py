@@ -38,6 +38,8 @@ kernel path never reads them).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -104,26 +106,79 @@ def _check_permutation(s, gid: np.ndarray, rank: np.ndarray, what: str):
                  f"of 0..{members.size - 1}")
 
 
+class _Named:
+    """What an error message names when there is no Schedule object (the kernel path)."""
+
+    def __init__(self, name: str, geometry, num_sms: int):
+        self.name, self.geometry, self.num_sms = name, geometry, num_sms
+
+
+def _check_rows(s, meta, g, num_sms: int) -> None:
+    """Header and task-table facts (O(tasks)): the header describes ``g``; one task per (batch,
+    q head, KV tile), with as many steps as the tile meets Q tiles; CTA counts and offsets."""
+    h, t = meta.header, meta.tasks.astype(np.int64)
+    T = t.shape[0]
+    if t.ndim != 2 or t.shape[1] != M.NUM_COLS or h.size != M.HEADER_LEN:
+        _fail(s, "metadata has the wrong shape")
+    dynamic = int(h[M.H_DISPATCH]) == M.DISPATCH_DYNAMIC
+    expect = {M.H_MAGIC: M.MAGIC, M.H_VERSION: M.METADATA_VERSION, M.H_NUM_TASKS: T, M.H_NUM_STEPS: g.num_steps,
+              M.H_N_Q: g.n_q, M.H_N_KV: g.n_kv, M.H_NUM_COLS: M.NUM_COLS,
+              M.H_BATCH: g.batch, M.H_HEADS: g.heads, M.H_HEADS_KV: g.heads_kv,
+              M.H_SEQLEN_Q: g.seqlen_q, M.H_SEQLEN_K: g.seqlen_k, M.H_BLOCK_M: g.block_m,
+              M.H_BLOCK_N: g.block_n, M.H_MASK: M.MASK_CODES[g.mask], M.H_WINDOW_LEFT: g.window_left,
+              M.H_WINDOW_RIGHT: g.window_right}
+    for idx, val in expect.items():
+        if int(h[idx]) != val:
+            _fail(s, f"metadata header field {M.HEADER_FIELDS[idx]} = {int(h[idx])}, expected {val}")
+    if not dynamic and int(h[M.H_DISPATCH]) != M.DISPATCH_STATIC:
+        _fail(s, f"metadata header field dispatch = {int(h[M.H_DISPATCH])} is neither dynamic nor static")
+    batch, head, kv = t[:, M.C_BATCH], t[:, M.C_HEAD], t[:, M.C_KV]
+    if np.any((batch < 0) | (batch >= g.batch) | (head < 0) | (head >= g.heads) | (kv < 0) | (kv >= g.n_kv)):
+        _fail(s, "task with batch/head/kv_tile out of range")
+    if not np.array_equal(t[:, M.C_HEAD_KV], head // g.group):
+        _fail(s, "metadata column head_kv disagrees with the task's q head")
+    tkey = (batch * g.heads + head) * g.n_kv + kv
+    got = np.sort(tkey)
+    if got.size != g.num_heads_total * g.n_kv or not np.array_equal(got, np.arange(got.size)):
+        dup = got[1:][got[1:] == got[:-1]]
+        _fail(s, f"tasks are not one per (batch, head, kv tile): {T} tasks, expected {g.num_heads_total * g.n_kv}"
+                 + (f"; duplicate task key {int(dup[0])}" if dup.size else ""))
+    bad = np.flatnonzero(t[:, M.C_N_STEPS] != g.task_len[kv])
+    if bad.size:
+        i = int(bad[0])
+        _fail(s, f"task {i} (kv {int(kv[i])}) has {int(t[i, M.C_N_STEPS])} steps, needs {int(g.task_len[kv[i]])}")
+    num_ctas = int(h[M.H_NUM_CTAS])
+    if num_ctas > num_sms or num_ctas < 1:
+        _fail(s, f"{num_ctas} CTAs for {num_sms} SMs: a persistent grid must fit on the device")
+    if dynamic:
+        if meta.offsets.size != 0 or int(h[M.H_OFFSETS_LEN]) != 0:
+            _fail(s, "dynamic schedule with CTA offsets")
+    else:
+        off = meta.offsets.astype(np.int64)
+        if (off.size != num_ctas + 1 or int(h[M.H_OFFSETS_LEN]) != off.size or off[0] != 0
+                or off[-1] != T or np.any(np.diff(off) < 0)):
+            _fail(s, "CTA offsets do not partition the task table")
+        if not np.array_equal(np.repeat(np.arange(num_ctas), np.diff(off)), t[:, M.C_CTA]):
+            _fail(s, "CTA offsets disagree with the task->CTA assignment")
+
+
 def check_structure(s) -> None:
     """Checks 1-4 (everything but deadlock)."""
     g = s.geometry
     T, N = s.num_tasks, s.num_steps
-    # 1. tasks
+    meta = s.meta
+    # 1. tasks (on the metadata, whose columns must then be the schedule's)
+    _check_rows(s, meta, g, s.num_sms)
+    t = meta.tasks
+    cols = {M.C_BATCH: s.task_batch, M.C_HEAD: s.task_head, M.C_KV: s.task_kv, M.C_N_STEPS: s.task_steps}
+    for idx, val in cols.items():
+        if t.shape[0] != T or not np.array_equal(t[:, idx], val):
+            _fail(s, f"metadata column {M.COLUMNS[idx]} disagrees with the schedule")
+    if int(meta.header[M.H_NUM_CTAS]) != s.num_ctas or s.dynamic != (int(meta.header[M.H_DISPATCH]) == M.DISPATCH_DYNAMIC):
+        _fail(s, "metadata header disagrees with the schedule's CTA count or dispatch")
+    if not s.dynamic and not np.array_equal(t[:, M.C_CTA], s.task_cta):
+        _fail(s, "CTA offsets disagree with the task->CTA assignment")
     hidx = s.task_batch * g.heads + s.task_head
-    if np.any((s.task_batch < 0) | (s.task_batch >= g.batch) | (s.task_head < 0) | (s.task_head >= g.heads)
-              | (s.task_kv < 0) | (s.task_kv >= g.n_kv)):
-        _fail(s, "task with batch/head/kv_tile out of range")
-    tkey = hidx * g.n_kv + s.task_kv
-    want = np.arange(g.num_heads_total * g.n_kv, dtype=np.int64)
-    got = np.sort(tkey)
-    if got.size != want.size or not np.array_equal(got, want):
-        dup = got[1:][got[1:] == got[:-1]]
-        _fail(s, f"tasks are not one per (batch, head, kv tile): {T} tasks, expected {want.size}"
-                 + (f"; duplicate task key {int(dup[0])}" if dup.size else ""))
-    if np.any(s.task_steps != g.task_len[s.task_kv]):
-        bad = int(np.flatnonzero(s.task_steps != g.task_len[s.task_kv])[0])
-        _fail(s, f"task {bad} (kv {int(s.task_kv[bad])}) has {int(s.task_steps[bad])} steps, "
-                 f"needs {int(g.task_len[s.task_kv[bad]])}")
     # 2. coverage: every needed pair exactly once, by the right task
     q = s.step_q
     st = s.step_task
@@ -146,41 +201,8 @@ def check_structure(s) -> None:
     if np.any(s.step_rank < 0):
         _fail(s, "negative rank")
     _check_permutation(s, s.step_dq_tile, s.step_rank, "dQ tile")
-    # 4. metadata
-    meta = s.meta
-    h = meta.header
-    if meta.tasks.shape != (T, M.NUM_COLS) or h.size != M.HEADER_LEN:
-        _fail(s, "metadata has the wrong shape")
-    expect = {M.H_MAGIC: M.MAGIC, M.H_VERSION: M.METADATA_VERSION, M.H_NUM_TASKS: T, M.H_NUM_STEPS: N,
-              M.H_NUM_CTAS: s.num_ctas, M.H_N_Q: g.n_q, M.H_N_KV: g.n_kv, M.H_NUM_COLS: M.NUM_COLS,
-              M.H_BATCH: g.batch, M.H_HEADS: g.heads, M.H_HEADS_KV: g.heads_kv,
-              M.H_SEQLEN_Q: g.seqlen_q, M.H_SEQLEN_K: g.seqlen_k, M.H_BLOCK_M: g.block_m,
-              M.H_BLOCK_N: g.block_n, M.H_MASK: M.MASK_CODES[g.mask], M.H_WINDOW_LEFT: g.window_left,
-              M.H_WINDOW_RIGHT: g.window_right,
-              M.H_DISPATCH: M.DISPATCH_DYNAMIC if s.dynamic else M.DISPATCH_STATIC}
-    for idx, val in expect.items():
-        if int(h[idx]) != val:
-            _fail(s, f"metadata header field {M.HEADER_FIELDS[idx]} = {int(h[idx])}, expected {val}")
-    t = meta.tasks
-    cols = {M.C_BATCH: s.task_batch, M.C_HEAD: s.task_head, M.C_KV: s.task_kv, M.C_N_STEPS: s.task_steps,
-            M.C_HEAD_KV: s.task_head // g.group}
-    for idx, val in cols.items():
-        if not np.array_equal(t[:, idx], val):
-            _fail(s, f"metadata column {M.COLUMNS[idx]} disagrees with the schedule")
-    if s.num_ctas > s.num_sms or s.num_ctas < 1:
-        _fail(s, f"{s.num_ctas} CTAs for {s.num_sms} SMs: a persistent grid must fit on the device")
-    if s.dynamic:
-        if meta.offsets.size != 0 or int(h[M.H_OFFSETS_LEN]) != 0:
-            _fail(s, "dynamic schedule with CTA offsets")
-    else:
-        off = meta.offsets.astype(np.int64)
-        if (off.size != s.num_ctas + 1 or int(h[M.H_OFFSETS_LEN]) != off.size or off[0] != 0
-                or off[-1] != T or np.any(np.diff(off) < 0)):
-            _fail(s, "CTA offsets do not partition the task table")
-        cta_of_row = np.repeat(np.arange(s.num_ctas), np.diff(off))
-        if not np.array_equal(cta_of_row, s.task_cta) or not np.array_equal(t[:, M.C_CTA], s.task_cta):
-            _fail(s, "CTA offsets disagree with the task->CTA assignment")
-    row, step, dq, drank = M.decode_all(h, t)
+    # 4. metadata decodes to the schedule's orders
+    row, step, dq, drank = M.decode_all(meta.header, t)
     if not np.array_equal(row, st) or not np.array_equal(step, s.step_index):
         _fail(s, "metadata step counts disagree with the schedule")
     if not np.array_equal(dq, q):
@@ -191,6 +213,127 @@ def check_structure(s) -> None:
         i = int(np.flatnonzero(drank != s.step_rank)[0])
         _fail(s, f"metadata decodes task {int(st[i])} step {int(s.step_index[i])} (q {int(q[i])}) to rank "
                  f"{int(drank[i])}, the schedule says {int(s.step_rank[i])}")
+
+
+#: Steps one thread of :func:`check_metadata` decodes at once (about 0.3 GB of temporaries), and
+#: its threads (each also holds two (Q tiles x KV tiles) grids of one head).
+CHECK_CHUNK_STEPS = 1 << 21
+CHECK_THREADS = 4
+
+
+def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray, int, bool]:
+    """(potential of each row's first step, the width of a row's span, strict): the deadlock
+    certificate's potential phi of step s of row r is pot[r] + s. It must rise strictly along every
+    CTA's program, and along every dQ tile's rank order rise (strict) or not fall (not strict).
+
+    Dynamic dispatch (queue schedules): phi orders by claim: the row's place in the queue (only
+    its place among its head's rows matters: a wait never leaves its head).
+    Static shift schedules: the planned time (wave, step within the unit) they rank dQ adds by
+    (:func:`.schedules.planned_wave`); ties in a dQ tile are allowed there, since a cycle would
+    need a program-order edge, and those rise strictly."""
+    from .schedules import planned_t0, planned_wave
+
+    h, t = meta.header, meta.tasks.astype(np.int64)
+    if int(h[M.H_DISPATCH]) == M.DISPATCH_DYNAMIC:
+        return np.arange(t.shape[0], dtype=np.int64) * (g.n_q + 1), g.n_q + 1, True
+    if int(h[M.H_RANK_KIND]) != M.RANK_SHIFT:
+        raise ValueError("check_metadata certifies queue schedules dispatched dynamically and the static shift "
+                         "schedules; validate other static task lists with build_schedule(...).validate()")
+    span = 2 * g.n_q + 1
+    hidx = t[:, M.C_BATCH] * g.heads + t[:, M.C_HEAD]
+    wave = planned_wave(hidx, t[:, M.C_UNIT], int(h[M.H_UNITS_PER_HEAD]), num_sms)
+    return wave * span + planned_t0(g, t[:, M.C_ROLE], t[:, M.C_UNIT]), span, False
+
+
+def check_metadata(meta, geometry, num_sms: int) -> None:
+    """The kernel path's validation of a built-in schedule's metadata (:func:`.schedules.build_metadata`),
+    on what the kernel decodes, in bounded memory. Raises :class:`ScheduleError`.
+
+    What it proves, from the decoded steps alone: every (kv, q) pair the mask needs is visited
+    exactly once, by its KV tile's task; every dQ tile's ranks are 0..k-1; and the wait-for graph
+    is acyclic, by a potential (:func:`_row_potential`) that rises along program order and does not
+    fall along any semaphore wait. Heads whose rows are alike (the decode reads no head index) are
+    decoded once. It does not compare the orders with the schedule's definition: that is
+    :meth:`.schedules.Schedule.validate` (checks 3-4), which the tests run against this path."""
+    from .contract import SCHEDULES
+
+    g = geometry
+    h = meta.header
+    s = _Named(SCHEDULES[int(h[M.H_SCHEDULE])] if 0 <= int(h[M.H_SCHEDULE]) < len(SCHEDULES) else "?", g, num_sms)
+    _check_rows(s, meta, g, num_sms)
+    t = meta.tasks.astype(np.int64)
+    pot, span, strict = _row_potential(meta, g, num_sms)
+    n_steps = t[:, M.C_N_STEPS]
+    if int(h[M.H_DISPATCH]) == M.DISPATCH_STATIC:
+        # program order: each CTA runs its rows in table order, each row its steps in order
+        has = np.flatnonzero(n_steps > 0)
+        first, last, cta = pot[has], pot[has] + n_steps[has] - 1, t[has, M.C_CTA]
+        same = cta[1:] == cta[:-1]
+        bad = np.flatnonzero(same & (first[1:] <= last[:-1]))
+        if bad.size:
+            r = int(has[bad[0] + 1])
+            _fail(s, f"deadlock risk: row {r} on CTA {int(t[r, M.C_CTA])} is not planned after the row before it")
+    # per head: its rows in table order; heads alike up to their index and a shift of the potential
+    H, n_kv, n_q = g.num_heads_total, g.n_kv, g.n_q
+    order = np.argsort(t[:, M.C_BATCH] * g.heads + t[:, M.C_HEAD], kind="stable")
+    rows = t[order].reshape(H, n_kv, M.NUM_COLS)
+    if strict:   # queue order: a row's place among its head's rows (stable sort: in the queue's order)
+        hpot = np.broadcast_to(np.arange(n_kv, dtype=np.int64) * span, (H, n_kv))
+    else:        # planned time, from the head's first wave
+        hpot = pot[order].reshape(H, n_kv)
+        hpot = hpot - (hpot.min(axis=1, keepdims=True) // span) * span
+    if hpot.size and int(hpot.max()) + span >= np.iinfo(np.int32).max:
+        raise OverflowError("schedule potential does not fit in int32")
+    keep = [c for c in range(M.NUM_COLS) if c not in (M.C_BATCH, M.C_HEAD, M.C_HEAD_KV, M.C_CTA)]
+    sig = np.concatenate([rows[:, :, keep].reshape(H, -1), hpot], axis=1)
+    _, reps = np.unique(sig, axis=0, return_index=True)
+    tiles = M.tile_geometry_of(h)
+    kvb, kve = tiles.kv_range(np.arange(n_q))
+    contrib = kve - kvb                          # contributions per dQ tile
+    def check_head(head: int) -> None:
+        R, P = rows[head], hpot[head]
+        pair_seen = np.zeros(n_kv * n_q, dtype=bool)
+        phi = np.full(n_q * n_kv, -1, dtype=np.int32)    # potential of the add of rank r into dQ tile q
+        bounds = np.searchsorted(np.cumsum(R[:, M.C_N_STEPS]), np.arange(0, int(R[:, M.C_N_STEPS].sum()),
+                                                                         CHECK_CHUNK_STEPS), side="right")
+        bounds = np.unique(np.concatenate([[0], bounds, [n_kv]]))
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            row, step, q, rank = M.decode_all(h, R[lo:hi])
+            kv = R[lo:hi, M.C_KV][row]
+            ok = (q >= g.q_begin[kv]) & (q < g.q_end[kv])
+            if not ok.all():
+                i = int(np.flatnonzero(~ok)[0])
+                _fail(s, f"head {head}: KV tile {int(kv[i])} step {int(step[i])} visits Q tile {int(q[i])}, "
+                         f"which the mask does not pair with it")
+            okr = (rank >= 0) & (rank < contrib[q])
+            if not okr.all():
+                i = int(np.flatnonzero(~okr)[0])
+                _fail(s, f"head {head}: dQ tile {int(q[i])} gets rank {int(rank[i])} of {int(contrib[q[i]])}")
+            pair_seen[kv * n_q + q] = True
+            phi[q * n_kv + rank] = P[lo:hi][row] + step
+        # as many distinct cells as steps: no pair twice, and ranks 0..k-1 of every dQ tile
+        if np.count_nonzero(pair_seen) != g.num_steps // H or np.count_nonzero(phi >= 0) != g.num_steps // H:
+            _fail(s, f"head {head}: a (kv, q) pair is visited twice or a dQ tile's ranks are not 0..k-1")
+        grid = phi.reshape(n_q, n_kv)
+        waits = np.arange(1, n_kv) < contrib[:, None]          # (q, rank r >= 1) exists
+        before, after = grid[:, :-1], grid[:, 1:]
+        bad = waits & ((before >= after) if strict else (before > after))
+        if bad.any():
+            qq, r = (int(x[0]) for x in np.nonzero(bad))
+            _fail(s, f"deadlock risk: in head {head}, dQ tile {qq}'s add of rank {r + 1} may wait on one the "
+                     f"schedule runs later (potential {int(before[qq, r])} -> {int(after[qq, r])})")
+
+    heads = sorted(reps.tolist())
+    workers = min(CHECK_THREADS, len(heads), os.cpu_count() or 1)
+    if workers <= 1:
+        for head in heads:
+            check_head(head)
+        return
+    # numpy's array operations release the GIL: heads check side by side (the first failing head,
+    # in order, is the one reported)
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in pool.map(check_head, heads):
+            pass
 
 
 def _dynamic_unit_model(s) -> tuple[int, float]:

@@ -1,0 +1,137 @@
+"""The kernel path's schedule check (validate.check_metadata on schedules.build_metadata): the same
+metadata as the full build, accepted wherever the full validation accepts, and refusing broken
+task tables (coverage, ranks, the deadlock certificate) that it is handed."""
+
+import numpy as np
+import pytest
+
+from dash_fa3.schedule import SCHEDULES, Geometry, build_schedule
+from dash_fa3.schedule import metadata as M
+from dash_fa3.schedule.export import DEFAULT_GRID, grid_geometries
+from dash_fa3.schedule.lowering import get_kernel_metadata
+from dash_fa3.schedule.schedules import build_metadata
+from dash_fa3.schedule.validate import ScheduleError, check_metadata
+
+
+def same_meta(a: M.ScheduleMeta, b: M.ScheduleMeta) -> bool:
+    return all(np.array_equal(x, y) for x, y in ((a.header, b.header), (a.offsets, b.offsets), (a.tasks, b.tasks)))
+
+
+def random_geometry(rng, max_steps=5000):
+    while True:
+        bm = int(rng.choice([16, 32, 64, 128]))
+        bn = int(rng.choice([16, 32, 64, 96, 128]))
+        sq = int(rng.integers(1, 1100))
+        sk = int(rng.integers(1, 1100)) if rng.random() < 0.5 else sq
+        hkv = int(rng.integers(1, 6))
+        grp = int(rng.choice([1, 2, 3]))
+        b = int(rng.integers(1, 4))
+        kind = rng.random()
+        if kind < 0.45:
+            g = Geometry(b, hkv * grp, hkv, sq, sk, bm, bn, "causal")
+        elif kind < 0.8:
+            g = Geometry(b, hkv * grp, hkv, sq, sk, bm, bn, "full")
+        else:
+            left, right = int(rng.integers(-1, 600)), int(rng.integers(0, 300))
+            g = Geometry(b, hkv * grp, hkv, sq, sk, bm, bn, "local", left, right)
+        if 0 < g.num_steps <= max_steps:
+            return g
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_random_shapes_same_metadata_and_accepted(chunk):
+    """400 random shapes (fixed seeds; causal, full and windows; GQA; batches), every schedule and
+    SM count from 1 to 132: the kernel path's metadata is the full build's, and both checks pass."""
+    rng = np.random.default_rng(7100 + chunk)
+    for _ in range(100):
+        g = random_geometry(rng)
+        sms = int(rng.choice([132, 114])) if rng.random() < 0.5 else int(rng.integers(1, 40))
+        for name in SCHEDULES:
+            full = build_schedule(name, g, sms)     # the full validation, on the explicit orders
+            meta = build_metadata(name, g, sms)
+            assert same_meta(meta, full.meta), (name, g.describe(), sms)
+            check_metadata(meta, g, sms)
+
+
+@pytest.mark.parametrize("label,g", list(grid_geometries(DEFAULT_GRID)), ids=lambda x: x if isinstance(x, str) else "")
+def test_bench_grid_kernel_path(label, g):
+    for name in SCHEDULES:
+        meta = get_kernel_metadata(name, g, 132, "dynamic")
+        assert same_meta(meta, build_schedule(name, g, 132).meta), name
+
+
+def test_static_dispatch_of_queue_schedules_keeps_the_lowering():
+    g = Geometry(2, 4, 2, 1000, 1000, 64, 128, "causal")
+    for name in ("fa3", "spt", "lpt"):
+        meta = get_kernel_metadata(name, g, 20, "static")
+        assert int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC
+        with pytest.raises(ValueError, match="build_schedule"):
+            check_metadata(meta, g, 20)     # not a task list it can certify: the lowering validates it
+
+
+# ---------------------------------------------------------------- what it refuses
+def mutated(meta: M.ScheduleMeta, tasks=None, header=None, offsets=None) -> M.ScheduleMeta:
+    return M.ScheduleMeta(meta.header.copy() if header is None else header,
+                          meta.offsets.copy() if offsets is None else offsets,
+                          meta.tasks.copy() if tasks is None else tasks)
+
+
+G_CAUSAL = Geometry(1, 4, 2, 4096, 4096, 64, 128, "causal")     # 64 q tiles, 32 kv tiles
+
+
+def test_refuses_a_queue_that_claims_a_later_rank_first():
+    """fa3 adds dQ in ascending KV order; a queue with one head's tasks reversed would have a task
+    wait on one claimed after it: a deadlock on a GPU of few SMs."""
+    meta = build_metadata("fa3", G_CAUSAL, 132)
+    t = meta.tasks.copy()
+    head0 = np.flatnonzero(t[:, M.C_HEAD] == 0)
+    t[head0] = t[head0[::-1]]
+    with pytest.raises(ScheduleError, match="deadlock risk"):
+        check_metadata(mutated(meta, tasks=t), G_CAUSAL, 132)
+
+
+def test_refuses_a_static_cta_whose_rows_run_against_the_plan():
+    meta = build_metadata("symmetric_shift", G_CAUSAL, 8)   # 4 heads x 16 units on 8 CTAs: 8 waves
+    t = meta.tasks.copy()
+    off = meta.offsets
+    a, b = int(off[3]), int(off[3]) + 2                      # CTA 3's first unit (2 rows) and its next
+    t[a:a + 4] = np.concatenate([t[b:b + 2], t[a:b]])
+    with pytest.raises(ScheduleError, match="deadlock risk"):
+        check_metadata(mutated(meta, tasks=t), G_CAUSAL, 8)
+
+
+def test_refuses_broken_coverage_and_ranks():
+    for name, col, delta, what in (("symmetric_shift", M.C_CYC_OFF, 1, "visited twice|ranks"),
+                                   ("symmetric_shift", M.C_SEG_BEGIN, 1, "rank"),
+                                   ("shift", M.C_LIN_BASE, -1, "mask does not pair|visited twice"),
+                                   ("spt", M.C_LIN_BASE, 1, "mask does not pair")):
+        meta = build_metadata(name, G_CAUSAL, 132)
+        t = meta.tasks.copy()
+        rows = np.flatnonzero((t[:, M.C_HEAD] == 1) & (t[:, M.C_N_STEPS] > 1) & (t[:, M.C_ROLE] == 0))
+        t[rows[len(rows) // 2], col] += delta
+        with pytest.raises(ScheduleError, match=what):
+            check_metadata(mutated(meta, tasks=t), G_CAUSAL, 132)
+
+
+def test_refuses_bad_rows_and_header():
+    meta = build_metadata("spt", G_CAUSAL, 132)
+    t = meta.tasks.copy()
+    t[5, M.C_KV] = t[6, M.C_KV]
+    with pytest.raises(ScheduleError, match="one per"):
+        check_metadata(mutated(meta, tasks=t), G_CAUSAL, 132)
+    h = meta.header.copy()
+    h[M.H_NUM_STEPS] += 1
+    with pytest.raises(ScheduleError, match="num_steps"):
+        check_metadata(mutated(meta, header=h), G_CAUSAL, 132)
+    with pytest.raises(ScheduleError, match="CTAs for 64 SMs"):
+        check_metadata(build_metadata("spt", G_CAUSAL, 132), G_CAUSAL, 64)
+
+
+def test_heads_alike_are_decoded_once(monkeypatch):
+    """The decode reads no head index, so heads with alike rows are checked once: a queue
+    schedule's 4 heads (all alike) decode as one head's steps."""
+    calls = []
+    real = M.decode_all
+    monkeypatch.setattr(M, "decode_all", lambda h, t: (calls.append(len(t)), real(h, t))[1])
+    check_metadata(build_metadata("spt", G_CAUSAL, 132), G_CAUSAL, 132)
+    assert sum(calls) == G_CAUSAL.n_kv
