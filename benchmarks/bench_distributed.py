@@ -164,6 +164,9 @@ def parse_args(argv=None):
                          "p2p:1,shared:2,shared:4 (DASH_FA3_CP_TRANSPORT / DASH_FA3_CP_CHUNKS for the call); empty: "
                          "one row as the environment has it. The model assumes chunk transfers overlap compute, "
                          "which the p2p transport did not achieve (docs/distributed.md)")
+    ap.add_argument("--nd-transports", default="",
+                    help="ours nd through the head-parallel algorithm (algorithm='heads'): TRANSPORT:CHUNKS "
+                         "variants, each its own row beside the run plan's, e.g. shared:1; empty: none")
     ap.add_argument("--peer-gqa", choices=["auto", "native", "expand"], default="auto",
                     help="torch CP / SDPA with heads_kv < heads: enable_gqa (native), k/v expanded to the query "
                          "heads (expand), or native falling back to expand where it raises (auto)")
@@ -199,6 +202,10 @@ def parse_args(argv=None):
         args.cp_transports = parse_transports(args.cp_transports)
     except ValueError as e:
         ap.error(f"--cp-transports: {e}")
+    try:
+        args.nd_transports = parse_transports(args.nd_transports) if args.nd_transports.strip() else []
+    except ValueError as e:
+        ap.error(f"--nd-transports: {e}")
     if args.peers is None:
         args.peers = list(PEERS) if args.device == "cuda" else []
     else:
@@ -249,12 +256,17 @@ def parse_transports(text: str) -> list[tuple[str, int]]:
     return out or [("", 0)]
 
 
-def det_models(args, cfg: dict, P: int, t1_ms: float | None = None) -> dict:
-    """The head-parallel model per (layout, chunks) of the det rows (``Impl.model_key``)."""
-    if "det" not in args.modes:
-        return {}
-    return {(lay, c or 1): model_prediction(cfg, P, lay, t1_ms, chunks=c or 1)
-            for lay in args.layouts for _, c in args.cp_transports}
+def det_models(args, cfg: dict, P: int, t1_ms: float | None = None, t1_nd_ms: float | None = None) -> dict:
+    """The head-parallel model per (layout, chunks) of the det rows and per ("nd-heads", layout, chunks)
+    of the nd rows that run it (``Impl.model_key``), calibrated on ours T1 in the row's mode."""
+    out = {}
+    if "det" in args.modes:
+        out.update({(lay, c or 1): model_prediction(cfg, P, lay, t1_ms, chunks=c or 1)
+                    for lay in args.layouts for _, c in args.cp_transports})
+    if "nd" in args.modes:
+        out.update({("nd-heads", lay, c or 1): model_prediction(cfg, P, lay, t1_nd_ms, chunks=c or 1)
+                    for lay in args.layouts for _, c in args.nd_transports})
+    return out
 
 
 def t1_prefix(args, cfg: dict) -> int | None:
@@ -300,11 +312,14 @@ class Impl(NamedTuple):
     rotate: str = ""     # cp_torch: allgather / alltoall
     transport: str = ""  # cp_ours det: DASH_FA3_CP_TRANSPORT for the call ("": as the environment has it)
     chunks: int = 0      # cp_ours det: DASH_FA3_CP_CHUNKS for the call (0: as the environment has it)
+    algorithm: str = ""  # cp_ours: context_parallel_attn's algorithm ("": its default for the mode)
 
     @property
     def model_key(self):
         """The key of this row's model in ``models`` (see :func:`det_models`)."""
-        return (self.layout, self.chunks or 1) if self.mode == "det" else ("nd", self.layout)
+        if self.mode == "det":
+            return (self.layout, self.chunks or 1)
+        return ("nd-heads", self.layout, self.chunks or 1) if self.algorithm == "heads" else ("nd", self.layout)
 
     @property
     def single(self) -> bool:
@@ -332,6 +347,9 @@ def implementations(args) -> list[Impl]:
             variants = args.cp_transports if m == "det" else [("", 0)]
             out += [Impl(f"ours CP {m} {lay}" + (f" {t} x{c}" if t else ""), "cp_ours", m, lay, transport=t, chunks=c)
                     for t, c in variants]
+            if m == "nd":
+                out += [Impl(f"ours CP nd {lay} heads {t} x{c}", "cp_ours", m, lay, transport=t, chunks=c,
+                             algorithm="heads") for t, c in args.nd_transports]
     out += [Impl(f"torch CP {PEER_LABEL[b]} {r}", "cp_torch", backend=b, rotate=r)
             for b in args.peers for r in args.rotate]
     return out
@@ -636,9 +654,12 @@ def dry_run(args) -> str:
              "implementations: " + ", ".join(im.name for im in impls)]
     for cfg in configs(args):
         models = det_models(args, cfg, P)
-        label = (lambda lay, c: lay) if args.cp_transports == [("", 0)] else (lambda lay, c: f"{lay} x{c}")
-        pred = ", ".join(f"{label(*key)}: eff {m['eff']:.3f}, {m['ms']:.1f} ms (model T1 {m['t1_ms']:.1f} ms)"
-                         if "eff" in m else f"{label(*key)}: {m['unavailable']}" for key, m in models.items())
+        def label(key):
+            if key[0] == "nd-heads":
+                return f"nd heads {key[1]} x{key[2]}"
+            return key[0] if args.cp_transports == [("", 0)] else f"{key[0]} x{key[1]}"
+        pred = ", ".join(f"{label(key)}: eff {m['eff']:.3f}, {m['ms']:.1f} ms (model T1 {m['t1_ms']:.1f} ms)"
+                         if "eff" in m else f"{label(key)}: {m['unavailable']}" for key, m in models.items())
         lines.append(f"{config_name(cfg)} ({config_detail(cfg)})" + (f"; model, ours det: {pred}" if pred else ""))
     return "\n".join(lines) + "\n"
 
@@ -875,7 +896,8 @@ class OursCP(Runner):
         q, k, v = self.leaves
         with transport_env(self.im):
             out = context_parallel_attn(q, k, v, self.ctx.group, causal=self.cfg["causal"],
-                                        deterministic=self.im.mode == "det", layout=self.im.layout)
+                                        deterministic=self.im.mode == "det", layout=self.im.layout,
+                                        algorithm=self.im.algorithm or None)
             out.backward(self.dout)
         return out
 
@@ -1210,7 +1232,7 @@ def run_config(cfg: dict, args, ctx: Ctx, impls: list[Impl]) -> dict:
                 f"extrapolated: timed on the first {prefix} tokens ({res['measured_stats']['median']:.1f} ms), "
                 f"scaled by the attention FLOP ratio {scale:.3f}")
         ms[im.name] = res["stats"]["median"] if res["stats"] else None
-    models = det_models(args, cfg, ctx.world, ms.get(t1_name("det")))
+    models = det_models(args, cfg, ctx.world, ms.get(t1_name("det")), ms.get(t1_name("nd")))
     if "nd" in args.modes:
         models.update({("nd", lay): run_plan_model(cfg, ctx.world, lay, ms.get(t1_name("nd"))) for lay in args.layouts})
     rec["model"] = {"/".join(map(str, k)): m for k, m in models.items()}

@@ -506,3 +506,17 @@ def test_cpu_gloo_run_produces_the_tables(tmp_path):
         if peer["status"] != "ok":
             assert f"| torch CP flash alltoall | {peer['status']} |" in out and "- torch CP flash alltoall: " in out
         assert rec["peer_layout"].startswith("the same tokens as our zigzag layout"), rec["peer_layout"]
+
+
+def test_nd_rows_through_the_head_parallel_algorithm():
+    args = bd.parse_args(["--device", "cpu", "--tokens", "2048", "--heads", "2/2", "--nd-transports", "shared:1"])
+    impls = {im.name: im for im in bd.implementations(args)}
+    row = impls["ours CP nd zigzag heads shared x1"]
+    assert (row.mode, row.algorithm, row.transport, row.chunks) == ("nd", "heads", "shared", 1)
+    assert row.model_key == ("nd-heads", "zigzag", 1)
+    assert impls["ours CP nd zigzag"].algorithm == "" and impls["ours CP nd zigzag"].model_key == ("nd", "zigzag")
+    models = bd.det_models(args, bd.configs(args)[0], 2, t1_ms=100.0, t1_nd_ms=90.0)
+    assert models[("nd-heads", "zigzag", 1)]["t1_ms"] == pytest.approx(90.0)
+    assert models[("zigzag", 1)]["t1_ms"] == pytest.approx(100.0)
+    with pytest.raises(SystemExit):
+        bd.parse_args(["--device", "cpu", "--tokens", "2048", "--nd-transports", "shared"])
