@@ -167,6 +167,9 @@ def parse_args(argv=None):
     ap.add_argument("--nd-transports", default="",
                     help="ours nd through the head-parallel algorithm (algorithm='heads'): TRANSPORT:CHUNKS "
                          "variants, each its own row beside the run plan's, e.g. shared:1; empty: none")
+    ap.add_argument("--nd-runs", action="store_true",
+                    help="also ours nd through the run plan (algorithm='runs') where the default is the "
+                         "head-parallel algorithm (CUDA, heads_kv >= P)")
     ap.add_argument("--peer-gqa", choices=["auto", "native", "expand"], default="auto",
                     help="torch CP / SDPA with heads_kv < heads: enable_gqa (native), k/v expanded to the query "
                          "heads (expand), or native falling back to expand where it raises (auto)")
@@ -269,6 +272,21 @@ def det_models(args, cfg: dict, P: int, t1_ms: float | None = None, t1_nd_ms: fl
     return out
 
 
+def nd_models(args, cfg: dict, P: int, t1_nd_ms: float | None, device_type: str) -> dict:
+    """The model of the nd rows that run the mode's default algorithm (("nd", layout): the one
+    context_parallel_attn picks for the shape and device) and of the --nd-runs rows."""
+    from dash_fa3.distributed.attention import resolve_algorithm
+
+    default = resolve_algorithm(None, False, cfg["heads_kv"], P, device_type)
+    out = {}
+    for lay in args.layouts:
+        out[("nd", lay)] = (model_prediction(cfg, P, lay, t1_nd_ms) if default == "heads"
+                            else run_plan_model(cfg, P, lay, t1_nd_ms))
+        if args.nd_runs:
+            out[("nd-runs", lay)] = run_plan_model(cfg, P, lay, t1_nd_ms)
+    return out
+
+
 def t1_prefix(args, cfg: dict) -> int | None:
     """The tokens the T1 rows time for ``cfg`` when --t1-tokens shortens them (else None)."""
     return args.t1_tokens if 0 < args.t1_tokens < cfg["tokens"] else None
@@ -319,7 +337,9 @@ class Impl(NamedTuple):
         """The key of this row's model in ``models`` (see :func:`det_models`)."""
         if self.mode == "det":
             return (self.layout, self.chunks or 1)
-        return ("nd-heads", self.layout, self.chunks or 1) if self.algorithm == "heads" else ("nd", self.layout)
+        if self.algorithm == "heads":
+            return ("nd-heads", self.layout, self.chunks or 1)
+        return ("nd-runs", self.layout) if self.algorithm == "runs" else ("nd", self.layout)
 
     @property
     def single(self) -> bool:
@@ -350,6 +370,8 @@ def implementations(args) -> list[Impl]:
             if m == "nd":
                 out += [Impl(f"ours CP nd {lay} heads {t} x{c}", "cp_ours", m, lay, transport=t, chunks=c,
                              algorithm="heads") for t, c in args.nd_transports]
+                if args.nd_runs:
+                    out.append(Impl(f"ours CP nd {lay} runs", "cp_ours", m, lay, algorithm="runs"))
     out += [Impl(f"torch CP {PEER_LABEL[b]} {r}", "cp_torch", backend=b, rotate=r)
             for b in args.peers for r in args.rotate]
     return out
@@ -1234,7 +1256,7 @@ def run_config(cfg: dict, args, ctx: Ctx, impls: list[Impl]) -> dict:
         ms[im.name] = res["stats"]["median"] if res["stats"] else None
     models = det_models(args, cfg, ctx.world, ms.get(t1_name("det")), ms.get(t1_name("nd")))
     if "nd" in args.modes:
-        models.update({("nd", lay): run_plan_model(cfg, ctx.world, lay, ms.get(t1_name("nd"))) for lay in args.layouts})
+        models.update(nd_models(args, cfg, ctx.world, ms.get(t1_name("nd")), "cuda" if ctx.cuda else "cpu"))
     rec["model"] = {"/".join(map(str, k)): m for k, m in models.items()}
     rec["figures"] = figures(impls, ms, ctx.world, models)
     rec["bar"] = bar_rows(cfg, impls, ms, rec["figures"], gpu=ctx.cuda, P=ctx.world)

@@ -520,3 +520,15 @@ def test_nd_rows_through_the_head_parallel_algorithm():
     assert models[("zigzag", 1)]["t1_ms"] == pytest.approx(100.0)
     with pytest.raises(SystemExit):
         bd.parse_args(["--device", "cpu", "--tokens", "2048", "--nd-transports", "shared"])
+
+
+def test_nd_default_rows_take_the_model_of_the_default_algorithm():
+    args = bd.parse_args(["--device", "cpu", "--tokens", "2048", "--heads", "4/2,4/1", "--nd-runs"])
+    names = [im.name for im in bd.implementations(args)]
+    assert "ours CP nd zigzag runs" in names and "ours CP nd zigzag" in names
+    gqa, mqa = bd.configs(args)
+    head_model = bd.model_prediction(gqa, 2, "zigzag", 90.0)
+    assert bd.nd_models(args, gqa, 2, 90.0, "cuda")[("nd", "zigzag")] == head_model
+    assert bd.nd_models(args, gqa, 2, 90.0, "cpu")[("nd", "zigzag")] == bd.run_plan_model(gqa, 2, "zigzag", 90.0)
+    assert bd.nd_models(args, mqa, 2, 90.0, "cuda")[("nd", "zigzag")] == bd.run_plan_model(mqa, 2, "zigzag", 90.0)
+    assert bd.nd_models(args, gqa, 2, 90.0, "cuda")[("nd-runs", "zigzag")] == bd.run_plan_model(gqa, 2, "zigzag", 90.0)

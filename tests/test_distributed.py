@@ -439,6 +439,25 @@ def test_transport_and_chunk_settings_are_checked(monkeypatch):
     assert heads.default_chunks() == 3
 
 
+def test_defaults_by_device_and_heads(monkeypatch):
+    """Unset, the transport is p2p off CUDA (shared for a CUDA group on one host: the GPU tests'
+    default rows); nd runs the head-parallel algorithm on CUDA when every rank holds whole KV heads,
+    the run plan otherwise and on CPU; det always the head-parallel one unless named."""
+    from dash_fa3.distributed import attention, shared
+
+    monkeypatch.delenv("DASH_FA3_CP_TRANSPORT", raising=False)
+    assert shared.transport(object(), torch.device("cpu")) == "p2p"
+    monkeypatch.setenv("DASH_FA3_CP_TRANSPORT", "shared")
+    assert shared.transport(object(), torch.device("cpu")) == "shared"
+    r = attention.resolve_algorithm
+    assert r(None, False, 8, 2, "cuda") == "heads" and r(None, False, 2, 2, "cuda") == "heads"
+    assert r(None, False, 1, 2, "cuda") == "runs" and r(None, False, 8, 2, "cpu") == "runs"
+    assert r(None, True, 8, 2, "cuda") == "heads" and r(None, True, 1, 2, "cpu") == "heads"
+    assert r("runs", False, 8, 2, "cuda") == "runs"
+    with pytest.raises(ValueError, match="not deterministic"):
+        r("runs", True, 8, 2, "cuda")
+
+
 @pytest.mark.parametrize("P,chunks", [(2, 2), (3, 2)])
 def test_heads_shared_transport_bitwise_one_process(tmp_path, P, chunks):
     """DASH_FA3_CP_TRANSPORT=shared (outboxes pulled, inboxes pushed, offsets derived on both sides

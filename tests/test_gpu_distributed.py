@@ -90,6 +90,11 @@ def _worker(argv):
         dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout,
                                 device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
+    if not one_gpu:
+        from dash_fa3.distributed import shared
+        os.environ.pop("DASH_FA3_CP_TRANSPORT", None)   # what the default picks for this group
+        with open(os.path.join(outdir, f"rank{rank}_transport.txt"), "w") as f:
+            f.write(shared.transport(group, torch.device("cuda", rank)))
     result = {}
     for name, case in cases.items():
         causal, layout = case[0], case[7]
@@ -253,6 +258,12 @@ def _check_bitwise(world, seed, out, name, run_args):
             b = b.cpu()
             assert torch.equal(a, b), (f"{name}, P={world}, {transport[0]} x{transport[1]}: {what} differs from one "
                                        f"GPU in {(a != b).sum().item()} elements (seed {seed})")
+
+
+def test_default_transport_of_one_host_is_shared(runs):
+    """Unset, DASH_FA3_CP_TRANSPORT is shared for GPUs of one host with peer access (every rank agrees)."""
+    _, out = runs
+    assert [(out / f"rank{r}_transport.txt").read_text() for r in range(P)] == ["shared"] * P
 
 
 def test_folds_are_refused_on_cuda(runs):

@@ -148,13 +148,21 @@ def _check(q, k, v, pg):
         raise ValueError(f"local length {n} x {P} ranks = {n * P} tokens: {e}") from None
 
 
-def resolve_algorithm(algorithm, deterministic: bool) -> str:
-    """The algorithm a call runs: ``algorithm`` checked against the mode, or the mode's default."""
+def resolve_algorithm(algorithm, deterministic: bool, heads_kv: int = 0, num_ranks: int = 1,
+                      device_type: str = "cpu") -> str:
+    """The algorithm a call runs: ``algorithm`` checked against the mode, or the mode's default.
+
+    Defaults: deterministic, ``heads``. Otherwise ``heads`` on CUDA when every rank can hold whole
+    KV heads (heads_kv >= P), else ``runs``: on two H200s (benchmarks/RESULTS.md, 2026-11-29) the
+    head-parallel algorithm through the shared transport met the efficiency bar in both modes,
+    where the run plan reached 0.94 at 128k tokens, 16 heads, contiguous layout."""
     if algorithm is None:
-        return "heads" if deterministic else "runs"
+        if deterministic:
+            return "heads"
+        return "heads" if device_type == "cuda" and heads_kv >= num_ranks else "runs"
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} "
-                         f"(None: 'heads' when deterministic, else 'runs')")
+                         f"(None: 'heads' when deterministic or on CUDA with heads_kv >= P, else 'runs')")
     if deterministic and algorithm == "runs":
         raise ValueError("algorithm='runs' sums partial dK/dV, whose grouping changes with the number of ranks: "
                          "it is not deterministic; use algorithm='heads' (the default) or 'folds'")
@@ -178,15 +186,16 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
     sequence with the single-GPU deterministic kernels, so output and gradients are bitwise those
     of ``flash_attn_func(..., deterministic=True)`` on one GPU, for every number of ranks and both
     layouts; needs heads_kv >= P. ``algorithm="folds"`` (CPU only) gives P-invariant bits for any
-    heads_kv. ``deterministic=False`` (``algorithm="runs"``): DistFlashAttn's helper-worker plan,
+    heads_kv. ``deterministic=False``: on CUDA with heads_kv >= P, ``heads`` (the faster there),
+    else ``algorithm="runs"``: DistFlashAttn's helper-worker plan,
     the Hopper kernels on whole runs of query blocks (the reference on CPU); the output is bitwise a
     single-GPU call's, the gradients agree with one GPU to rounding (partial dK/dV summed in fp32).
-    ``algorithm="heads"`` also runs without ``deterministic``. See docs/distributed.md.
+    Either algorithm can be named in either mode where it is allowed. See docs/distributed.md.
     """
     pg = resolve_group(group)
     layout = resolve_layout(layout)
-    algorithm = resolve_algorithm(algorithm, bool(deterministic))
     _check(q, k, v, pg)
+    algorithm = resolve_algorithm(algorithm, bool(deterministic), k.shape[2], dist.get_world_size(pg), q.device.type)
     if q.device.type == "cuda":
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"dash_fa3.distributed on CUDA takes bf16 or fp16, got {q.dtype}")

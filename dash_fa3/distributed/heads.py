@@ -190,9 +190,9 @@ def _run(p, rank, group, inputs, compute, outputs, what):
     """The chunk pipeline of one pass. ``inputs``: [(local tensor, seq dim, head dim, per query
     head)]; ``compute(chunk, *gathered)`` -> results; ``outputs``: [(local result tensor, seq dim, head
     dim, per query head)] filled in place."""
-    if shared.transport() == "shared" and p.num_ranks > 1:   # the name is checked at every P
-        return _run_shared(p, rank, group, inputs, compute, outputs, what)
     device = inputs[0][0].device
+    if shared.transport(group, device) == "shared" and p.num_ranks > 1:   # the name is checked at every P
+        return _run_shared(p, rank, group, inputs, compute, outputs, what)
 
     def post_inputs(c):
         ex = _Exchange(group, rank, f"{what} inputs, chunk {c}", device)

@@ -1,5 +1,7 @@
 """Transfers of the head-parallel algorithm through buffers that every rank of the group maps
-(``DASH_FA3_CP_TRANSPORT=shared``; the default, ``p2p``, is ``batch_isend_irecv``).
+(``DASH_FA3_CP_TRANSPORT=shared``; ``p2p`` is ``batch_isend_irecv``). The default (unset) is
+``shared`` for a CUDA group whose ranks are on one host, each on its own GPU, with peer access
+between them, else ``p2p`` (:func:`transport`).
 
 Why: cutting a rank's heads into chunks did not overlap NCCL's transfers with compute (two H200s,
 2026-11-24: 61.0, 64.5 and 61.0 ms with one, two and four chunks). Our reading, not profiled: through
@@ -29,7 +31,9 @@ and places the results. The next pass may reuse the buffer: a rank packs its out
 barrier B, which no rank passes before every pull of the pass is done; a peer pushes into a rank's
 inbox only after barrier A, which that rank reaches only after placing the previous results.
 
-Not yet run on a GPU: ``p2p`` stays the default until the two-GPU benchmark has measured this.
+Measured on two H200s (benchmarks/RESULTS.md, 2026-11-29): with one chunk, ``shared`` was 1-3%
+faster than ``p2p`` at 128k tokens and met issue 16's efficiency bar in both modes; four chunks were
+slower than one (the transfers did not hide behind the kernels), so the default stays one chunk.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import socket
 import tempfile
 
 import torch
@@ -49,13 +54,42 @@ TRANSPORTS = ("p2p", "shared")
 ALIGN = 16    # bytes: every message starts at a multiple (any dtype's view; 16-byte copies)
 
 
-def transport() -> str:
-    """The head-parallel transport named by ``DASH_FA3_CP_TRANSPORT`` (default ``p2p``); every rank of
-    a group must name the same one."""
-    name = os.environ.get(ENV, "p2p")
-    if name not in TRANSPORTS:
-        raise ValueError(f"{ENV}={name!r}: choose from {', '.join(TRANSPORTS)}")
-    return name
+def transport(group=None, device=None) -> str:
+    """The head-parallel transport: the one ``DASH_FA3_CP_TRANSPORT`` names (every rank of a group must
+    name the same), else ``shared`` for a CUDA group that :func:`_maps_peers` accepts, else ``p2p``.
+    Without a group and a device: the named one, else ``p2p``."""
+    name = os.environ.get(ENV)
+    if name is not None:
+        if name not in TRANSPORTS:
+            raise ValueError(f"{ENV}={name!r}: choose from {', '.join(TRANSPORTS)}")
+        return name
+    if group is None or device is None or torch.device(device).type != "cuda":
+        return "p2p"
+    return "shared" if _maps_peers(group, torch.device(device)) else "p2p"
+
+
+_peer_verdicts: dict = {}
+
+
+def _maps_peers(group, device: torch.device) -> bool:
+    """Whether every rank of ``group`` is on this host, on a GPU of its own, with peer access to every
+    other rank's GPU that it can see (collective, once per group: two small all-gathers). The same
+    answer on every rank."""
+    key = (group.group_name, id(group))
+    if key in _peer_verdicts:
+        return _peer_verdicts[key]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(index).uuid))
+    ranks = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, mine, group=group)
+    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    ok = (all(host == mine[0] for host, _ in ranks) and len({uuid for _, uuid in ranks}) == len(ranks)
+          and all(torch.cuda.can_device_access_peer(index, visible[uuid]) for _, uuid in ranks
+                  if uuid != mine[1] and uuid in visible))
+    verdicts = [None] * len(ranks)
+    dist.all_gather_object(verdicts, ok, group=group)
+    _peer_verdicts[key] = all(verdicts)
+    return _peer_verdicts[key]
 
 
 def aligned(nbytes: int) -> int:
