@@ -90,11 +90,10 @@ def _worker(argv):
         dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout,
                                 device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
-    if not one_gpu:
-        from dash_fa3.distributed import shared
-        os.environ.pop("DASH_FA3_CP_TRANSPORT", None)   # what the default picks for this group
-        with open(os.path.join(outdir, f"rank{rank}_transport.txt"), "w") as f:
-            f.write(shared.transport(group, torch.device("cuda", rank)))
+    from dash_fa3.distributed import shared
+    os.environ.pop("DASH_FA3_CP_TRANSPORT", None)   # what the default picks for this group
+    with open(os.path.join(outdir, f"rank{rank}_transport.txt"), "w") as f:
+        f.write(shared.transport(group, torch.device("cuda", torch.cuda.current_device())))
     result = {}
     for name, case in cases.items():
         causal, layout = case[0], case[7]
@@ -243,6 +242,12 @@ def test_more_ranks_are_bitwise_one_gpu(runs_many, name):
 @pytest.mark.parametrize("name", list(MANY_CASES))
 def test_shared_transport_ranks_on_one_gpu_are_bitwise_one_gpu(runs_one_gpu, name):
     _check_bitwise(*runs_one_gpu, name, ONE_GPU_RUN_ARGS)
+
+
+def test_default_transport_of_ranks_sharing_a_gpu_is_p2p(runs_one_gpu):
+    """Ranks on one device: the default does not take the shared transport (it is named there)."""
+    world, _, out = runs_one_gpu
+    assert [(out / f"rank{r}_transport.txt").read_text() for r in range(world)] == ["p2p"] * world
 
 
 def _check_bitwise(world, seed, out, name, run_args):
