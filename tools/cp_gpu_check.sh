@@ -4,7 +4,8 @@
 # tests/test_gpu_distributed.py (two ranks), then benchmarks/bench_distributed.py under torchrun on
 # CP_NPROC GPUs; logs and tables under $OUT (or build/cp-check).
 #   CP_NPROC          ranks of the benchmark (default 2)
-#   CP_BENCH_ARGS     its arguments (default: issue 16's configurations, both transports of ours det)
+#   CP_BENCH_ARGS     its arguments (default: issue 16's configurations, both transports of ours det, the
+#                     nd default beside the run plan)
 #   CP_SKIP_TESTS=1   benchmark only
 #   DASH_FA3_REBUILD=1, DASH_FA3_VARIANTS, DASH_FA3_LAYOUTS, DASH_FA3_COMMIT as elsewhere
 set -uo pipefail
@@ -40,7 +41,7 @@ if [ "${CP_SKIP_TESTS:-0}" != 1 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
-ARGS=${CP_BENCH_ARGS:---tokens 64k,128k --heads 16/16,32/8 --peers cudnn --cp-transports p2p:1,shared:1,shared:4}
+ARGS=${CP_BENCH_ARGS:---tokens 64k,128k --heads 16/16,32/8 --peers cudnn --cp-transports p2p:1,shared:1 --nd-runs}
 echo "== bench_distributed on ${CP_NPROC:-2} ranks: $ARGS"
 # shellcheck disable=SC2086  # ARGS is a word list
 torchrun --standalone --nproc-per-node "${CP_NPROC:-2}" benchmarks/bench_distributed.py $ARGS \
