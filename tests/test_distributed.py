@@ -551,3 +551,20 @@ def test_checkpoint_block_skips_distributed_attention_rerun(tmp_path):
 
 if __name__ == "__main__":
     _worker(sys.argv[1:])
+
+
+def test_slot_is_the_largest_message_set_the_pass_makes():
+    """heads.slot_bytes runs the pass's own gather and scatter on meta tensors: at P = 2 a rank sends
+    its peer its n/2 tokens of the peer's heads of q, k, v (the forward's inputs), more than the
+    results (out and the fp32 LSE); at P = 4 with 8 KV heads likewise, per peer."""
+    from dash_fa3.distributed import heads
+    from dash_fa3.schedule import cp_heads
+
+    for P, n, h, hk in ((2, 8192, 8, 8), (4, 16384, 16, 8), (3, 12288, 12, 6)):
+        p = cp_heads.plan(P, n, h, hk, "zigzag", 1)
+        q = torch.empty((2, n // P, h, 64), dtype=torch.bfloat16, device="meta")
+        k = torch.empty((2, n // P, hk, 64), dtype=torch.bfloat16, device="meta")
+        lse = torch.empty((2, h, n // P), dtype=torch.float32, device="meta")
+        per_peer = 2 * (n // P) * 64 * 2 * (h // P + 2 * hk // P)   # every piece's size is a multiple of 16
+        assert heads.slot_bytes(p, [(q, 1, 2, True), (k, 1, 2, False), (k, 1, 2, False)],
+                                [(q, 1, 2, True), (lse, 2, 1, True)]) == per_peer

@@ -218,29 +218,43 @@ def _run(p, rank, group, inputs, compute, outputs, what):
             dst.copy_(src)
 
 
-def slot_bytes(p: cp_heads.HeadPlan, inputs, outputs) -> int:
-    """The most bytes one rank sends another in either exchange of a pass (all chunks, messages
-    aligned as the shared transport lays them out): its slot. The same on every rank, since every
-    rank's local tensors have the same shapes."""
-    def row(t, s, hd):   # bytes per (token, head)
-        return t.numel() // (t.shape[s] * t.shape[hd]) * t.element_size()
+class _Sizes:
+    """An exchange that only counts the bytes each peer is sent, each message aligned as the shared
+    transport lays it out (for :func:`slot_bytes`)."""
 
-    def width(lo_hi):
-        return lo_hi[1] - lo_hi[0]
+    def __init__(self):
+        self.sent: dict[int, int] = {}
+
+    def send(self, peer: int, x: torch.Tensor) -> None:
+        self.sent[peer] = self.sent.get(peer, 0) + shared.aligned(x.numel() * x.element_size())
+
+    def recv_into(self, peer: int, dst: torch.Tensor) -> None:
+        pass
+
+    def recv_buffer(self, peer: int, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def slot_bytes(p: cp_heads.HeadPlan, inputs, outputs) -> int:
+    """The most bytes one rank sends another in either exchange of a pass (all chunks): its slot.
+    Counted by running the pass's own :func:`_gather` and :func:`_scatter` for every rank on meta
+    tensors of the local shapes, so the messages are sized where they are made. The same on every
+    rank, since every rank's local tensors have the same shapes."""
+    def meta(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     most = 0
-    for src in range(p.num_ranks):
-        for dst in range(p.num_ranks):
-            if src == dst:
-                continue
-            # _gather: src's pieces of dst's heads; _scatter: dst's pieces of src's heads
-            need_in = sum(shared.aligned((b - a) * G * width(_heads_fn(p, c, pq)(dst)) * row(x, s, hd))
-                          for c in range(len(p.chunks)) for x, s, hd, pq in inputs
-                          for a, b, _ in p.messages(src, dst))
-            need_out = sum(shared.aligned((b - a) * G * width(_heads_fn(p, c, pq)(src)) * row(o, s, hd))
-                           for c in range(len(p.chunks)) for o, s, hd, pq in outputs
-                           for a, b, _ in p.messages(dst, src))
-            most = max(most, need_in, need_out)
+    for r in range(p.num_ranks):
+        sent_in, sent_out = _Sizes(), _Sizes()
+        for c in range(len(p.chunks)):
+            for x, s, hd, pq in inputs:
+                _gather(meta(x.shape, x.dtype), s, hd, p, r, _heads_fn(p, c, pq), sent_in)
+            for o, s, hd, pq in outputs:
+                lo, hi = _heads_fn(p, c, pq)(r)
+                shape = list(o.shape)
+                shape[s], shape[hd] = p.num_blocks * G, hi - lo
+                _scatter(meta(shape, o.dtype), s, hd, p, r, _heads_fn(p, c, pq), meta(o.shape, o.dtype), sent_out)
+        most = max([most, *sent_in.sent.values(), *sent_out.sent.values()])
     return most
 
 
