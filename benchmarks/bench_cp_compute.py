@@ -162,8 +162,7 @@ def main(argv=None) -> int:
                 t1 = med[("T1", 0)]
                 per = {key: ms for key, ms in med.items() if key[0] != "T1"}
                 bnd = bounds(t1, per, args.P)
-                bal = {key: steps_balance(h, hk, n, det, lo, hi, num_sms) for key, _, lo, hi in
-                       [((P, r), None, lo, hi) for P, r, lo, hi in work]}
+                bal = {(P, r): steps_balance(h, hk, n, det, lo, hi, num_sms) for P, r, lo, hi in work}
                 rec = {"tokens": n, "heads": h, "heads_kv": hk, "mode": mode, "t1_ms": t1,
                        "t1_first_call_s": first[("T1", 0)], "t1_steps_balance": bal[("T1", 0)],
                        "ranks": [{"P": P, "rank": r, "kv": [lo, hi], "ms": med[(P, r)],

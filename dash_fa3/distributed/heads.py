@@ -226,7 +226,7 @@ class _Sizes:
         self.sent: dict[int, int] = {}
 
     def send(self, peer: int, x: torch.Tensor) -> None:
-        self.sent[peer] = self.sent.get(peer, 0) + shared.aligned(x.numel() * x.element_size())
+        self.sent[peer] = self.sent.get(peer, 0) + shared.message_bytes(x.shape, x.dtype)
 
     def recv_into(self, peer: int, dst: torch.Tensor) -> None:
         pass

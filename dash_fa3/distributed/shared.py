@@ -103,6 +103,11 @@ def _nbytes(shape, dtype) -> int:
     return n
 
 
+def message_bytes(shape, dtype) -> int:
+    """The room one message takes in a slot: its bytes, rounded up to the next message's alignment."""
+    return aligned(_nbytes(shape, dtype))
+
+
 class _CudaBuffers:
     """This rank's buffer in PyTorch's symmetric memory and views of the peers' (``get_buffer``)."""
 
@@ -234,7 +239,7 @@ class Pass:
 
     def _take(self, offsets: list[int], peer: int, shape, dtype) -> int:
         off = offsets[peer]
-        offsets[peer] = off + aligned(_nbytes(shape, dtype))
+        offsets[peer] = off + message_bytes(shape, dtype)
         if offsets[peer] > self.slot:
             raise RuntimeError(f"dash_fa3.distributed ({self.what}): messages for rank {peer} exceed the "
                                f"{self.slot}-byte slot the plan sized (internal error)")

@@ -652,7 +652,7 @@ def _static_tasks(name: str, g: Geometry, num_sms: int) -> _StaticTasks:
     S = num_sms
     u = np.arange(U, dtype=np.int64)
     u_head, u_p = u // units, u % units
-    u_cta, u_wave = u % S, planned_wave(u // units, u % units, units, S)
+    u_cta, u_wave = u % S, planned_wave(u_head, u_p, units, S)
     u_pa = np.maximum(0, u_wave * S - u_head * units)
     u_pb = np.minimum(units, (u_wave + 1) * S - u_head * units)
     u_rows = 1 + (u_p < pairs_hi)
@@ -694,16 +694,21 @@ def _static_tasks(name: str, g: Geometry, num_sms: int) -> _StaticTasks:
 
 
 # ---------------------------------------------------------------- entry points
+def _checked(name: str, geometry: Geometry, num_sms) -> tuple[str, int]:
+    """(the concrete schedule name, the SM count) of a build's arguments, checked."""
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
+    num_sms = _check_num_sms(num_sms)
+    return resolve_schedule_name(name, geometry, num_sms=num_sms), num_sms
+
+
 def build_schedule(name: str, geometry: Geometry, num_sms: int, *, validate: bool = True) -> Schedule:
     """Build schedule ``name`` for ``geometry`` on ``num_sms`` persistent CTAs.
 
     With ``validate=True`` (default) every check of :func:`.validate.validate`
     runs and a failing schedule raises :class:`ScheduleError`.
     """
-    if not isinstance(geometry, Geometry):
-        raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
-    num_sms = _check_num_sms(num_sms)
-    name = resolve_schedule_name(name, geometry, num_sms=num_sms)
+    name, num_sms = _checked(name, geometry, num_sms)
     builder = _build_dynamic if name in DYNAMIC_SCHEDULES else _build_static
     sched = builder(name, geometry, num_sms)
     if validate:
@@ -715,10 +720,7 @@ def build_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMet
     """Only the kernel's input of schedule ``name``, from its rows alone (O(tasks) time and
     memory: the same arrays as ``build_schedule(...).meta``, without enumerating a step).
     Unvalidated: the kernel path checks it with :func:`.validate.check_metadata`."""
-    if not isinstance(geometry, Geometry):
-        raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
-    num_sms = _check_num_sms(num_sms)
-    name = resolve_schedule_name(name, geometry, num_sms=num_sms)
+    name, num_sms = _checked(name, geometry, num_sms)
     if name in DYNAMIC_SCHEDULES:
         return _dynamic_tasks(name, geometry, num_sms)[2]
     return _static_tasks(name, geometry, num_sms).meta

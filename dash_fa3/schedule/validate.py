@@ -221,13 +221,14 @@ CHECK_CHUNK_STEPS = 1 << 21
 CHECK_THREADS = 4
 
 
-def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray, int, bool]:
+def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]:
     """(potential of each row's first step, the width of a row's span, strict): the deadlock
     certificate's potential phi of step s of row r is pot[r] + s. It must rise strictly along every
     CTA's program, and along every dQ tile's rank order rise (strict) or not fall (not strict).
 
-    Dynamic dispatch (queue schedules): phi orders by claim: the row's place in the queue (only
-    its place among its head's rows matters: a wait never leaves its head).
+    Dynamic dispatch (queue schedules): phi orders by claim: the row's place in the queue. Only its
+    place among its head's rows matters (a wait never leaves its head), which check_metadata
+    derives from the table order, so no per-row potential is returned (None).
     Static shift schedules: the planned time (wave, step within the unit) they rank dQ adds by
     (:func:`.schedules.planned_wave`); ties in a dQ tile are allowed there, since a cycle would
     need a program-order edge, and those rise strictly."""
@@ -235,7 +236,7 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray, int, bool]:
 
     h, t = meta.header, meta.tasks.astype(np.int64)
     if int(h[M.H_DISPATCH]) == M.DISPATCH_DYNAMIC:
-        return np.arange(t.shape[0], dtype=np.int64) * (g.n_q + 1), g.n_q + 1, True
+        return None, g.n_q + 1, True
     if int(h[M.H_RANK_KIND]) != M.RANK_SHIFT:
         raise ValueError("check_metadata certifies queue schedules dispatched dynamically and the static shift "
                          "schedules; validate other static task lists with build_schedule(...).validate()")
