@@ -1,4 +1,4 @@
-"""Render the measured tables kept as data into ``benchmarks/RESULTS.md`` and the README's chart.
+"""Render the measured tables kept as data into ``benchmarks/RESULTS.md`` and the README's chart and figures.
 
 Each ``benchmarks/results/*.json`` file is one measured table: where it ran
 (``device``, ``date``, ``commit``), how (``command``, ``software``, ``peers``),
@@ -8,8 +8,8 @@ rendered cell reads as it was written down; a column without ``decimals``
 holds text. ``summary_columns`` name the ratio columns that get min / median /
 max rows under the rendered table.
 
-    python benchmarks/results/render.py            # write RESULTS.md (and the chart, if matplotlib is there)
-    python benchmarks/results/render.py --check    # exit 1 if RESULTS.md is not what the data renders to
+    python benchmarks/results/render.py            # RESULTS.md, the README's figures block, the chart
+    python benchmarks/results/render.py --check    # exit 1 if RESULTS.md or the README block is stale
     python benchmarks/results/render.py --chart docs/img/headline.png
 
 The data files are the source: a new measurement is a new file (never an edit
@@ -28,6 +28,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
+README = ROOT / "README.md"
+BEGIN = "<!-- render.py: headline begin -->"
+END = "<!-- render.py: headline end -->"
 CHART = ROOT / "docs" / "img" / "headline.png"
 
 REQUIRED = ("id", "title", "device", "date", "commit", "command", "unit", "journal", "columns", "rows")
@@ -162,6 +165,41 @@ def points(table: dict, hdim: int, mask: str, names: list[str]) -> dict:
     return out
 
 
+def headline_lines(tables: list[dict]) -> list[str]:
+    """The README's figures under the chart: the chart's sources and their ratio ranges."""
+    bwd, fwd = by_id(tables, CHART_BWD), by_id(tables, CHART_FWD)
+    lines = [
+        f"{bwd['device']}, bf16, hdim {CHART_HDIM}, the paper's grid (16k tokens, hidden 2048):",
+        f"backward {bwd['date']} at {bwd['commit']}, forward {fwd['date']} at {fwd['commit']};",
+        f"peers in the same process: {bwd['peers']}. FA4 is not measured yet.",
+        f"Ratios over the whole grid of each table (`{Path(bwd['command'].split()[1]).name}`):",
+        "",
+        f"| ratio ({bwd['device']}, {bwd['date']}) | min | median | max |",
+        "|---|---|---|---|",
+    ]
+    rows = [
+        (bwd, "nd/FA3 nd", "backward non-deterministic / FA3's, hdim 64/128"),
+        (bwd, "best det/FA3 det", "best deterministic schedule / FA3 deterministic"),
+        (bwd, "auto/max nd", "deterministic `auto` / best non-deterministic of the three"),
+        (fwd, "fwd/max fwd", "forward / max(FA3, cuDNN), hdim 64/128/256"),
+    ]
+    for table, name, label in rows:
+        col = next(c for c in table["columns"] if c["name"] == name)
+        vals = column(table, name)
+        cells = [fmt(col, f(vals)) for f in (min, statistics.median, max)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def with_headline(readme: str, tables: list[dict]) -> str:
+    """``readme`` with the block between the headline markers rewritten from the data."""
+    if BEGIN not in readme or END not in readme:
+        raise DataError(f"README.md lacks the markers {BEGIN} / {END}")
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return head + BEGIN + "\n" + "\n".join(headline_lines(tables)) + "\n" + END + tail
+
+
 def render_chart(tables: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -212,14 +250,23 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"render.py: {e}", file=sys.stderr)
         return 2
-    text = render_markdown(tables)
+    try:
+        text = render_markdown(tables)
+        readme = README.read_text()
+        new_readme = with_headline(readme, tables)
+    except DataError as e:
+        print(f"render.py: {e}", file=sys.stderr)
+        return 2
     if args.check:
-        if not RESULTS_MD.is_file() or RESULTS_MD.read_text() != text:
-            print("benchmarks/RESULTS.md is out of date: run python benchmarks/results/render.py", file=sys.stderr)
+        stale = [p.name for p, old, new in ((RESULTS_MD, RESULTS_MD.read_text() if RESULTS_MD.is_file() else "", text),
+                                            (README, readme, new_readme)) if old != new]
+        if stale:
+            print(f"out of date: {', '.join(stale)}; run python benchmarks/results/render.py", file=sys.stderr)
             return 1
         return 0
     RESULTS_MD.write_text(text)
-    print(f"wrote {RESULTS_MD.relative_to(ROOT)} ({len(tables)} tables)")
+    README.write_text(new_readme)
+    print(f"wrote {RESULTS_MD.relative_to(ROOT)} ({len(tables)} tables) and README.md's figures")
     if not args.no_chart:
         chart = args.chart or CHART
         render_chart(tables, chart)
