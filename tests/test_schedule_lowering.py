@@ -5,6 +5,7 @@ import pytest
 
 from dash_fa3.schedule import SCHEDULES, Geometry, build_schedule, get_schedule
 from dash_fa3.schedule import metadata as M
+from dash_fa3.schedule import policy
 from dash_fa3.schedule.lowering import get_kernel_metadata, greedy_assignment, lower_to_static
 from test_schedule_validation import GRID, SMS
 
@@ -71,6 +72,8 @@ def test_kernel_dispatch_is_checked():
 
 def test_kernel_metadata_is_cached():
     g = Geometry.from_shape(batch=2, heads=16, seqlen_q=2048, headdim=128, causal=True)
-    assert get_kernel_metadata("auto", g, 132) is get_kernel_metadata("spt", g, 132)
+    assert policy.get_kernel_metadata("auto", g, 132) is get_kernel_metadata("spt", g, 132)
+    with pytest.raises(ValueError, match="'auto' is resolved"):   # the contract takes concrete names
+        get_kernel_metadata("auto", g, 132)
     assert get_kernel_metadata("descending", g, 132) is not get_kernel_metadata("fa3", g, 132)
     assert get_schedule("spt", g, 132).dynamic

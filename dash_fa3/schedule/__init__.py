@@ -9,16 +9,19 @@ Two layers:
   with its wait-for graph (:mod:`.waitgraph`), :mod:`.export`;
 * the research model (:mod:`.model`): DAG and critical path, simulator, the
   paper's closed forms, Gantt charts, the CLI.  It depends on the contract,
-  never the reverse.
+  never the reverse;
+* above both, :mod:`.policy`: what ``auto`` resolves to (a table of measured
+  picks, or the calibrated model's), and the entry points that accept ``auto``.
 
 Public API (all importable from here):
 
 * :class:`Geometry`, :func:`bwd_block_sizes` -- tile geometry of one backward call;
 * :func:`get_schedule` / :func:`get_metadata` (cached), :func:`build_schedule`, :class:`Schedule`,
-  ``SCHEDULES`` / ``SCHEDULE_NAMES``, :func:`resolve_schedule_name`;
+  ``SCHEDULES`` / ``SCHEDULE_NAMES``, :func:`resolve_schedule_name`, :func:`set_auto_policy`,
+  :func:`get_auto_policy`;
 * :func:`validate`, :class:`ScheduleError`, :class:`ValidationReport`;
 * :class:`ScheduleMeta`, :func:`decode_step`, :func:`decode_all` -- the kernel's input;
-* :func:`simulate`, :class:`CostModel`, :class:`SimResult`;
+* :func:`simulate`, :class:`CostModel`, :class:`SimResult`, :func:`unit_model`;
 * :func:`critical_path`, :func:`longest_path`;
 * :func:`paper_makespan` -- the paper's closed forms;
 * :func:`plot_gantt`; :func:`main` -- the CLI (``python -m dash_fa3.schedule``).
@@ -27,11 +30,12 @@ Public API (all importable from here):
 from .contract import BWD_BLOCK_SIZES
 from .geometry import MASKS, Geometry, bwd_block_sizes
 from .metadata import ScheduleMeta, decode_all, decode_step
-from .schedules import (SCHEDULE_NAMES, SCHEDULES, Schedule, build_schedule, clear_cache,
-                        get_metadata, get_schedule, resolve_schedule_name)
+from .schedules import SCHEDULE_NAMES, SCHEDULES, Schedule, clear_cache
 from .validate import ScheduleError, ValidationReport, validate
 from .model import (CostModel, CriticalPath, SimResult, critical_path, longest_path, paper_makespan,
-                    simulate)
+                    simulate, unit_model)
+from .policy import (build_metadata, build_schedule, get_auto_policy, get_metadata, get_schedule,
+                     resolve_schedule_name, set_auto_policy)
 
 
 def plot_gantt(*args, **kwargs):
@@ -56,10 +60,10 @@ def __getattr__(name):
 __all__ = [
     "BWD_BLOCK_SIZES", "MASKS", "Geometry", "bwd_block_sizes",
     "ScheduleMeta", "decode_all", "decode_step",
-    "SCHEDULE_NAMES", "SCHEDULES", "Schedule", "build_schedule", "clear_cache", "get_metadata", "get_schedule",
-    "resolve_schedule_name",
+    "SCHEDULE_NAMES", "SCHEDULES", "Schedule", "build_schedule", "build_metadata", "clear_cache", "get_metadata",
+    "get_schedule", "resolve_schedule_name", "set_auto_policy", "get_auto_policy",
     "ScheduleError", "ValidationReport", "validate",
-    "CostModel", "SimResult", "simulate",
+    "CostModel", "SimResult", "simulate", "unit_model",
     "CriticalPath", "critical_path", "longest_path",
     "paper_makespan", "plot_gantt", "main",
 ]

@@ -22,8 +22,8 @@ import numpy as np
 
 from . import metadata as M
 from .geometry import Geometry
-from .schedules import (DYNAMIC_SCHEDULES, Schedule, _check_num_sms, _i32, build_metadata, get_schedule,
-                        greedy_assignment, resolve_schedule_name, task_claim_cost)
+from .schedules import (DYNAMIC_SCHEDULES, Schedule, _check_num_sms, _concrete, _i32, build_metadata,
+                        get_schedule, greedy_assignment, task_claim_cost)
 from .validate import check_metadata
 
 
@@ -91,11 +91,12 @@ def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int, dispatc
 
 def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int, dispatch: str | None = None) -> M.ScheduleMeta:
     """The validated metadata the backward kernel runs; cached by shape. ``dispatch``
-    (default :data:`KERNEL_DISPATCH`): how a queue schedule is run."""
+    (default :data:`KERNEL_DISPATCH`): how a queue schedule is run. ``name`` is concrete:
+    :func:`.policy.get_kernel_metadata` resolves ``auto`` first."""
     num_sms = _check_num_sms(num_sms)
     dispatch = dispatch or KERNEL_DISPATCH
     if dispatch not in KERNEL_DISPATCHES:
         raise ValueError(f"dispatch must be one of {KERNEL_DISPATCHES}, got {dispatch!r}")
-    name = resolve_schedule_name(name, geometry, num_sms=num_sms)
+    name = _concrete(name)
     # a static schedule runs its own CTA lists whatever the dispatch: one cache entry
     return _kernel_metadata_cached(name, geometry, num_sms, dispatch if name in DYNAMIC_SCHEDULES else "static")

@@ -41,7 +41,7 @@ from .contract import (C_BATCH, C_CTA, C_CYC_BASE, C_CYC_LEN, C_CYC_OFF, C_HEAD,
                        H_WINDOW_RIGHT,
                        HEADER_FIELDS, HEADER_LEN, MAGIC, MASK_CAUSAL, MASK_CODES, MASK_FULL, MASK_LOCAL,
                        METADATA_VERSION, NUM_COLS, RANK_ASC, RANK_DESC,
-                       RANK_SHIFT, ROLE_HI, ROLE_LO)
+                       RANK_SHIFT, RANK_SPLIT, ROLE_HI, ROLE_LO, C_SPLIT, C_SPLIT_BEGIN, C_RECT, H_NUM_SPLITS)
 from .geometry import TileGeometry
 
 
@@ -49,6 +49,19 @@ def tile_geometry_of(header) -> TileGeometry:
     """The block geometry a schedule header describes (C++: ``tile_geometry_of``)."""
     return TileGeometry(int(header[H_SEQLEN_Q]), int(header[H_SEQLEN_K]), int(header[H_BLOCK_M]),
                         int(header[H_BLOCK_N]), int(header[H_WINDOW_LEFT]), int(header[H_WINDOW_RIGHT]))
+
+
+def planned_wave(hidx, p, units: int, num_sms: int):
+    """The wave of unit p of head index hidx in a static shift schedule: unit u = hidx * units + p
+    runs on CTA u % S in wave u // S. With the step's time within its unit (:func:`planned_t0` +
+    step) it is the planned time those schedules rank dQ adds by (the SHIFT rank kind), and the
+    potential :func:`.validate.check_metadata` certifies deadlock freedom with."""
+    return (hidx * units + p) // num_sms
+
+
+def planned_t0(g, role, p):
+    """Planned time of a row's first step within its unit: a hi tile runs after its lo tile p."""
+    return np.where(role == 1, g.task_len[p], 0)
 
 
 def _decode(header, col, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -75,18 +88,27 @@ def _decode(header, col, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return q, kv_end - 1 - kv
     # RANK_SHIFT: units (KV tile p, optionally paired with hi tile n_kv-1-p) run in
     # waves; units [seg_begin, seg_end) of this head share this task's wave.
+    # RANK_SPLIT: the same rule within the task's dQ split, which has a rectangle of
+    # its own (the row's rect) and counts only its own KV tiles, from split_begin
+    # (its segment is the wave's units that belong to the split).
     n_kv = tiles.n_kv
     pa = col(C_SEG_BEGIN)
     pb = col(C_SEG_END)
     seg = pb - pa
     pairs_hi = int(header[H_PAIRS_HI])
-    rect = int(header[H_RECT_BEGIN])
-    width = max(tiles.n_q - rect, 1)  # rect == n_q: no rectangle, its branch is never taken
-    # contributions to q from units [0, pa) (earlier waves): lo tiles kv_begin <= p < kv_end,
-    # and hi tiles n_kv-1-p (p < min(pa, pairs_hi)) below kv_end.
-    earlier = np.minimum(kv_end, pa)
-    earlier = np.where(kv_begin > 0, np.maximum(0, earlier - kv_begin), earlier)
-    base = earlier + np.maximum(0, kv_end - n_kv + np.minimum(pa, pairs_hi))
+    split = kind == RANK_SPLIT
+    rect = col(C_RECT) if split else int(header[H_RECT_BEGIN])
+    width = np.maximum(tiles.n_q - rect, 1)  # rect == n_q: no rectangle, its branch is never taken
+
+    def units_before(x):
+        # contributions to q from units [0, x): lo tiles kv_begin <= p < kv_end, and hi
+        # tiles n_kv-1-p (p < min(x, pairs_hi)) below kv_end.
+        lo = np.minimum(kv_end, x)
+        lo = np.where(kv_begin > 0, np.maximum(0, lo - kv_begin), lo)
+        return lo + np.maximum(0, kv_end - n_kv + np.minimum(x, pairs_hi))
+
+    # contributions to q of earlier waves (of the split's units, with splits)
+    base = units_before(pa) - (units_before(col(C_SPLIT_BEGIN)) if split else 0)
     # hi tile: after every lo tile of the segment; hi tiles ascending
     local_hi = seg + kv - (n_kv - np.minimum(pb, pairs_hi))
     # above the rectangle: lo tiles in descending order

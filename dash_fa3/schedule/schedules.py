@@ -22,7 +22,6 @@ u // S; CTA i runs its rows in order.
 from __future__ import annotations
 
 import heapq
-import os
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -31,116 +30,20 @@ import numpy as np
 from . import metadata as M
 from .contract import MASK_CODES, SCHEDULES
 from .geometry import Geometry, _cdiv
+from .metadata import planned_t0, planned_wave
+from .validate import validate as _validate
 
 SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES + ("auto",)
 DYNAMIC_SCHEDULES = ("fa3", "spt", "descending", "lpt")
 STATIC_SCHEDULES = ("shift", "symmetric_shift")
 
 
-#: How a deterministic ``auto`` is resolved: "table" (the default: the rule below, from
-#: measured grid points) or "model" (the schedule the calibrated simulator predicts
-#: fastest for the shape, :func:`.model.calibration.best_schedule`; opt-in, see
-#: docs/schedule.md "Calibration" for how it compares).  The environment variable
-#: DASH_FA3_AUTO_POLICY sets it at import; :func:`set_auto_policy` at run time.
-AUTO_POLICIES = ("table", "model")
-_auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
-if _auto_policy not in AUTO_POLICIES:
-    raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
-
-
-def set_auto_policy(policy: str) -> str:
-    """Set how a deterministic ``auto`` resolves ("table" or "model"); returns the previous
-    policy.  Resolved schedules are cached per shape, so set it before the first call."""
-    global _auto_policy
-    if policy not in AUTO_POLICIES:
-        raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
-    old, _auto_policy = _auto_policy, policy
-    return old
-
-
-def get_auto_policy() -> str:
-    return _auto_policy
-
-
-def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = True, *,
-                          num_sms: int | None = None, headdim: int | None = None,
-                          policy: str | None = None) -> str:
-    """Map ``auto`` to a concrete schedule; check the name.
-
-    ``policy`` (default: :func:`get_auto_policy`) "model" picks the calibrated
-    model's fastest deterministic schedule for ``num_sms`` SMs (default 132) and
-    ``headdim`` (default: from the tile sizes); "table" is the rule below.
-
-    Deterministic, ``auto`` is the best measured deterministic schedule on the
-    bench grid (H100, 2026-11-22, commit a99797c, the side-by-side grid of
-    benchmarks/RESULTS.md): causal: ``symmetric_shift`` from 32 KV tiles on
-    (4k tokens), ``spt`` below, and ``spt`` again from 64 KV tiles (8k tokens)
-    with head dim 64's square 128 x 128 tiles (H100, 2026-11-24, afcc41a:
-    8k 493 against 487 TFLOP/s, 16k 528 against 518; ba57b3b, 2026-11-23:
-    486 / 485 and 519 / 512; below 64 KV tiles too, revised below); full: ``shift`` for 5..64 KV tiles with square
-    tiles (head dim 64) and 5..128 with head dim 128's 64x128 tiles, else
-    ``fa3`` (revised below). On the afcc41a grid (benchmarks/RESULTS.md) that pick's schedule
-    is within 2.0% of the best one at all 24 points (the furthest: head dim
-    128 full 16k, ``shift`` 603 against ``spt`` 615). A table of grid points
-    still: shapes off the grid get its nearest rule (the schedule issue asks
-    for a calibrated model instead).
-    Head dims 192 and 256 (64 x 64 tiles, the head-dim-split kernels; H100,
-    2026-11-23, the grid's lengths at commit 69f5ac0 and 4k/16k per order at
-    ae49cbb): ``spt`` is the best causal schedule from 4k on (1-9% ahead of
-    ``symmetric_shift``, which the rule above would pick; at 2k the two are
-    within 1.5%), and full masks want ``shift`` for 5..128 KV tiles (8k:
-    7% ahead of ``fa3``), ``fa3`` order at 256 (16k, within 1% of the best).
-    Local (window) masks, not measured yet: ``spt``. Its dQ order (descending
-    KV tile) is the order in which the KV tiles of a band reach a Q tile when
-    they start together, since a later KV tile's Q range starts no earlier.
-    Revised on the 28 shapes off the grid of benchmarks/bench_auto.py (H100,
-    2026-11-24, RESULTS.md): the shift orders only where seqlen_k <= seqlen_q
-    (seqlen_q < seqlen_k: 2048 x 6144 full at head dim 128, ``shift`` 0.88x
-    ``fa3``; 4096 x 8192 causal, ``symmetric_shift`` 0.975x ``spt``; seqlen_q >
-    seqlen_k: 4096 x 2048 causal and 12288 x 4096 full, the shift orders best
-    by 11-13%), and ``shift`` for full masks up to 128 KV tiles at head dim 64
-    too (12288 tokens, 96 tiles: ``fa3`` 0.89x ``shift``; on the grid at 16k,
-    128 tiles, ``shift`` is within 1.2% of the best). Revised again on the grids of
-    bd4fdf8 and eb1bad4 (H100, 2026-11-24, RESULTS.md): with square tiles ``shift`` from 4
-    KV tiles (512 tokens: ``shift`` 306 and ``fa3`` 306 TFLOP/s at bd4fdf8, 304 and 254
-    with eb1bad4's run-time claims) up to 127, ``fa3`` at 128 (16k: 529 against ``shift``'s
-    536 at bd4fdf8).
-    Head dim 192 on three MMA warpgroups (64 x 96 tiles, MLA's (192, 128) too; H100,
-    2026-11-24, the grid at 31f5fb2): causal ``spt`` at every length (4k-16k: 434 /
-    480 / 504 TFLOP/s against ``symmetric_shift``'s 416 / 461 / 494; MLA 412 / 458 /
-    483 against 393 / 426 / 460), full ``shift`` up to 16k tokens, 171 KV tiles (16k:
-    545 against ``fa3``'s 511; MLA 500 against 504).
-    Square tiles (head dim 64), causal: ``spt`` at 32..63 KV tiles too (4k tokens: 472
-    against ``symmetric_shift``'s 461 TFLOP/s at c51eb7b, 469 / 461 at 2a67b5e, 466 / 458
-    at 916185e; H100, 2026-11-24/25, RESULTS.md), so ``spt`` at every length.
-    Head dim 96 (64 x 128 tiles, as head dim 128; told apart by ``headdim``, which the
-    op passes): causal ``spt`` at every length (H100, 2026-11-24, 4d18e9c: 4k / 8k / 16k
-    430 / 475 / 500 TFLOP/s against ``symmetric_shift``'s 407 / 454 / 479; in-sample).
-    Non-deterministic, the accumulation order is free and ``auto`` is ``lpt``,
-    the best-balanced task order.
-    """
+def _concrete(name: str) -> str:
+    """``name``, checked to be a concrete schedule (``auto`` resolves above the contract:
+    :func:`.policy.resolve_schedule_name`)."""
     if name == "auto":
-        g = geometry
-        if not deterministic:
-            return "lpt"
-        policy = policy or _auto_policy
-        if policy not in AUTO_POLICIES:
-            raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
-        if g.local:  # (the calibration covers full and causal masks only)
-            return "spt"
-        if policy == "model":
-            from .model.calibration import best_schedule  # lazy: the contract does not need the model
-            return best_schedule(g, num_sms or 132, headdim)
-        square = g.block_m == g.block_n == 128  # head dim 64
-        # The shift orders lose where keys outnumber queries (see above).
-        keys_within = g.seqlen_k <= g.seqlen_q
-        if g.causal:
-            sym = keys_within and g.n_kv >= 32 and g.block_n >= 128 and not square and headdim != 96
-            return "symmetric_shift" if sym else "spt"
-        # Square tiles: shift from 4 KV tiles (512 tokens) up to 127 (at 128 the queue orders
-        # are as fast); 64 x 96 (head dim 192): 5..171 (16k tokens); 64 x 128 and 64 x 64: 5..128.
-        shift_kv = (4, 127) if square else (5, 171) if g.block_n == 96 else (5, 128)
-        return "shift" if keys_within and shift_kv[0] <= g.n_kv <= shift_kv[1] else "fa3"
+        raise ValueError("'auto' is resolved by dash_fa3.schedule.resolve_schedule_name before the contract's "
+                         "entry points; the ones of dash_fa3.schedule accept it")
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
     return name
@@ -233,10 +136,21 @@ class Schedule:
         return self.task_batch * self.geometry.heads + self.task_head
 
     @property
+    def num_splits(self) -> int:
+        """dQ splits: fp32 accumulators, each with its own add order (1 but for ``split``)."""
+        return int(self.meta.header[M.H_NUM_SPLITS])
+
+    @property
+    def task_split(self) -> np.ndarray:
+        """The dQ split each task adds into (task-table order, as the other task arrays)."""
+        return self.meta.tasks[:, M.C_SPLIT].astype(np.int64)
+
+    @property
     def step_dq_tile(self) -> np.ndarray:
-        """Global dQ tile id (batch, head, q) of each step."""
+        """Global dQ tile id (split, batch, head, q) of each step."""
         if "step_dq" not in self._cache:
-            a = self.task_head_index[self.step_task] * self.geometry.n_q + self.step_q
+            hidx = self.task_head_index + self.task_split * self.geometry.num_heads_total
+            a = hidx[self.step_task] * self.geometry.n_q + self.step_q
             a.setflags(write=False)
             self._cache["step_dq"] = a
         return self._cache["step_dq"]
@@ -278,18 +192,11 @@ class Schedule:
             raise KeyError((batch, head, kv))
         return int(hit[0])
 
-    # checks (lazy import: validate imports this module) and the model
     def validate(self):
         """Run every check once (cached); raise ScheduleError if one fails."""
         if self._validation is None:
-            from .validate import validate
-            self._validation = validate(self)
+            self._validation = _validate(self)
         return self._validation
-
-    def simulate(self, costs=None):
-        """The research model's event simulation (:func:`.model.simulate.simulate`)."""
-        from .model.simulate import simulate
-        return simulate(self, costs)
 
 
 # ---------------------------------------------------------------- helpers
@@ -318,7 +225,7 @@ def accumulation_predecessors(dq_tile: np.ndarray, rank: np.ndarray) -> np.ndarr
 
 
 def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, units, pairs_hi,
-            num_steps, offsets_len, cyc_stride_log2=0) -> np.ndarray:
+            num_steps, offsets_len, cyc_stride_log2=0, num_splits=1) -> np.ndarray:
     g = geometry
     h = np.zeros(M.HEADER_LEN, dtype=np.int64)
     h[M.H_MAGIC] = M.MAGIC
@@ -341,6 +248,7 @@ def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, unit
     h[M.H_NUM_STEPS] = num_steps
     h[M.H_OFFSETS_LEN] = offsets_len
     h[M.H_CYC_STRIDE_LOG2] = cyc_stride_log2
+    h[M.H_NUM_SPLITS] = num_splits
     return _i32(h)
 
 
@@ -626,19 +534,6 @@ class _StaticTasks(NamedTuple):
     num_ctas: int
 
 
-def planned_wave(hidx, p, units: int, num_sms: int):
-    """The wave of unit p of head index hidx: unit u = hidx * units + p runs on CTA u % S in wave
-    u // S. With the step's time within its unit (:func:`planned_t0` + step) it is the planned
-    time the static schedules rank dQ adds by; :func:`.validate.check_metadata` certifies
-    deadlock freedom with it."""
-    return (hidx * units + p) // num_sms
-
-
-def planned_t0(g: Geometry, role, p):
-    """Planned time of a row's first step within its unit: a hi tile runs after its lo tile p."""
-    return np.where(role == 1, g.task_len[p], 0)
-
-
 def _static_tasks(name: str, g: Geometry, num_sms: int) -> _StaticTasks:
     """The rows of a static schedule and the metadata the kernel decodes (O(tasks): no step is
     enumerated)."""
@@ -699,7 +594,7 @@ def _checked(name: str, geometry: Geometry, num_sms) -> tuple[str, int]:
     if not isinstance(geometry, Geometry):
         raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
     num_sms = _check_num_sms(num_sms)
-    return resolve_schedule_name(name, geometry, num_sms=num_sms), num_sms
+    return _concrete(name), num_sms
 
 
 def build_schedule(name: str, geometry: Geometry, num_sms: int, *, validate: bool = True) -> Schedule:
@@ -743,7 +638,7 @@ def get_schedule(name: str, geometry: Geometry, num_sms: int) -> Schedule:
     costs one dictionary lookup.
     """
     num_sms = _check_num_sms(num_sms)
-    return _get_schedule_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)
+    return _get_schedule_cached(_concrete(name), geometry, num_sms)
 
 
 def get_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
@@ -753,7 +648,7 @@ def get_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMeta:
     cached for fewer shapes; the launcher should call this.
     """
     num_sms = _check_num_sms(num_sms)
-    return _get_metadata_cached(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)
+    return _get_metadata_cached(_concrete(name), geometry, num_sms)
 
 
 def clear_cache() -> None:

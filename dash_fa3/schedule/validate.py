@@ -31,9 +31,9 @@ Collisions (two contributions to one dQ tile that the model would run at the
 same time, i.e. a forced semaphore wait) are counted in a unit-cost,
 zero-latency model (c = r = 1) and reported, not refused.  For static
 schedules the deadlock check's graph evaluation gives them for free; for
-dynamic ones they need the research model's greedy-dispatch simulation, run
-only when the report's ``collisions`` or ``unit_makespan`` is read (the
-kernel path never reads them).
+dynamic ones they depend on which CTA claims which task, which only the
+research model's simulation knows: :func:`.model.simulate.unit_model` (the
+contract never imports the model).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
 from . import metadata as M
+from .contract import SCHEDULES
 from .waitgraph import chain_prev_task, evaluate_fused, fused_graph
 
 
@@ -62,25 +62,28 @@ class ValidationReport:
     num_tasks: int
     num_steps: int
     metadata_bytes: int
-    # (collisions, unit makespan) of the unit-cost model, or a function that computes them
-    _unit_model: object = field(repr=False, compare=False)
+    # (collisions, unit makespan) of the unit-cost model; None for dynamic dispatch
+    _unit_model: tuple | None = field(repr=False, compare=False)
 
     @property
     def valid(self) -> bool:
         return True
 
-    @cached_property
+    @property
     def _unit(self) -> tuple[int, float]:
-        return self._unit_model() if callable(self._unit_model) else self._unit_model
+        if self._unit_model is None:
+            raise ValueError(f"{self.schedule!r} is dispatched dynamically: its unit-cost collisions depend on the "
+                             "claim order, which dash_fa3.schedule.model.unit_model(schedule) simulates")
+        return self._unit_model
 
     @property
     def collisions(self) -> int:
-        """Forced semaphore waits in the unit-cost model."""
+        """Forced semaphore waits in the unit-cost model (static dispatch)."""
         return self._unit[0]
 
     @property
     def unit_makespan(self) -> float:
-        """Makespan with c = r = 1, no latency."""
+        """Makespan with c = r = 1, no latency (static dispatch)."""
         return self._unit[1]
 
 
@@ -230,10 +233,8 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
     place among its head's rows matters (a wait never leaves its head), which check_metadata
     derives from the table order, so no per-row potential is returned (None).
     Static shift schedules: the planned time (wave, step within the unit) they rank dQ adds by
-    (:func:`.schedules.planned_wave`); ties in a dQ tile are allowed there, since a cycle would
+    (:func:`.metadata.planned_wave`); ties in a dQ tile are allowed there, since a cycle would
     need a program-order edge, and those rise strictly."""
-    from .schedules import planned_t0, planned_wave
-
     h, t = meta.header, meta.tasks.astype(np.int64)
     if int(h[M.H_DISPATCH]) == M.DISPATCH_DYNAMIC:
         return None, g.n_q + 1, True
@@ -242,8 +243,8 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
                          "schedules; validate other static task lists with build_schedule(...).validate()")
     span = 2 * g.n_q + 1
     hidx = t[:, M.C_BATCH] * g.heads + t[:, M.C_HEAD]
-    wave = planned_wave(hidx, t[:, M.C_UNIT], int(h[M.H_UNITS_PER_HEAD]), num_sms)
-    return wave * span + planned_t0(g, t[:, M.C_ROLE], t[:, M.C_UNIT]), span, False
+    wave = M.planned_wave(hidx, t[:, M.C_UNIT], int(h[M.H_UNITS_PER_HEAD]), num_sms)
+    return wave * span + M.planned_t0(g, t[:, M.C_ROLE], t[:, M.C_UNIT]), span, False
 
 
 def check_metadata(meta, geometry, num_sms: int) -> None:
@@ -256,8 +257,6 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
     fall along any semaphore wait. Heads whose rows are alike (the decode reads no head index) are
     decoded once. It does not compare the orders with the schedule's definition: that is
     :meth:`.schedules.Schedule.validate` (checks 3-4), which the tests run against this path."""
-    from .contract import SCHEDULES
-
     g = geometry
     h = meta.header
     s = _Named(SCHEDULES[int(h[M.H_SCHEDULE])] if 0 <= int(h[M.H_SCHEDULE]) < len(SCHEDULES) else "?", g, num_sms)
@@ -337,15 +336,9 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
             pass
 
 
-def _dynamic_unit_model(s) -> tuple[int, float]:
-    from .model.simulate import CostModel, simulate
-    sim = simulate(s, CostModel(1.0, 1.0, pipeline="serial"))  # the paper's collisions
-    return sim.waits, sim.makespan
-
-
 def check_deadlock_free(s):
-    """Check 5.  Returns the unit-cost model's (collisions, unit makespan), for
-    dynamic schedules as a function that computes them."""
+    """Check 5.  Returns the unit-cost model's (collisions, unit makespan) of a static
+    schedule, None for a dynamic one (:func:`.model.simulate.unit_model` gives them)."""
     N, T = s.num_steps, s.num_tasks
     if s.dynamic:
         G = fused_graph(s, chain_prev_task(s))
@@ -356,7 +349,7 @@ def check_deadlock_free(s):
             v = int(bad[0])  # a step: epilogues wait on no other task
             _fail(s, f"deadlock risk: task {int(s.step_task[v])} (claimed #{int(s.step_task[v])}) waits on "
                      f"task {int(s.step_task[G.sync[v]])}, which is claimed later")
-        return lambda: _dynamic_unit_model(s)
+        return None
     G = fused_graph(s, chain_prev_task(s))
     task_cta = s.task_cta.astype(np.int64)
     node_cta = np.concatenate([task_cta[s.step_task], task_cta])

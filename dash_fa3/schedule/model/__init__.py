@@ -7,7 +7,7 @@ validation) is the parent package; ``dash_fa3.schedule`` re-exports both.
 
 from .dag import CriticalPath, critical_path, longest_path
 from .paper import paper_makespan
-from .simulate import CostModel, SimResult, simulate, simulate_claims
+from .simulate import CostModel, SimResult, simulate, simulate_claims, unit_model
 
-__all__ = ["CostModel", "SimResult", "simulate", "simulate_claims", "CriticalPath", "critical_path", "longest_path",
+__all__ = ["CostModel", "SimResult", "simulate", "simulate_claims", "unit_model", "CriticalPath", "critical_path", "longest_path",
            "paper_makespan"]

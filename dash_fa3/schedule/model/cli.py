@@ -46,7 +46,8 @@ import math
 from .. import export
 from ..export import DEFAULT_GRID, grid_geometries
 from ..geometry import Geometry, bwd_block_sizes
-from ..schedules import SCHEDULES, build_schedule
+from ..contract import SCHEDULES
+from ..policy import build_schedule, get_kernel_metadata
 from ..validate import ScheduleError
 from .paper import paper_makespan
 from .simulate import CostModel, simulate
@@ -426,7 +427,7 @@ def _export_main(argv) -> int:
     else:
         geometries = [_shape_geometry(p, args)]
     try:
-        metas = export.kernel_schedules(names, geometries, args.sms)
+        metas = [get_kernel_metadata(name, g, args.sms, "static") for g in geometries for name in names]
     except ScheduleError as e:
         p.error(str(e))
     n = export.write_bundle(args.out, metas)

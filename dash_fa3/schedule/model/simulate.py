@@ -223,6 +223,14 @@ def simulate(schedule, costs: CostModel | None = None, *, num_sms: int | None = 
 
 
 # ------------------------------------------------------------------ writer pipeline
+def unit_model(schedule) -> tuple[int, float]:
+    """(collisions, makespan) of the paper's unit-cost model (c = r = 1, no latency, the serial
+    pipeline): the forced semaphore waits that validation reports for static schedules, for any
+    schedule, dynamic ones included."""
+    sim = simulate(schedule, CostModel(1.0, 1.0, pipeline="serial"))
+    return sim.waits, sim.makespan
+
+
 def epilogue_counts(lens: np.ndarray, offs: np.ndarray, cta: np.ndarray, num_steps: int):
     """Where the task epilogues of a CTA program run (tasks in program order: their
     step counts ``lens``, step offsets ``offs``, CTAs ``cta``): (before, after, only).

@@ -1,0 +1,147 @@
+"""``auto``: which concrete schedule a call runs.
+
+The policy sits above both layers: it reads the kernel contract (geometry,
+the schedules' entry points) and, under the opt-in ``model`` policy, the
+research model's calibrated prediction. Neither layer imports it, so the
+contract stays free of the model. ``dash_fa3.schedule`` exports the entry
+points below, which accept ``auto``; the contract's own
+(:mod:`.schedules`, :mod:`.lowering`) take concrete names only.
+
+Policies of a deterministic ``auto``: ``table`` (the default: the rule of
+:func:`table_pick`, from the measured bench grid) or ``model`` (the schedule
+the calibrated simulator predicts fastest for the shape,
+:func:`.model.calibration.best_schedule`). The environment variable
+``DASH_FA3_AUTO_POLICY`` sets it at import; :func:`set_auto_policy` at run time.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import lowering, schedules
+from .contract import SCHEDULES
+from .geometry import Geometry
+from .metadata import ScheduleMeta
+from .schedules import SCHEDULE_NAMES, Schedule, _check_num_sms
+
+AUTO_POLICIES = ("table", "model")
+_auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
+if _auto_policy not in AUTO_POLICIES:
+    raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
+
+
+def set_auto_policy(policy: str) -> str:
+    """Set how a deterministic ``auto`` resolves ("table" or "model"); returns the previous
+    policy.  Resolved schedules are cached per shape, so set it before the first call."""
+    global _auto_policy
+    if policy not in AUTO_POLICIES:
+        raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
+    old, _auto_policy = _auto_policy, policy
+    return old
+
+
+def get_auto_policy() -> str:
+    return _auto_policy
+
+
+def table_pick(g: Geometry, headdim: int | None = None) -> str:
+    """The ``table`` policy's deterministic schedule for a full or causal mask.
+
+    The rule is the best measured deterministic schedule per region of the H100
+    bench grids (their runs and figures: docs/journal/auto-rule-history.md); a
+    shape off the grids gets the rule of its region.
+
+    Causal: the dQ adds of ``spt`` (shortest KV tile first, descending
+    accumulation) collide least when tasks of unequal length start together,
+    and it wins everywhere except with head dim 128's 64 x 128 tiles from 32 KV
+    tiles on, where ``symmetric_shift``'s levelled pairs of tiles fill the SMs
+    better. Head dim 96 shares those tiles but not that result, so ``headdim``
+    tells the two apart.
+
+    Full: every KV tile has the same length, and ``shift`` staggers the tiles'
+    walks so no two add into one dQ tile at once; it wins from a few KV tiles
+    (below that the queue orders are as fast) up to a length that depends on
+    the tile shape, past which the queue order ``fa3`` is as fast or faster.
+
+    Both shift orders lose where keys outnumber queries (a rectangle narrower
+    than the KV tiles' walks forces their waits), so they are picked only where
+    ``seqlen_k <= seqlen_q``.
+    """
+    square = g.block_m == g.block_n == 128  # head dim 64
+    keys_within = g.seqlen_k <= g.seqlen_q
+    if g.causal:
+        sym = keys_within and g.n_kv >= 32 and g.block_n >= 128 and not square and headdim != 96
+        return "symmetric_shift" if sym else "spt"
+    # KV tiles where shift wins: square tiles 4..127; 64 x 96 (head dim 192) 5..171; 64 x 128 and 64 x 64 5..128
+    shift_kv = (4, 127) if square else (5, 171) if g.block_n == 96 else (5, 128)
+    return "shift" if keys_within and shift_kv[0] <= g.n_kv <= shift_kv[1] else "fa3"
+
+
+def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = True, *,
+                          num_sms: int | None = None, headdim: int | None = None,
+                          policy: str | None = None) -> str:
+    """Map ``auto`` to a concrete schedule; check the name.
+
+    Non-deterministic, the accumulation order is free and ``auto`` is ``lpt``,
+    the best-balanced task order. Deterministic with a local (window) mask, it
+    is ``spt``: the calibration and the table cover full and causal masks only,
+    and a band's KV tiles reach a Q tile in descending order when they start
+    together (a later KV tile's Q range starts no earlier), which is ``spt``'s
+    dQ order. Otherwise ``policy`` (default :func:`get_auto_policy`) decides:
+    ``model`` picks the calibrated model's fastest deterministic schedule for
+    ``num_sms`` SMs (default 132) and ``headdim`` (default: from the tile
+    sizes); ``table`` is :func:`table_pick`.
+    """
+    if name == "auto":
+        g = geometry
+        if not deterministic:
+            return "lpt"
+        policy = policy or _auto_policy
+        if policy not in AUTO_POLICIES:
+            raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
+        if g.local:
+            return "spt"
+        if policy == "model":
+            from .model.calibration import best_schedule  # the model loads only for this policy
+            return best_schedule(g, num_sms or 132, headdim)
+        return table_pick(g, headdim)
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
+    return name
+
+
+# ---------------------------------------------------------------- entry points that accept ``auto``
+def build_schedule(name: str, geometry: Geometry, num_sms: int, *, validate: bool = True) -> Schedule:
+    """:func:`.schedules.build_schedule`, ``auto`` resolved first."""
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
+    num_sms = _check_num_sms(num_sms)
+    return schedules.build_schedule(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms,
+                                    validate=validate)
+
+
+def build_metadata(name: str, geometry: Geometry, num_sms: int) -> ScheduleMeta:
+    """:func:`.schedules.build_metadata`, ``auto`` resolved first."""
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry must be a Geometry, got {type(geometry).__name__}")
+    num_sms = _check_num_sms(num_sms)
+    return schedules.build_metadata(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)
+
+
+def get_schedule(name: str, geometry: Geometry, num_sms: int) -> Schedule:
+    """:func:`.schedules.get_schedule` (validated, cached), ``auto`` resolved first."""
+    num_sms = _check_num_sms(num_sms)
+    return schedules.get_schedule(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)
+
+
+def get_metadata(name: str, geometry: Geometry, num_sms: int) -> ScheduleMeta:
+    """:func:`.schedules.get_metadata` (the kernel's input, cached), ``auto`` resolved first."""
+    num_sms = _check_num_sms(num_sms)
+    return schedules.get_metadata(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms)
+
+
+def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int, dispatch: str | None = None) -> ScheduleMeta:
+    """:func:`.lowering.get_kernel_metadata` (what the backward kernel runs), ``auto`` resolved first."""
+    num_sms = _check_num_sms(num_sms)
+    return lowering.get_kernel_metadata(resolve_schedule_name(name, geometry, num_sms=num_sms), geometry, num_sms,
+                                        dispatch)
