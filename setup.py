@@ -106,7 +106,7 @@ setup(
     version="0.1.0",
     description="FlashAttention-3-class Hopper attention with a fast bitwise-deterministic backward",
     packages=find_packages(include=["dash_fa3", "dash_fa3.*"]),
-    package_data={"dash_fa3.schedule": ["bench_grid.json"]},
+    package_data={"dash_fa3.schedule": ["bench_grid.json"], "dash_fa3.schedule.model": ["data/*.json"]},
     python_requires=">=3.10",
     # A lower bound only: the extension builds against whatever torch is installed.
     install_requires=["torch>=2.9", "numpy"],

@@ -1,4 +1,4 @@
-"""The simulator calibrated on measured GPU times (issue 15, deliverable 2).
+"""The simulator calibrated on measured GPU times.
 
 One place for the fitted physical costs of the backward kernel: per head dim,
 the MMA work of one step (a tile without mask, its growth with the sequence
@@ -6,19 +6,22 @@ length, the extra of a tile that needs the mask), the per-task epilogue, the
 dQ reduce-add (until its sdQ buffer is read, until it has completed) and the
 semaphore hand-off latency; plus the fixed cost of the rest of the call (the
 pre- and postprocess kernels and launch gaps).  :data:`H100` holds the costs
-fitted to the H100 grid of commit b064a4d (:data:`H100_B064A4D`, copied from
-``benchmarks/RESULTS.md``); :func:`predict_ms` turns them into a predicted
-time of the whole backward call, :func:`best_schedule` into a schedule choice
-for any shape.  ``python -m dash_fa3.schedule calibrate`` refits them (needs
-scipy) and prints the table of docs/schedule.md.
+fitted to a measured H100 grid (:data:`H100_B064A4D`); both are package data,
+``data/h100.json``, which also says where and when they were measured and
+fitted.  :func:`predict_ms` turns the costs into a predicted time of the whole
+backward call, :func:`best_schedule` into a schedule choice for any shape.
+``python -m dash_fa3.schedule calibrate`` refits them (needs scipy) and prints
+the table of docs/schedule.md.
 
 Units: microseconds.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from ..geometry import Geometry, bwd_block_sizes
 from .simulate import CostModel, simulate
@@ -60,39 +63,14 @@ class MeasuredGrid:
                 yield hdim, mask, seqlen, col, self.flops(hdim, mask, seqlen) / (tf * 1e12) * 1e3
 
 
-#: benchmarks/RESULTS.md, "The whole grid at b064a4d" (bench_peers.py --rounds 3 --iters 10,
-#: GPU time of the whole dash_fa3::bwd op: preprocess + main kernel + postprocess).
-H100_B064A4D = MeasuredGrid(
-    device="NVIDIA H100 80GB HBM3", date="2026-11-23", commit="b064a4d",
-    source="benchmarks/RESULTS.md: The whole grid at b064a4d", num_sms=132,
-    total_tokens=16384, hidden=2048,
-    rows=(
-    (64, "full", 512, (282, 279, 279, 280, 280, 279, 279)),
-    (64, "full", 1024, (380, 328, 329, 328, 373, 372, 328)),
-    (64, "full", 2048, (455, 337, 338, 340, 450, 449, 338)),
-    (64, "full", 4096, (503, 369, 369, 369, 493, 493, 370)),
-    (64, "full", 8192, (520, 431, 432, 431, 517, 523, 426)),
-    (64, "full", 16384, (525, 527, 525, 519, 496, 518, 532)),
-    (64, "causal", 512, (172, 86, 171, 164, 145, 166, 143)),
-    (64, "causal", 1024, (276, 89, 260, 149, 219, 262, 158)),
-    (64, "causal", 2048, (373, 159, 364, 237, 216, 358, 161)),
-    (64, "causal", 4096, (456, 54, 394, 148, 208, 439, 161)),
-    (64, "causal", 8192, (511, 84, 488, 194, 199, 491, 156)),
-    (64, "causal", 16384, (532, 155, 524, 339, 216, 516, 155)),
-    (128, "full", 512, (306, 298, 298, 299, 296, 295, 297)),
-    (128, "full", 1024, (434, 378, 378, 378, 405, 404, 377)),
-    (128, "full", 2048, (526, 414, 414, 414, 504, 504, 414)),
-    (128, "full", 4096, (584, 479, 479, 478, 568, 569, 478)),
-    (128, "full", 8192, (613, 554, 565, 564, 593, 598, 560)),
-    (128, "full", 16384, (594, 582, 592, 590, 594, 584, 575)),
-    (128, "causal", 512, (159, 98, 167, 139, 155, 157, 161)),
-    (128, "causal", 1024, (292, 102, 288, 179, 229, 278, 188)),
-    (128, "causal", 2048, (423, 172, 407, 281, 249, 398, 205)),
-    (128, "causal", 4096, (522, 74, 465, 196, 259, 494, 211)),
-    (128, "causal", 8192, (593, 119, 546, 324, 263, 556, 213)),
-    (128, "causal", 16384, (625, 215, 584, 542, 317, 589, 214)),
-    ),
-)
+def measured_grid_from_dict(d: dict) -> MeasuredGrid:
+    """A :class:`MeasuredGrid` from its JSON form (``rows``: [hdim, mask, seqlen, [TFLOP/s per ``columns``]])."""
+    if tuple(d["columns"]) != COLUMNS:
+        raise ValueError(f"measured grid columns {d['columns']} are not {list(COLUMNS)}")
+    rows = tuple((int(h), str(m), int(sl), tuple(float(x) for x in tf)) for h, m, sl, tf in d["rows"])
+    return MeasuredGrid(device=d["device"], date=d["date"], commit=d["commit"], source=d["source"],
+                        num_sms=int(d["num_sms"]), total_tokens=int(d["total_tokens"]), hidden=int(d["hidden"]),
+                        rows=rows)
 
 
 # --------------------------------------------------------------------- the fitted costs
@@ -168,28 +146,22 @@ class Calibration:
         return d
 
 
-#: The H100's costs: fitted by ``python -m dash_fa3.schedule calibrate --fit`` (least squares of
-#: the log error, scipy) on the seqlens 512, 2048 and 8192 of the b064a4d grid, every column
-#: (our non-deterministic backward and the six deterministic schedules; 42 cells per head
-#: dim), the seqlens 1024, 4096 and 16384 held out (docs/schedule.md, "Calibration").
-#: ``handoff_at`` is not fitted (the model is insensitive to it): the dK GEMM is the last of
-#: a step's five.  ``overhead`` is not fitted either (on this grid it cannot be told apart from
-#: the epilogue: every point of a head dim has the same number of tasks): the pre- and
-#: postprocess of this token count measured 0.091 + 0.058 ms on an H200 (RESULTS.md, c8842f4),
-#: scaled by the HBM bandwidths (4.8 / 3.35 TB/s), rounded up for the launch gaps.
-H100 = Calibration(
-    device="NVIDIA H100 80GB HBM3", num_sms=132,
-    data="H100_B064A4D: NVIDIA H100 80GB HBM3, 2026-11-23, commit b064a4d (benchmarks/RESULTS.md)",
-    fitted="2026-11-23, on seqlens 512, 2048, 8192 of both head dims and masks, all 7 columns; "
-           "1024, 4096, 16384 held out",
-    overhead=200.0,
-    headdims={
-        64: HeadDimCosts(compute=2.346, compute_per_kkey=0.009782, masked_extra=0.0002085, epilogue=3.467,
-                         reduce=1.739, read=1.205, latency=0.2145, handoff_at=0.8),
-        128: HeadDimCosts(compute=1.986, compute_per_kkey=0.006842, masked_extra=0.1484, epilogue=7.416,
-                          reduce=2.236, read=0.002825, latency=0.001678, handoff_at=0.8),
-    },
-)
+def calibration_from_dict(d: dict) -> Calibration:
+    """A :class:`Calibration` from its JSON form (:meth:`Calibration.to_dict`)."""
+    return Calibration(device=d["device"], num_sms=int(d["num_sms"]), data=d["data"], fitted=d["fitted"],
+                       overhead=float(d["overhead"]),
+                       headdims={int(k): HeadDimCosts(**v) for k, v in d["headdims"].items()})
+
+
+#: The shipped H100 data: the measured grid and the costs ``python -m dash_fa3.schedule calibrate
+#: --fit`` fitted to part of it (least squares of the log error; the rest held out, docs/schedule.md
+#: "Calibration"). ``handoff_at`` and ``overhead`` are not fitted: the model is insensitive to the
+#: first, and on this grid the second cannot be told apart from the epilogue (the file says how it
+#: was set).
+DATA_PATH = Path(__file__).with_name("data") / "h100.json"
+_DATA = json.loads(DATA_PATH.read_text())
+H100_B064A4D = measured_grid_from_dict(_DATA["grid"])
+H100 = calibration_from_dict(_DATA["calibration"])
 
 
 # --------------------------------------------------------------------- prediction
