@@ -150,23 +150,6 @@ def test_summary_rows_are_computed_from_the_cells():
     assert lines[-3:] == ["| min | 0.50 |", "| median | 1.00 |", "| max | 2.00 |"]
 
 
-def test_calibration_grid_is_the_measured_table():
-    """The schedule model fits its costs to the same cells the results data keep for that run."""
-    from dash_fa3.schedule.model import calibration
-
-    grid = calibration.H100_B064A4D
-    render = _render()
-    table = render.by_id(render.load_all(), f"bwd_grid_h100_{grid.date}_{grid.commit}")
-    assert table["device"] == grid.device
-    names = [c["name"] for c in table["columns"]]
-    cols = ["ours nd"] + [f"det {s}" for s in calibration.COLUMNS[1:]]
-    data = {(r[names.index("hdim")], r[names.index("mask")], r[names.index("seqlen")]):
-            tuple(r[names.index(c)] for c in cols) for r in table["rows"]}
-    assert len(grid.rows) == len(data)
-    for hdim, mask, seqlen, tflops in grid.rows:
-        assert tuple(tflops) == data[(hdim, mask, seqlen)], (hdim, mask, seqlen)
-
-
 DESIGN_PAGES = [README, ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md",
                 *sorted((ROOT / "docs" / "design").glob("*.md"))]
 REPO_PATH = re.compile(r"`((?:docs|benchmarks|tools|dash_fa3|csrc|tests|examples|third_party)/[^`\s*{}<>]*)`")
