@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_peers as bp  # noqa: E402
 from peers import build_fa3, fa3 as fa3_peer, fa3_suite  # noqa: E402
 
-FA3_SRC = "/work/fa3-src"
+# A flash-attention checkout, as build_fa3.py finds it: the tests that read FA3's sources skip without one.
+FA3_SRC = os.environ.get("FA3_SRC", "")
 GRID = json.load(open(os.path.join(ROOT, "dash_fa3", "schedule", "bench_grid.json")))
 GRID_SWITCHES_OFF = ("SM80", "FP8", "FP16", "SPLIT", "PAGEDKV", "APPENDKV", "LOCAL", "SOFTCAP", "PACKGQA",
                      "CLUSTER", "VARLEN", "HDIM96", "HDIM192", "HDIM256", "HDIMDIFF64", "HDIMDIFF192")
@@ -29,14 +30,11 @@ GRID_SWITCHES_OFF = ("SM80", "FP8", "FP16", "SPLIT", "PAGEDKV", "APPENDKV", "LOC
 
 def test_defaults_cover_the_whole_grid():
     args = bp.parse_args([])
-    assert args.direction == "both" and args.rounds >= 3
-    assert args.schedules == list(bp.SCHEDULES) == ["fa3", "spt", "descending", "shift", "symmetric_shift", "lpt"]
     points = bp.grid_points(GRID, args.hdims, args.seqlens, args.masks)
-    assert len(points) == 24
-    assert {(p["hdim"], p["mask"], p["seqlen"]) for p in points} == {
-        (d, m, s) for d in (64, 128) for m in ("full", "causal") for s in (512, 1024, 2048, 4096, 8192, 16384)}
-    for p in points:  # every point holds 16384 tokens and hidden 2048
-        assert p["batch"] * p["seqlen"] == 16384 and p["heads"] * p["hdim"] == 2048
+    assert sorted((p["hdim"], p["mask"], p["seqlen"]) for p in points) == sorted(
+        (d, m, s) for d in GRID["headdims"] for m in GRID["masks"] for s in GRID["seqlens"])
+    for p in points:  # every point holds the grid's token count and hidden size
+        assert p["batch"] * p["seqlen"] == GRID["total_tokens"] and p["heads"] * p["hdim"] == GRID["hidden"]
 
 
 def test_narrowing_with_space_or_comma_lists():
@@ -266,7 +264,7 @@ def test_build_args():
 
 
 @needs_toolchain
-@pytest.mark.skipif(not os.path.isdir(FA3_SRC), reason=f"no FA3 checkout at {FA3_SRC}")
+@pytest.mark.skipif(not os.path.isdir(FA3_SRC), reason="no FA3 checkout: set FA3_SRC")
 def test_dry_run_on_the_test_checkout(capsys, tmp_path):
     assert build_fa3.main(["--src", FA3_SRC, "--build-dir", str(tmp_path / "b"), "--dry-run"]) == 0
     out, err = capsys.readouterr()
@@ -450,7 +448,7 @@ class _FakeFA3Module:
 
 def _fake_fa3():
     if not os.path.isfile(os.path.join(FA3_SRC, "hopper", "flash_attn_interface.py")):
-        pytest.skip(f"no FA3 checkout at {FA3_SRC}")
+        pytest.skip("no FA3 checkout: set FA3_SRC")
     module = _FakeFA3Module(_fa3_signature("_flash_attn_forward"), _fa3_signature("_flash_attn_backward"))
     info = {"commit": build_fa3.PINNED_COMMIT, "hdims": [64, 128], "features": []}
     return fa3_peer.FA3(module, module.flash_attn_func, None, info, "fake")

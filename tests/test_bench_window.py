@@ -1,6 +1,5 @@
-"""benchmarks/bench_window.py's CPU parts: the window's entry count (its FLOP count) and arguments."""
+"""benchmarks/bench_window.py's CPU parts: the window's entry count (its FLOP count)."""
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,12 +22,3 @@ def test_window_entries_counts_the_mask(n, left, right):
         inside &= j <= i + right
     assert bench_window.window_entries(n, left, right) == int(inside.sum())
 
-
-def test_window_argument():
-    assert bench_window.parse_window("4096,0") == (4096, 0)
-    assert bench_window.parse_window("-1,128") == (-1, 128)
-    for bad in ("4096", "a,b", "-2,0", "1,2,3"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            bench_window.parse_window(bad)
-    assert bench_window.parse_args([]).window == [(4096, 0)]
-    assert bench_window.parse_args(["--window", "1,2", "--window", "3,-1"]).window == [(1, 2), (3, -1)]

@@ -11,11 +11,15 @@ import repeat_det  # noqa: E402
 from dash_fa3.schedule import SCHEDULES  # noqa: E402
 
 
-def test_dry_run_lists_every_schedule_then_nd(capsys):
-    assert repeat_det.main(["--dry-run", "--runs", "5"]) == 0
+def test_dry_run_says_what_it_would_run(capsys):
+    """Every deterministic schedule and auto by default, then the non-deterministic reference; the shape
+    and mask as given."""
+    assert repeat_det.main(["--dry-run", "--runs", "5", "--shape", "1,256,384,8,2", "--hdim", "64", "--full"]) == 0
     out = capsys.readouterr().out
-    assert "b2 2048x2048 h16/4 d128 causal" in out and "5 rounds" in out
+    assert "b1 256x384 h8/2 d64 full" in out and "5 rounds" in out
     assert out.strip().endswith(", ".join(SCHEDULES + ("auto", "nd")))
+    assert repeat_det.main(["--dry-run", "--schedules", "shift,spt"]) == 0
+    assert capsys.readouterr().out.strip().endswith("shift, spt, nd")
 
 
 @pytest.mark.parametrize("argv", [["--schedules", "spt,nope"], ["--shape", "2,64,64,6,4"], ["--shape", "1,2,3"],
