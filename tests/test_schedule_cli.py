@@ -1,5 +1,6 @@
 """The CLI, called in-process through main(argv)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from dash_fa3.schedule import SCHEDULES, Geometry, main
 from dash_fa3.schedule.export import read_bundle
 from dash_fa3.schedule.lowering import get_kernel_metadata
+from dash_fa3.schedule.model import cli
 
 DOCS_GANTT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "gantt")
 
@@ -104,15 +106,106 @@ def test_docs_charts_small():
     ["gallery", "--reduce", "-0.5"],
     ["export", "--out", "unused.i32", "--sms", "0", "--seqlen", "128"],
     ["export", "--out", "unused.i32"],
+    # zero where meaningless, absurd sizes, a head dim the API refuses
+    ["model", "-n", "4", "-m", "2", "--compute", "0"],
+    ["model", "-n", "4", "-m", "2", "--compute", "1e308", "--rc-ratio", "1e308"],
+    ["model", "-n", "4", "-m", "2", "--read", "2", "--reduce", "1"],
+    ["--seqlen", "1024", "--sms", "100000000", "--no-gantt"],
+    ["--seqlen", "10000000", "--no-gantt"],
+    ["--seqlen", "1024", "--heads", "100000000", "--no-gantt"],
+    ["--seqlen", "1024", "--batch", "0", "--no-gantt"],
+    ["--seqlen", "1024", "--headdim", "80", "--no-gantt"],
+    ["--seqlen", "1024", "--block-n", "100000", "--no-gantt"],
+    ["bench-grid", "--grid", "/nonexistent/grid.json"],
+    ["calibrate", "--headdim", "80"],
+    ["calibrate", "--seqlens", "3000"],
+    ["calibrate", "--workers", "0"],
+    ["export", "--out", "unused.i32", "--seqlen", "128", "--headdim", "80"],
+    ["export", "--out", "unused.i32", "--shapes", "/nonexistent/shapes.txt"],
 ])
 def test_bad_arguments_one_line_error(argv, capsys):
-    """A bad value is refused while parsing: exit status 2, one 'error:' line, nothing run."""
+    """A bad value is refused before any work: exit status 2, one line naming the program."""
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err and err[-1].startswith("python -m dash_fa3.schedule") and "error:" in err[-1]
-    assert sum("error:" in line for line in err) == 1
+    assert len(err) == 1 and err[0].startswith("python -m dash_fa3.schedule") and "error:" in err[0], err
+
+
+def test_headdims_are_the_apis():
+    """The CLI takes exactly the head dims the API has kernels for (variants.check_head_dims)."""
+    from dash_fa3 import variants
+
+    for d in range(1, 300):
+        try:
+            variants.check_head_dims(d, d)
+            api = True
+        except ValueError:
+            api = False
+        try:
+            cli.headdim_int(str(d))
+            ok = True
+        except argparse.ArgumentTypeError:
+            ok = False
+        assert ok == api, d
+
+
+@pytest.mark.parametrize("argv", [
+    ["--seqlen", "131072", "--no-gantt"],                       # 16 heads: 2M steps per head x 16
+    ["--seqlen", "1048576", "--heads", "1", "--causal", "--no-gantt"],
+    ["model", "-n", "4096", "-m", "1"],
+    ["export", "--out", "unused.i32", "--seqlen", "8388608", "--heads", "1"],
+])
+def test_long_sequences_are_refused_up_front(argv, capsys):
+    """128k-1M tokens: refused in one line that names the limit, before any schedule is built (the
+    model's time and memory grow with the square of the length)."""
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and time.perf_counter() - t0 < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (f"{cli.MAX_STEPS:,}" in err[0] or f"{cli.MAX_HEAD_CELLS:,}" in err[0]), err
+
+
+def test_a_long_sequence_with_one_head_runs(capsys):
+    """At the limit's scale the model still runs: 128k tokens of one head, a causal mask (1M steps)."""
+    g = Geometry.from_shape(batch=1, heads=1, seqlen_q=131072, headdim=128, causal=True)
+    assert g.num_steps <= cli.MAX_STEPS
+    assert main(["--seqlen", "131072", "--heads", "1", "--causal", "--no-gantt", "--no-critical-path",
+                 "--schedule", "spt", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["valid"] and row["steps"] == g.num_steps
+
+
+@pytest.mark.parametrize("flag", ["--gantt-dir", "gallery --out", "model --gantt"])
+def test_unwritable_outputs_are_one_line_errors(flag, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    path = str(blocker / "sub")          # a directory under a regular file cannot be made
+    sub, opt = flag.split() if " " in flag else (None, flag)
+    argv = {None: ["--seqlen", "256", "--heads", "1", "--schedule", "spt"],
+            "gallery": ["gallery"], "model": ["model", "-n", "4", "-m", "1"]}[sub]
+    with pytest.raises(SystemExit) as exc:
+        main(argv + [opt, path + ("/x.png" if sub == "model" else "")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and opt in err[0], err
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in cli.SUBCOMMANDS:
+        assert f"  {name} " in out, name
+    for name in cli.SUBCOMMANDS:     # and each one answers --help
+        if name != "shape":
+            with pytest.raises(SystemExit) as exc:
+                main([name, "--help"])
+            assert exc.value.code == 0
 
 
 def test_bad_arguments_from_the_command_line(tmp_path):
@@ -122,7 +215,7 @@ def test_bad_arguments_from_the_command_line(tmp_path):
                            "--reduce", "nan"], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert "argument --reduce: invalid finite non-negative number value: 'nan'" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "argument --reduce: must be a finite number >= 0, got 'nan'" in proc.stderr
 
 
 def test_export_bundle(tmp_path, capsys):

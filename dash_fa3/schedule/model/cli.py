@@ -29,20 +29,22 @@ Export (the kernel's validated static metadata, for the C++ harness)::
     python -m dash_fa3.schedule export --out sched.i32 --sms 132 --schedule fa3,spt \
         (--shapes FILE|- | --seqlen N --headdim D [--causal] ...)
 
-Every numeric argument is checked when parsed: a bad value exits with status 2
-and one line on stderr.
+Every argument is checked before any work: a bad value, an unwritable output
+path or a shape past the model's size limit (:data:`MAX_STEPS`: the model
+enumerates every (KV tile, Q tile) step of every head, so its time and memory
+grow with the square of the length) exits with status 2 and one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 
-import math
-
+from ... import variants
 from .. import export
 from ..export import DEFAULT_GRID, grid_geometries
 from ..geometry import Geometry, bwd_block_sizes
@@ -53,30 +55,112 @@ from .paper import paper_makespan
 from .simulate import CostModel, simulate
 
 
+# ------------------------------------------------------------ limits
+#: Steps (one (KV tile, Q tile) pair of one head) a real-shape, model or bench-grid run may enumerate:
+#: the full schedule, its simulation and the critical path hold a few arrays per step, about 2 KB
+#: in all, so this bounds a run to a few GB. 32k tokens of 16 heads at head dim 128 (full mask)
+#: fit; longer sequences fit with fewer heads (a causal mask halves the steps).
+MAX_STEPS = 1 << 21
+#: (KV tile, Q tile) cells of one head that export's kernel-path check walks (a few bytes each,
+#: per checking thread): about 1M tokens at head dim 128.
+MAX_HEAD_CELLS = 1 << 28
+#: Bounds of the sizes the shapes take, checked before any array is made.
+MAX_SEQLEN = 1 << 24
+MAX_HEADS = 1 << 12
+MAX_BATCH = 1 << 16
+MAX_SMS = 1024
+MAX_BLOCK = 1024
+
+SUBCOMMANDS = {
+    "shape": "the default: simulate the schedules on a real shape (this help)",
+    "model": "the paper's model: n KV tiles = n SMs, m heads, square tiles",
+    "bench-grid": "validate (and optionally simulate) every schedule on the bench grid",
+    "gallery": "write the Gantt charts of docs/schedule.md",
+    "calibrate": "the simulator against the measured H100 grid (--fit refits it)",
+    "export": "write the kernel's validated static metadata for programs without Python",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block) and exit with status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 # ------------------------------------------------------------ argument types
-# argparse turns the ValueError of a type= function into "argument --x:
-# invalid <name> value: 'v'", one line on stderr and exit status 2.
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
+# argparse turns the ArgumentTypeError of a type= function into "argument --x: <message>",
+# one line on stderr and exit status 2.
+def _bounded_int(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+    return parse
 
 
-def nonnegative_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(text)
+def _float(low: float, *, strict: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {low:g}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _bounded_int(1, 2 ** 31 - 1)
+nonnegative_float = _float(0.0, strict=False)
+positive_float = _float(0.0, strict=True)
+sms_int = _bounded_int(1, MAX_SMS)
+seqlen_int = _bounded_int(1, MAX_SEQLEN)
+heads_int = _bounded_int(1, MAX_HEADS)
+batch_int = _bounded_int(1, MAX_BATCH)
+block_int = _bounded_int(1, MAX_BLOCK)
+
+
+def headdim_int(text: str) -> int:
+    """A head dim the API accepts (:func:`dash_fa3.variants.check_head_dims`, the one rule)."""
+    try:
+        value = int(text)
+        variants.check_head_dims(value, value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e) if "head" in str(e) else f"expected an integer, got {text!r}") \
+            from None
     return value
 
 
 def sm_list(text: str) -> list[int]:
+    return [sms_int(x) for x in text.split(",")]
+
+
+def int_list(text: str) -> list[int]:
     return [positive_int(x) for x in text.split(",")]
 
 
-positive_int.__name__ = "positive integer"
-nonnegative_float.__name__ = "finite non-negative number"
-sm_list.__name__ = "comma list of positive integers"
+def check_size(p, g: Geometry) -> None:
+    """Refuse, before building anything, a shape whose schedules the model cannot hold."""
+    if g.num_steps > MAX_STEPS:
+        p.error(f"{g.describe()} has {g.num_steps:,} tile steps; the schedule model enumerates every step and "
+                f"takes at most {MAX_STEPS:,} (a few GB): use fewer heads or batch, a shorter sequence or larger "
+                f"tiles")
+
+
+def writable_dir(p, path: str, what: str) -> None:
+    """Create ``path`` (a directory) or refuse in one line."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        p.error(f"{what} {path!r}: {e.strerror or e}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        p.error(f"{what} {path!r} is not writable")
 
 
 def _schedule_list(p, arg: str) -> list[str]:
@@ -135,10 +219,12 @@ def _fmt_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _costs_from(args) -> CostModel:
+def _costs_from(p, args) -> CostModel:
     reduce = args.reduce if args.reduce is not None else args.compute * args.rc_ratio
+    if not math.isfinite(reduce):
+        p.error(f"--compute x --rc-ratio = {reduce:g} is not a finite cost")
     if args.read is not None and args.read > reduce:
-        raise SystemExit(f"error: --read ({args.read:g}) must be <= the reduce cost ({reduce:g})")
+        p.error(f"--read ({args.read:g}) must be <= the reduce cost ({reduce:g})")
     return CostModel(compute=args.compute, reduce=reduce, latency=args.latency, epilogue=args.epilogue,
                      scale=args.cost_scale, masked_compute=args.masked_compute, read=args.read,
                      pipeline=args.pipeline)
@@ -153,7 +239,7 @@ def _add_cost_args(p, *, rc_default: float, pipeline: str = "writer"):
                    help="writer: time until an add has read its sdQ buffer (default: the reduce cost)")
     p.add_argument("--masked-compute", type=nonnegative_float, default=None,
                    help="compute cost of a step whose tile needs the mask (default: --compute)")
-    p.add_argument("--compute", type=nonnegative_float, default=1.0,
+    p.add_argument("--compute", type=positive_float, default=1.0,
                    help="c: compute cost of one tile step (default 1)")
     p.add_argument("--rc-ratio", type=nonnegative_float, default=rc_default,
                    help=f"r/c when --reduce is not given (default {rc_default})")
@@ -168,12 +254,13 @@ def _add_cost_args(p, *, rc_default: float, pipeline: str = "writer"):
 
 
 def _add_shape_args(p, *, seqlen_required: bool):
-    p.add_argument("--seqlen", type=positive_int, required=seqlen_required, help="seqlen_q")
-    p.add_argument("--seqlen-k", type=positive_int, default=None, help="seqlen_k (default: seqlen)")
-    p.add_argument("--headdim", type=positive_int, default=128)
-    p.add_argument("--heads", type=positive_int, default=16)
-    p.add_argument("--heads-kv", type=positive_int, default=None, help="kv heads (GQA); default: heads")
-    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--seqlen", type=seqlen_int, required=seqlen_required, help="seqlen_q")
+    p.add_argument("--seqlen-k", type=seqlen_int, default=None, help="seqlen_k (default: seqlen)")
+    p.add_argument("--headdim", type=headdim_int, default=128,
+                   help=f"one of {', '.join(map(str, variants.HEADDIMS))} (default 128)")
+    p.add_argument("--heads", type=heads_int, default=16)
+    p.add_argument("--heads-kv", type=heads_int, default=None, help="kv heads (GQA); default: heads")
+    p.add_argument("--batch", type=batch_int, default=1)
     p.add_argument("--causal", action="store_true")
 
 
@@ -189,14 +276,18 @@ def _shape_geometry(p, args, block_m=None, block_n=None) -> Geometry:
 
 
 def _real_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule",
-                                description="Simulate the DASH backward schedules on a real shape.")
+    p = _Parser(prog="python -m dash_fa3.schedule",
+                description="Simulate the DASH backward schedules on a real shape (the default subcommand, "
+                            "'shape').",
+                epilog="subcommands (python -m dash_fa3.schedule SUBCOMMAND --help):\n"
+                       + "\n".join(f"  {k:<11} {v}" for k, v in SUBCOMMANDS.items()),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_shape_args(p, seqlen_required=True)
     p.add_argument("--schedule", default="all", help="a name, a comma list, or all")
-    p.add_argument("--sms", type=positive_int, default=132,
+    p.add_argument("--sms", type=sms_int, default=132,
                    help="SM count = persistent CTAs (132 H100/H200 SXM, 114 PCIe)")
-    p.add_argument("--block-m", type=positive_int, default=None, help="Q tile rows (default from head dim)")
-    p.add_argument("--block-n", type=positive_int, default=None, help="KV tile rows (default from head dim)")
+    p.add_argument("--block-m", type=block_int, default=None, help="Q tile rows (default from head dim)")
+    p.add_argument("--block-n", type=block_int, default=None, help="KV tile rows (default from head dim)")
     _add_cost_args(p, rc_default=0.25)
     p.add_argument("--gantt-dir", default="gantt", help="where to write Gantt PNGs (default ./gantt)")
     p.add_argument("--no-gantt", action="store_true")
@@ -207,14 +298,15 @@ def _real_main(argv) -> int:
                         "arguments; adds each schedule's predicted ms of the whole backward call")
     args = p.parse_args(argv)
     g = _shape_geometry(p, args, args.block_m, args.block_n)
+    check_size(p, g)
     names = _schedule_list(p, args.schedule)
-    costs = _costs_from(args)
+    costs = _costs_from(p, args)
     cal = None
     if args.calibrated:
         from .calibration import H100 as cal
         costs = cal.cost_model(args.headdim, g)
     if not args.no_gantt:
-        os.makedirs(args.gantt_dir, exist_ok=True)
+        writable_dir(p, args.gantt_dir, "--gantt-dir")
     rows = []
     for name in names:
         gp = None
@@ -239,12 +331,13 @@ def _real_main(argv) -> int:
 
 
 def _model_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule model",
-                                description="The paper's model: n KV tiles = n SMs, m heads, square tiles.")
-    p.add_argument("--kv-tiles", "-n", type=positive_int, required=True)
-    p.add_argument("--heads", "-m", type=positive_int, required=True)
-    p.add_argument("--q-tiles", type=positive_int, default=None, help="Q tiles (default: kv tiles)")
-    p.add_argument("--sms", type=positive_int, default=None, help="SMs (default: kv tiles)")
+    p = _Parser(prog="python -m dash_fa3.schedule model",
+                description="The paper's model: n KV tiles = n SMs, m heads, square tiles.")
+    tiles = _bounded_int(1, MAX_SEQLEN // 64)
+    p.add_argument("--kv-tiles", "-n", type=tiles, required=True)
+    p.add_argument("--heads", "-m", type=heads_int, required=True)
+    p.add_argument("--q-tiles", type=tiles, default=None, help="Q tiles (default: kv tiles)")
+    p.add_argument("--sms", type=sms_int, default=None, help="SMs (default: kv tiles)")
     p.add_argument("--mask", choices=("full", "causal"), default="full")
     p.add_argument("--schedule", default="all")
     _add_cost_args(p, rc_default=1.0, pipeline="serial")
@@ -252,19 +345,21 @@ def _model_main(argv) -> int:
     p.add_argument("--gantt", default=None, help="PNG path (single schedule) or directory (all)")
     args = p.parse_args(argv)
     n, m = args.kv_tiles, args.heads
-    g = Geometry.model(n, m, args.mask, n_q=args.q_tiles)
+    g = Geometry.model(n, m, args.mask, n_q=args.q_tiles)   # O(tiles): its steps are counted, not made
+    check_size(p, g)
     sms = args.sms or n
-    costs = _costs_from(args)
+    costs = _costs_from(p, args)
     names = _schedule_list(p, args.schedule)
+    gantt_dir = None
+    if args.gantt:
+        if len(names) > 1 or os.path.isdir(args.gantt):
+            gantt_dir = args.gantt
+        writable_dir(p, gantt_dir or os.path.dirname(os.path.abspath(args.gantt)), "--gantt")
     rows = []
     for name in names:
         gp = None
         if args.gantt:
-            if len(names) > 1 or os.path.isdir(args.gantt):
-                os.makedirs(args.gantt, exist_ok=True)
-                gp = os.path.join(args.gantt, f"model_{args.mask}_{name}_n{n}_m{m}.png")
-            else:
-                gp = args.gantt
+            gp = os.path.join(gantt_dir, f"model_{args.mask}_{name}_n{n}_m{m}.png") if gantt_dir else args.gantt
         r = evaluate(name, g, sms, costs, gantt_path=gp)
         r.update(mask=args.mask, n=n, m=m, compute=costs.compute, reduce=costs.reduce, latency=costs.latency,
                  paper_makespan=paper_makespan(args.mask, r["schedule"], n, m, costs.compute, costs.reduce))
@@ -282,8 +377,8 @@ def _model_main(argv) -> int:
 
 
 def _grid_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule bench-grid",
-                                description="Validate (and optionally simulate) every schedule on the bench grid.")
+    p = _Parser(prog="python -m dash_fa3.schedule bench-grid",
+                description="Validate (and optionally simulate) every schedule on the bench grid.")
     p.add_argument("--grid", default=None, help="bench_grid.json (default: the paper's grid)")
     p.add_argument("--sms", type=sm_list, default=[132, 114])
     p.add_argument("--schedule", default="all")
@@ -292,14 +387,23 @@ def _grid_main(argv) -> int:
     args = p.parse_args(argv)
     grid = dict(DEFAULT_GRID)
     if args.grid:
-        with open(args.grid) as f:
-            grid.update(json.load(f))
-    costs = _costs_from(args)
+        try:
+            with open(args.grid) as f:
+                grid.update(json.load(f))
+        except (OSError, ValueError) as e:
+            p.error(f"--grid {args.grid!r}: {getattr(e, 'strerror', None) or e}")
+    try:
+        geometries = list(grid_geometries(grid))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        p.error(f"bench grid: {e!r} (needs headdims, seqlens, masks, total_tokens and hidden)")
+    for _, g in geometries:
+        check_size(p, g)
+    costs = _costs_from(p, args)
     names = _schedule_list(p, args.schedule)
     ok = True
     t0 = time.time()
     for sms in args.sms:
-        for label, g in grid_geometries(grid):
+        for label, g in geometries:
             cells = []
             for name in names:
                 try:
@@ -328,15 +432,14 @@ GALLERY = [
 
 
 def _gallery_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="python -m dash_fa3.schedule gallery",
-                                description="Write the Gantt charts of docs/schedule.md.")
+    p = _Parser(prog="python -m dash_fa3.schedule gallery", description="Write the Gantt charts of docs/schedule.md.")
     p.add_argument("--out", default=os.path.join("docs", "gantt"))
-    p.add_argument("--compute", type=nonnegative_float, default=1.0)
+    p.add_argument("--compute", type=positive_float, default=1.0)
     p.add_argument("--reduce", type=nonnegative_float, default=0.5)
     args = p.parse_args(argv)
     from .plot import plot_gantt
 
-    os.makedirs(args.out, exist_ok=True)
+    writable_dir(p, args.out, "--out")
     costs = CostModel(args.compute, args.reduce, pipeline="serial")  # the paper's model
     for mask, name, n, m in GALLERY:
         g = Geometry.model(n, m, mask)
@@ -366,23 +469,30 @@ def _gallery_main(argv) -> int:
 
 def _calibrate_main(argv) -> int:
     from . import calibration as C
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m dash_fa3.schedule calibrate",
         description="The simulator against the measured H100 grid (model/calibration.py): per grid point and "
                     "schedule measured / predicted ms and error, the ranking agreement; --fit refits the costs "
                     "on the --train seqlens first (needs scipy; minutes).")
     p.add_argument("--fit", action="store_true", help="refit the costs (from the shipped ones) before the table")
-    p.add_argument("--train", default="512,2048,8192", help="seqlens the fit uses (the rest are held out)")
-    p.add_argument("--headdim", type=sm_list, default=None, help="head dims (default: all of the grid)")
-    p.add_argument("--seqlens", type=sm_list, default=None, help="seqlens of the table (default: all)")
-    p.add_argument("--max-evals", type=positive_int, default=80, help="fit: evaluations per head dim")
-    p.add_argument("--workers", type=positive_int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--train", type=int_list, default=[512, 2048, 8192],
+                   help="seqlens the fit uses (the rest are held out)")
+    p.add_argument("--headdim", type=int_list, default=None, help="head dims (default: all of the grid)")
+    p.add_argument("--seqlens", type=int_list, default=None, help="seqlens of the table (default: all)")
+    p.add_argument("--max-evals", type=_bounded_int(1, 100000), default=80, help="fit: evaluations per head dim")
+    p.add_argument("--workers", type=_bounded_int(1, 256), default=min(4, os.cpu_count() or 1))
     p.add_argument("--json", action="store_true", help="print rows, ranking and summary as JSON")
     args = p.parse_args(argv)
-    train = tuple(sm_list(args.train))
+    train = tuple(args.train)
     grid = C.H100_B064A4D
     cal = C.H100
-    hds = tuple(args.headdim) if args.headdim else tuple(sorted({r[0] for r in grid.rows}))
+    measured = {r[0] for r in grid.rows}
+    hds = tuple(args.headdim) if args.headdim else tuple(sorted(measured))
+    for what, given, known in (("--headdim", hds, measured), ("--seqlens", args.seqlens or (), {r[2] for r in grid.rows}),
+                               ("--train", train, {r[2] for r in grid.rows})):
+        unknown = sorted(set(given) - known)
+        if unknown:
+            p.error(f"{what} {unknown} not in the measured grid ({', '.join(map(str, sorted(known)))})")
     if args.fit:
         cal = C.refit(cal, grid, train, hds, args.workers, args.max_evals,
                       log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -402,12 +512,12 @@ def _calibrate_main(argv) -> int:
 
 
 def _export_main(argv) -> int:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m dash_fa3.schedule export",
         description="Write the kernel's validated static schedule metadata (a bundle of flat int32 buffers, "
                     "dash_fa3/schedule/export.py) for programs without Python, e.g. benchmarks/cpp/bwd_bench.")
     p.add_argument("--out", required=True, help="bundle file to write")
-    p.add_argument("--sms", type=positive_int, default=132,
+    p.add_argument("--sms", type=sms_int, default=132,
                    help="SM count of the GPU that will run them (132 H100/H200 SXM, 114 PCIe)")
     p.add_argument("--schedule", default="fa3,spt", help="a name, a comma list, or all (default fa3,spt)")
     p.add_argument("--shapes", default=None,
@@ -417,7 +527,10 @@ def _export_main(argv) -> int:
     args = p.parse_args(argv)
     names = _schedule_list(p, args.schedule)
     if args.shapes is not None:
-        lines = sys.stdin.read().splitlines() if args.shapes == "-" else open(args.shapes).read().splitlines()
+        try:
+            lines = sys.stdin.read().splitlines() if args.shapes == "-" else open(args.shapes).read().splitlines()
+        except OSError as e:
+            p.error(f"--shapes {args.shapes!r}: {e.strerror or e}")
         try:
             geometries = [g for g in map(export.parse_shape_line, lines) if g is not None]
         except ValueError as e:
@@ -426,11 +539,21 @@ def _export_main(argv) -> int:
         p.error("give --shapes or --seqlen (and the other shape arguments)")
     else:
         geometries = [_shape_geometry(p, args)]
+    for g in geometries:
+        if g.n_q * g.n_kv > MAX_HEAD_CELLS:
+            p.error(f"{g.describe()}: {g.n_q:,} x {g.n_kv:,} tiles per head is more than the {MAX_HEAD_CELLS:,} "
+                    f"the metadata check walks")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.access(out_dir, os.W_OK):
+        p.error(f"--out {args.out!r} is a directory or not writable")
     try:
         metas = [get_kernel_metadata(name, g, args.sms, "static") for g in geometries for name in names]
-    except ScheduleError as e:
+    except (ScheduleError, OverflowError) as e:
         p.error(str(e))
-    n = export.write_bundle(args.out, metas)
+    try:
+        n = export.write_bundle(args.out, metas)
+    except OSError as e:
+        p.error(f"--out {args.out!r}: {e.strerror or e}")
     print(f"{args.out}: {len(metas)} schedules ({', '.join(names)}) for {len(geometries)} shapes, "
           f"{args.sms} SMs, {4 * n} bytes")
     return 0
