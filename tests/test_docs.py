@@ -112,10 +112,12 @@ def test_generated_results_are_current():
 
 
 def test_results_data_match_the_journal():
-    """Every row kept as data appears, cell for cell, in the journal section it names."""
+    """Every row kept as data appears, cell for cell, in the journal whose section printed it."""
     render = _render()
     journal_cache: dict[str, list[list[str]]] = {}
-    for table in render.load_all():
+    tables = [t for t in render.load_all() if t["journal"].get("holds_table")]
+    assert tables
+    for table in tables:
         jfile = table["journal"]["file"]
         if jfile not in journal_cache:
             journal_cache[jfile] = table_cells((ROOT / jfile).read_text())

@@ -2,8 +2,9 @@
 
 Each ``benchmarks/results/*.json`` file is one measured table: where it ran
 (``device``, ``date``, ``commit``), how (``command``, ``software``, ``peers``),
-the unit of its cells, the journal section that tells the story around it, and
-``columns`` / ``rows``. A numeric column carries its ``decimals`` so that a
+the unit of its cells, the journal section that tells the story around it
+(``holds_table``: the section also prints this table, and a test checks that
+every row here is there), and ``columns`` / ``rows``. A numeric column carries its ``decimals`` so that a
 rendered cell reads as it was written down; a column without ``decimals``
 holds text. ``summary_columns`` name the ratio columns that get min / median /
 max rows under the rendered table.
