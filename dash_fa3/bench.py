@@ -24,6 +24,7 @@ from . import _ext, ops, reference, validation, variants
 from ._timing import attention_flops, median_ms
 from .interface import flash_attn_func
 from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
+from .schedule.model.cli import MAX_SMS, MAX_STEPS
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -123,18 +124,33 @@ def _model_argv(args, num_sms: int) -> list[str]:
     return argv
 
 
+def model_too_large(args) -> str | None:
+    """Why the schedule model cannot describe this shape (None: it can): it enumerates every tile step."""
+    g = Geometry.from_shape(batch=args.batch, heads=args.heads, heads_kv=args.heads_kv, seqlen_q=args.seqlen,
+                            headdim=args.headdim, causal=args.causal)
+    if g.num_steps > MAX_STEPS:
+        return f"{g.num_steps:,} tile steps, more than the {MAX_STEPS:,} it enumerates"
+    return None
+
+
 def print_schedule_model(args, num_sms: int, what: str = "this shape") -> None:
     """The schedule model's prediction for this shape: what the deterministic backward's schedules cost."""
     from .schedule import cli
 
     print(f"\nSchedule model (dash_fa3.schedule) for {what}, {num_sms} SMs, deterministic backward:")
+    skip = model_too_large(args)
+    if skip:
+        print(f"not run: {skip}")
+        return
     cli.main(_model_argv(args, num_sms))
 
 
 def schedule_model_rows(args, num_sms: int) -> list[dict]:
-    """The schedule model's numbers for the plot (its --json output)."""
+    """The schedule model's numbers for the plot (its --json output; none past its size limit)."""
     from .schedule import cli
 
+    if model_too_large(args):
+        return []
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         cli.main(_model_argv(args, num_sms) + ["--json", "--no-critical-path"])
@@ -213,6 +229,11 @@ def _print_rows(rows) -> None:
 GPU_DEFAULTS = {"batch": 4, "seqlen": 4096, "heads": 16, "headdim": 128, "warmup": 5, "iters": 20}
 CPU_DEFAULTS = {"batch": 1, "seqlen": 512, "heads": 4, "headdim": 64, "warmup": 1, "iters": 3}
 PLOT_FORMATS = (".png", ".pdf", ".svg")
+# Bounds on the flags, checked before anything runs: sizes no GPU holds, a reference run the CPU
+# cannot hold (it materializes the scores of every head), timing loops that never end.
+MAX_SIZE = {"batch": 1 << 16, "seqlen": 1 << 24, "heads": 1 << 12, "heads_kv": 1 << 12, "warmup": 10000,
+            "iters": 10000, "sms": MAX_SMS}
+CPU_MAX_SCORES = 1 << 28     # batch x heads x seqlen^2 of the CPU reference (fp32: 1 GiB per copy)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -252,8 +273,13 @@ def check_args(args) -> str | None:
         val = getattr(args, name)
         if val is not None and val < low:
             return f"--{name.replace('_', '-')} must be >= {low}, got {val}"
-    if args.headdim is not None and args.headdim not in variants.HEADDIMS:
-        return f"--headdim must be one of {', '.join(map(str, variants.HEADDIMS))}, got {args.headdim}"
+        if val is not None and val > MAX_SIZE[name]:
+            return f"--{name.replace('_', '-')} must be <= {MAX_SIZE[name]}, got {val}"
+    if args.headdim is not None:
+        try:
+            variants.check_head_dims(args.headdim, args.headdim)
+        except ValueError as e:
+            return f"--headdim: {e}"
     if args.heads is not None and args.heads_kv is not None and args.heads % args.heads_kv:
         return f"--heads ({args.heads}) must be a multiple of --heads-kv ({args.heads_kv})"
     if args.plot is not None:
@@ -261,6 +287,35 @@ def check_args(args) -> str | None:
             return f"--plot {args.plot!r}: the file name must end in {', '.join(PLOT_FORMATS)}"
         if os.path.isdir(args.plot):
             return f"--plot {args.plot!r} is a directory; give a file name"
+    return None
+
+
+def check_plot_dir(path: str) -> str | None:
+    """Make the plot's folder; the problem if it cannot be made or written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return f"--plot {path!r}: cannot make its folder: {e.strerror or e}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"--plot {path!r}: its folder is not writable"
+    return None
+
+
+def check_fits(args, on_gpu: bool) -> str | None:
+    """The problem with running this shape here (None: it fits): the CPU reference holds every head's
+    scores; the GPU run its inputs, outputs and gradients."""
+    b, s, h, d = args.batch, args.seqlen, args.heads, args.headdim
+    if not on_gpu:
+        if b * h * s * s > CPU_MAX_SCORES:
+            return (f"the CPU reference holds batch x heads x seqlen^2 = {b * h * s * s:,} scores, more than "
+                    f"{CPU_MAX_SCORES:,}: give a smaller shape")
+        return None
+    hkv = args.heads_kv or h
+    need = b * s * d * (2 * 5 * h + 2 * 3 * hkv + 4 * h)  # q, out, dout, dq, k... in 16 bits; fp32 dQ accumulator
+    free = torch.cuda.mem_get_info()[0]
+    if need > free:
+        return f"this shape needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB is free"
     return None
 
 
@@ -284,8 +339,9 @@ def main(argv=None) -> int:
     if "heads" in filled and args.heads_kv is not None and args.heads % args.heads_kv:
         ap.error(f"--heads-kv {args.heads_kv} does not divide --heads, which defaults to {args.heads} "
                  f"on this run; pass --heads too")
-    if args.plot:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    problem = check_fits(args, reason is None) or (check_plot_dir(args.plot) if args.plot else None)
+    if problem:
+        ap.error(problem)
     if reason is None:
         rows = run_gpu(args)
         num_sms, model_args, what = _ext.num_sms(torch.cuda.current_device()), args, "this shape"

@@ -26,7 +26,11 @@ def cpu_run(monkeypatch):
     (["--iters", "0"], "--iters must be >= 1"),
     (["--warmup", "-1"], "--warmup must be >= 0"),
     (["--sms", "0"], "--sms must be >= 1"),
-    (["--headdim", "80"], "--headdim must be one of 64, 96, 128, 192, 256, got 80"),
+    (["--headdim", "80"], "--headdim: head dim 80 is not supported"),
+    (["--sms", "100000000"], "--sms must be <= 1024, got 100000000"),
+    (["--iters", "1000000000"], "--iters must be <= 10000"),
+    (["--seqlen", "1000000000"], "--seqlen must be <= "),
+    (["--seqlen", "131072"], "the CPU reference holds batch x heads x seqlen^2"),
     (["--heads", "16", "--heads-kv", "5"], "--heads (16) must be a multiple of --heads-kv (5)"),
     (["--heads-kv", "3"], "--heads-kv 3 does not divide --heads, which defaults to"),
     (["--heads", "many"], "argument --heads: invalid int value: 'many'"),
@@ -119,3 +123,37 @@ def test_matplotlib_is_imported_only_for_a_plot():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_headdims_are_the_apis(capsys, cpu_run):
+    """The bench takes exactly the head dims the API has kernels for (variants.check_head_dims)."""
+    from dash_fa3 import variants
+
+    for d in range(1, 300):
+        try:
+            variants.check_head_dims(d, d)
+            api = True
+        except ValueError:
+            api = False
+        ok = bench.check_args(bench.parser().parse_args(["--headdim", str(d)])) is None
+        assert ok == api, d
+
+
+def test_unwritable_plot_folder_is_one_line_error(tmp_path, capsys, cpu_run):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(TINY + ["--plot", str(blocker / "sub" / "x.png")])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--plot" in err and "cannot make its folder" in err
+
+
+def test_model_section_past_its_limit_is_skipped_not_fatal(capsys, cpu_run):
+    """A shape the schedule model cannot enumerate: the model section says why it is left out instead of
+    ending the run."""
+    args = bench.parser().parse_args(["--seqlen", "65536"])
+    bench.resolve(args, bench.GPU_DEFAULTS)
+    assert bench.model_too_large(args) is not None and bench.schedule_model_rows(args, 132) == []
+    bench.print_schedule_model(args, 132)
+    assert "not run:" in capsys.readouterr().out
