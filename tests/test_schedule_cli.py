@@ -56,7 +56,7 @@ def test_real_shape_json_gqa(capsys):
                "--schedule", "shift,descending,auto", "--no-gantt", "--json", "--latency", "0.3"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
-    # auto: seqlen_q < seqlen_k takes no shift order (schedules.resolve_schedule_name)
+    # auto: seqlen_q < seqlen_k takes no shift order (policy.table_pick)
     assert [r["schedule"] for r in rows] == ["shift", "descending", "fa3"]
     assert all(r["valid"] and r["makespan"] >= r["critical_path"] - 1e-9 for r in rows)
 

@@ -81,11 +81,3 @@ def grid_geometries(grid: dict):
                 g = Geometry.from_shape(batch=grid["total_tokens"] // sl, heads=grid["hidden"] // hd,
                                         seqlen_q=sl, headdim=hd, causal=(mask == "causal"))
                 yield f"hdim{hd} s{sl} {mask}", g
-
-
-def kernel_schedules(names, geometries, num_sms: int) -> list[ScheduleMeta]:
-    """The validated static metadata the kernel runs, per (geometry, name), shapes major
-    (static: the C++ harness passes no dynamic-dispatch counter)."""
-    from .lowering import get_kernel_metadata
-
-    return [get_kernel_metadata(name, g, num_sms, "static") for g in geometries for name in names]
