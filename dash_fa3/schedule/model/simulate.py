@@ -54,7 +54,7 @@ computed then masked; ``masked_compute`` prices the masking).
 are inside both sequences and the mask, r with the fraction of valid Q rows;
 useful to study ragged shapes.
 
-Measured costs for the H100 (fitted to the b064a4d grid) are in
+Costs fitted to measured H100 times are in
 :mod:`.calibration`.
 """
 
