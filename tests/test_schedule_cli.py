@@ -109,6 +109,8 @@ def test_docs_charts_small():
     # zero where meaningless, absurd sizes, a head dim the API refuses
     ["model", "-n", "4", "-m", "2", "--compute", "0"],
     ["model", "-n", "4", "-m", "2", "--compute", "1e308", "--rc-ratio", "1e308"],
+    ["model", "-n", "4", "-m", "2", "--compute", "1e9", "--rc-ratio", "2"],
+    ["model", "-n", "4", "-m", "2", "--latency", "1e308"],
     ["model", "-n", "4", "-m", "2", "--read", "2", "--reduce", "1"],
     ["--seqlen", "1024", "--sms", "100000000", "--no-gantt"],
     ["--seqlen", "10000000", "--no-gantt"],
@@ -215,7 +217,7 @@ def test_bad_arguments_from_the_command_line(tmp_path):
                            "--reduce", "nan"], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.count("\n") == 1 and "argument --reduce: must be a finite number >= 0, got 'nan'" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "argument --reduce: must be a finite number >= 0 and <= 1e+09, got 'nan'" in proc.stderr
 
 
 def test_export_bundle(tmp_path, capsys):

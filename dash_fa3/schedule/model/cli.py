@@ -70,6 +70,8 @@ MAX_HEADS = 1 << 12
 MAX_BATCH = 1 << 16
 MAX_SMS = 1024
 MAX_BLOCK = 1024
+#: Costs are in any unit, but one step's cost times MAX_STEPS steps must stay a finite sum.
+MAX_COST = 1e9
 
 SUBCOMMANDS = {
     "shape": "the default: simulate the schedules on a real shape (this help)",
@@ -109,9 +111,9 @@ def _float(low: float, *, strict: bool):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {low:g}, "
-                                             f"got {text!r}")
+        if not math.isfinite(value) or value < low or (strict and value == low) or value > MAX_COST:
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {low:g} and "
+                                             f"<= {MAX_COST:g}, got {text!r}")
         return value
     return parse
 
@@ -221,8 +223,8 @@ def _fmt_table(rows: list[dict]) -> str:
 
 def _costs_from(p, args) -> CostModel:
     reduce = args.reduce if args.reduce is not None else args.compute * args.rc_ratio
-    if not math.isfinite(reduce):
-        p.error(f"--compute x --rc-ratio = {reduce:g} is not a finite cost")
+    if reduce > MAX_COST:
+        p.error(f"--compute x --rc-ratio = {reduce:g} is more than {MAX_COST:g}")
     if args.read is not None and args.read > reduce:
         p.error(f"--read ({args.read:g}) must be <= the reduce cost ({reduce:g})")
     return CostModel(compute=args.compute, reduce=reduce, latency=args.latency, epilogue=args.epilogue,
