@@ -108,7 +108,25 @@ def test_schedules_agree_within_rounding():
             assert rel < 2e-3, (s, rel)
 
 
-@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift"])
+# Few queries, many keys (the split schedule's shapes): bottom-right causal and full, GQA and MHA,
+# several dQ splits, ragged tiles.
+RECT_SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
+    (2, 512, 4096, 4, 2),
+    (1, 300, 5000, 2, 2),
+    (3, 128, 2100, 4, 1),
+]
+
+
+@pytest.mark.parametrize("shape", RECT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
+def test_split_schedule_on_rectangular_problems(v, shape):
+    require_built(v, "bwd")
+    check_case(v, shape, seed=sum(shape), schedule="split", deterministic=True)
+    q, k, vv, dout = make_inputs(v, shape, 7)
+    assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, v.causal, deterministic=True, schedule="split")[1:], 9)
+
+
+@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift", "split"])
 def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     v = variants.Variant(128, "bf16", "causal")
     require_built(v, "bwd")

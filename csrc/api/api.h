@@ -120,6 +120,7 @@ struct DkvCast {
 at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,
                                   int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
                                   at::ScalarType dtype, const at::Device& device, cudaStream_t stream,
-                                  const DkvCast* dkv = nullptr, const PackedDocs* docs = nullptr);
+                                  const DkvCast* dkv = nullptr, const PackedDocs* docs = nullptr,
+                                  int64_t dq_splits = 1, int64_t dq_split_floats = 0);
 
 }  // namespace dash_fa3

@@ -96,8 +96,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const bool gqa = heads != heads_kv;
-  const BwdWorkspace ws =
-      make_bwd_workspace({sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, gqa}, dev);
+  const int64_t dq_splits = hdr[schedule::kHNumSplits];
+  TORCH_CHECK(dq_splits >= 1 && (dq_splits == 1 || packed == nullptr),
+              msg("dash_fa3: schedule has ", dq_splits, " dQ splits (dense calls only, at least 1)"));
+  const BwdWorkspace ws = make_bwd_workspace(
+      {sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, gqa, dq_splits}, dev);
   launch_bwd_preprocess(out, dout, lse, ws, rounded, stream, packed, block_m);
 
   at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));
@@ -115,6 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   p.dpsum = ws.dpsum;
   p.dq_accum = ws.dq_accum;
   p.dq_semaphore = ws.dq_semaphore;
+  p.dq_split_floats = ws.dq_split_floats;
+  p.dq_split_sems = ws.dq_split_sems;
   p.task_counter = ws.task_counter;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
@@ -152,7 +157,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   }
   const DkvCast dkv{ws.dk_partial, ws.dv_partial, dk, dv};
   at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, sh.batch, heads, seqlen_q, rounded, hdim, softmax_scale,
-                                         q.scalar_type(), dev, stream, gqa ? &dkv : nullptr, packed);
+                                         q.scalar_type(), dev, stream, gqa ? &dkv : nullptr, packed,
+                                         dq_splits, ws.dq_split_floats);
   return {dq, dk, dv};
 }
 

@@ -27,10 +27,12 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   const int64_t dv_offset = off;
   off = round_up(off + partial_v * int64_t(sizeof(float)));
   const int64_t zero_begin = off;
+  w.dq_split_floats = rows * s.headdim;  // a multiple of 128 bytes: whole tiles
+  w.dq_split_sems = s.batch * s.heads * s.n_q;
   w.dq_accum_offset = off;
-  off = round_up(off + rows * s.headdim * int64_t(sizeof(float)));
+  off = round_up(off + s.dq_splits * w.dq_split_floats * int64_t(sizeof(float)));
   w.dq_semaphore_offset = off;
-  off = round_up(off + s.batch * s.heads * s.n_q * int64_t(sizeof(int)));
+  off = round_up(off + s.dq_splits * w.dq_split_sems * int64_t(sizeof(int)));
   const int64_t counter_offset = off;
   off = round_up(off + int64_t(sizeof(int)));
 

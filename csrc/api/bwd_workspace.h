@@ -1,6 +1,9 @@
 // The backward's scratch memory, one allocation per call:
 //
 //   dpsum | lse_log2 | dk_partial | dv_partial | dq_accum | dq_semaphore | task_counter
+//
+// dq_accum and dq_semaphore hold one accumulator and semaphore set per dQ
+// split of the schedule (one but for the split schedule), back to back.
 //                                              '------ zeroed by the preprocess ------'
 //
 // One allocation instead of six keeps the caching allocator off the host
@@ -30,11 +33,14 @@ struct BwdWorkspace {
 
   // Byte offsets of the regions, for callers that want tensor views.
   int64_t dpsum_offset, lse_log2_offset, dq_accum_offset, dq_semaphore_offset;
+  // One dQ split's accumulator (floats) and semaphores (ints); split s starts s of them on.
+  int64_t dq_split_floats, dq_split_sems;
 };
 
 struct BwdWorkspaceShape {
   int64_t batch, heads, seqlen_q_rounded, seqlen_k, headdim, headdim_v, n_q;
   bool gqa;
+  int64_t dq_splits = 1;  // fp32 dQ accumulators (and semaphore sets), the schedule's num_splits
 };
 
 BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& device);

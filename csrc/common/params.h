@@ -143,6 +143,10 @@ struct BwdPostprocessParams {
   // [q block_m, (q + 1) block_m) of a (batch, head) hold Q tile q in the main
   // kernel's fragment order (common/dq_accum_layout.h).
   const float* dq_accum;
+  // dQ splits (BwdParams): num_dq_splits accumulators dq_split_floats apart,
+  // summed in ascending order (a fixed order: the same bits in every run).
+  int num_dq_splits;
+  int64_t dq_split_floats;
   int block_m;            // bwd_block_m(headdim): the tiles' rows
   void* dq;               // (batch, seqlen_q, heads, headdim), FA3 layout
   TensorStrides dq_stride;
@@ -194,6 +198,11 @@ struct BwdParams {
   float* dq_accum;    // fp32, zeroed, 128-byte aligned; the kernel adds each Q tile into it in
                       // fragment order (common/dq_accum_layout.h)
   int* dq_semaphore;  // (batch, heads, seqlen_q_rounded / block_m), zeroed
+  // dQ splits (the schedule's num_splits; dash_fa3/schedule/split.py): split s
+  // has its own accumulator and semaphores, s * dq_split_floats floats and
+  // s * dq_split_sems ints on; the postprocess sums the splits in order.
+  int64_t dq_split_floats;
+  int64_t dq_split_sems;
   int* task_counter;  // one int, zeroed: dynamic dispatch's claims (kernels/bwd/bwd_tasks.h)
 
   // Outputs, (batch, seqlen_k, heads_kv, headdim) in the input dtype.

@@ -87,20 +87,28 @@ DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, 
   if (rp.kind == kRankDesc) { return {q, kv_end - 1 - kv}; }
   // kRankShift: units (KV tile p, optionally paired with hi tile n_kv-1-p) run
   // in waves; units [seg_begin, seg_end) of this head share this task's wave.
+  // kRankSplit: the same rule within the task's dQ split, which has its own
+  // rectangle (the row's rect) and counts only its own KV tiles, from
+  // split_begin (its segment is the wave's units that belong to the split).
   int const n_kv = geo.n_kv();
+  bool const split = rp.kind == kRankSplit;
+  int const rect = split ? row[kCRect] : rp.rect_begin;
   int const pa = row[kCSegBegin];
   int const pb = row[kCSegEnd];
   int const seg = pb - pa;
-  // Contributions to q from units [0, pa) (earlier waves): lo tiles
-  // kv_begin <= p < kv_end, and hi tiles n_kv-1-p (p < min(pa, pairs_hi)) below kv_end.
-  int const earlier = imin(kv_end, pa);
-  int const base = (kv_begin > 0 ? imax(0, earlier - kv_begin) : earlier) +
-                   imax(0, kv_end - n_kv + imin(pa, rp.pairs_hi));
+  // Contributions to q from units [0, x): lo tiles kv_begin <= p < kv_end, and
+  // hi tiles n_kv-1-p (p < min(x, pairs_hi)) below kv_end.
+  auto const units_before = [&](int x) {
+    int const lo = imin(kv_end, x);
+    return (kv_begin > 0 ? imax(0, lo - kv_begin) : lo) + imax(0, kv_end - n_kv + imin(x, rp.pairs_hi));
+  };
+  // Contributions to q of earlier waves (of the split's units, with splits).
+  int const base = units_before(pa) - (split ? units_before(row[kCSplitBegin]) : 0);
   int local;
   if (row[kCRole] == kRoleHi) {
     // After every lo tile of the segment; hi tiles ascending.
     local = seg + kv - (n_kv - imin(pb, rp.pairs_hi));
-  } else if (q < rp.rect_begin) {
+  } else if (q < rect) {
     // Above the rectangle: lo tiles in descending order.
     local = imin(kv_end, pb) - 1 - kv;
   } else {
@@ -110,8 +118,8 @@ DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, 
     // segment has at most width / k slots, so reps = 0 then); lt counts the
     // slots that reach it before this step, unwrapped and wrapped.
     int const sh = rp.cyc_stride_log2;
-    int const width = geo.n_q() - rp.rect_begin;
-    int const qq = q - rp.rect_begin;
+    int const width = geo.n_q() - rect;
+    int const qq = q - rect;
     int const slot = kv - pa;
     int const reps = seg / width;
     int const rem = seg % width;

@@ -25,8 +25,9 @@ from __future__ import annotations
 MAGIC = 0x44415348  # 'DASH'
 # Bumped with every layout change (2: the GQA dK/dV turn column removed;
 # 3: the mask kind and the window instead of the causal flag; 4: the cyclic
-# legs' stride, as its log2, in the former reserved field).
-METADATA_VERSION = 4
+# legs' stride, as its log2, in the former reserved field; 5: dQ splits, each
+# its own fp32 dQ accumulator, with the per-row rectangle of the SPLIT rank kind).
+METADATA_VERSION = 5
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -34,7 +35,7 @@ HEADER_FIELDS = (
     "version",         # METADATA_VERSION
     "schedule",        # index into SCHEDULES
     "dispatch",        # DISPATCH_STATIC / DISPATCH_DYNAMIC
-    "rank_kind",       # RANK_ASC / RANK_DESC / RANK_SHIFT: which rank rule decodes the steps
+    "rank_kind",       # RANK_ASC / RANK_DESC / RANK_SHIFT / RANK_SPLIT: which rank rule decodes the steps
     "num_ctas",        # persistent CTAs to launch (<= SM count)
     "num_tasks",       # rows in the task table
     "num_cols",        # NUM_COLS
@@ -49,11 +50,12 @@ HEADER_FIELDS = (
     "num_steps",       # total (task, step) pairs
     "offsets_len",     # num_ctas + 1 (static) or 0 (dynamic)
     "cyc_stride_log2", # slot i of a wave's segment starts its cyclic leg i << cyc_stride_log2 tiles on (SHIFT)
+    "num_splits",      # dQ splits: fp32 dQ accumulators (and semaphore sets) the postprocess sums in order
 )
 (H_MAGIC, H_VERSION, H_SCHEDULE, H_DISPATCH, H_RANK_KIND, H_NUM_CTAS, H_NUM_TASKS, H_NUM_COLS,
  H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_MASK, H_WINDOW_LEFT,
  H_WINDOW_RIGHT, H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
- H_CYC_STRIDE_LOG2) = range(len(HEADER_FIELDS))
+ H_CYC_STRIDE_LOG2, H_NUM_SPLITS) = range(len(HEADER_FIELDS))
 HEADER_LEN = len(HEADER_FIELDS)
 
 # Task-table columns, by index; one row per task (batch, q head, KV tile).
@@ -68,22 +70,26 @@ COLUMNS = (
     "head_kv",
     "cta",             # static: the CTA that runs the row; dynamic: -1
     "unit",            # unit (pair) index within the head (informational)
+    "split",           # the dQ split the task's adds go to (0 without splits)
+    "split_begin",     # first KV tile of that split (SPLIT)
+    "rect",            # first Q tile of the split's dense rectangle (SPLIT)
 )
 (C_BATCH, C_HEAD, C_KV, C_N_STEPS, C_CYC_LEN, C_CYC_BASE, C_CYC_OFF, C_LIN_BASE, C_LIN_DIR,
- C_ROLE, C_SEG_BEGIN, C_SEG_END, C_HEAD_KV, C_CTA, C_UNIT) = range(len(COLUMNS))
+ C_ROLE, C_SEG_BEGIN, C_SEG_END, C_HEAD_KV, C_CTA, C_UNIT, C_SPLIT, C_SPLIT_BEGIN, C_RECT) = range(len(COLUMNS))
 NUM_COLS = len(COLUMNS)
 
 # Codes stored in the header and the rows (C++ enum name, codes in order).
-SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
+SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split")
 DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
-RANK_ASC, RANK_DESC, RANK_SHIFT = 0, 1, 2
+RANK_ASC, RANK_DESC, RANK_SHIFT, RANK_SPLIT = 0, 1, 2, 3
 ROLE_LO, ROLE_HI = 0, 1
 # Mask kinds by name (dash_fa3.variants.MASKS; C++: csrc/common/params.h MaskKind has the same values).
 MASK_FULL, MASK_CAUSAL, MASK_LOCAL = 0, 1, 2
 MASK_CODES = {"full": MASK_FULL, "causal": MASK_CAUSAL, "local": MASK_LOCAL}
 ENUMS = {
     "Dispatch": (("kDispatchStatic", DISPATCH_STATIC), ("kDispatchDynamic", DISPATCH_DYNAMIC)),
-    "RankKind": (("kRankAsc", RANK_ASC), ("kRankDesc", RANK_DESC), ("kRankShift", RANK_SHIFT)),
+    "RankKind": (("kRankAsc", RANK_ASC), ("kRankDesc", RANK_DESC), ("kRankShift", RANK_SHIFT),
+                 ("kRankSplit", RANK_SPLIT)),
     "Role": (("kRoleLo", ROLE_LO), ("kRoleHi", ROLE_HI)),
     "MaskCode": (("kMaskFull", MASK_FULL), ("kMaskCausal", MASK_CAUSAL), ("kMaskLocal", MASK_LOCAL)),
 }

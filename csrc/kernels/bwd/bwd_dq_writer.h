@@ -112,8 +112,9 @@ struct BwdDqWriter {
       TileGeometry const geo = Traits::tile_geometry(p, Traits::seqlens(p, b));
       // Tile q of this (batch, head): rows [q kBlockM, (q + 1) kBlockM) from its first, contiguous.
       int64_t const stat_row = Traits::stat_row(p, b, h);
-      float* dq_bh = p.dq_accum + stat_row * kHeadDim;
-      int* sem_bh = p.dq_semaphore + stat_row / kBlockM;
+      int64_t const split = row[schedule::kCSplit];
+      float* dq_bh = p.dq_accum + split * p.dq_split_floats + stat_row * kHeadDim;
+      int* sem_bh = p.dq_semaphore + split * p.dq_split_sems + stat_row / kBlockM;
 
       // First step of this task that falls on this writer.
       int const first = (writer - cta_step % Traits::kDqWriters + Traits::kDqWriters) % Traits::kDqWriters;

@@ -90,7 +90,9 @@ void check_schedule_header(BwdParams const& a) {
           "schedule was built for the window (" + std::to_string(h[S::kHWindowLeft]) + ", " +
               std::to_string(h[S::kHWindowRight]) + "), the call has (" + std::to_string(left) + ", " +
               std::to_string(right) + ")");
-  require(h[S::kHRankKind] >= S::kRankAsc && h[S::kHRankKind] <= S::kRankShift, "schedule has an unknown rank kind");
+  require(h[S::kHRankKind] >= S::kRankAsc && h[S::kHRankKind] <= S::kRankSplit, "schedule has an unknown rank kind");
+  require(h[S::kHNumSplits] == 1 || (a.dq_split_floats > 0 && a.dq_split_sems > 0),
+          "a schedule of several dQ splits needs the splits' accumulators");
   require(h[S::kHNumCtas] >= 1, "schedule has no CTAs");
 }
 
@@ -153,6 +155,8 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.task_counter = dynamic ? a.task_counter : nullptr;
   p.num_tasks = a.schedule_header_host[schedule::kHNumTasks];
   p.rank = schedule::rank_params_of(a.schedule_header_host);
+  p.dq_split_floats = a.dq_split_floats;
+  p.dq_split_sems = a.dq_split_sems;
   p.seqlen_q = a.seqlen_q;
   p.seqlen_k = a.seqlen_k;
   p.seqlen_q_rounded = a.seqlen_q_rounded;

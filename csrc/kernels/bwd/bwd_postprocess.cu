@@ -110,7 +110,13 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
         float vals[kVec], hi_vals[kVec];
 #pragma unroll
         for (int k = 0; k < kVec / 2; ++k) {
-          const float4 v = __ldg(src + k);
+          float4 v = __ldg(src + k);
+          // dQ splits: their accumulators summed in ascending split order (fixed).
+#pragma unroll 1
+          for (int split = 1; split < p.num_dq_splits; ++split) {
+            const float4 w = __ldg(src + k + split * (p.dq_split_floats / 4));
+            v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+          }
           vals[2 * k] = v.x, vals[2 * k + 1] = v.y;
           hi_vals[2 * k] = v.z, hi_vals[2 * k + 1] = v.w;
         }

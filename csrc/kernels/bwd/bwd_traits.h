@@ -555,6 +555,10 @@ struct BwdTraits {
     int* task_counter;
     int num_tasks;
     schedule::RankParams rank;
+    // dQ split s (a row's split column) adds into dq_accum + s * dq_split_floats and waits on
+    // dq_semaphore + s * dq_split_sems.
+    int64_t dq_split_floats;
+    int64_t dq_split_sems;
     int seqlen_q, seqlen_k, seqlen_q_rounded, heads, heads_kv, batch;
     float softmax_scale;     // dK's (and, in the postprocess, dQ's) factor
     float score_scale_log2;  // P = exp2(scores * score_scale_log2 - lse_log2) (common/softcap.h)
