@@ -36,6 +36,9 @@ from .validate import validate as _validate
 SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES + ("auto",)
 DYNAMIC_SCHEDULES = ("fa3", "spt", "descending", "lpt")
 STATIC_SCHEDULES = ("shift", "symmetric_shift")
+#: Builders of schedules defined in their own module (:mod:`.split`), which registers
+#: itself here on import (the package imports it): name -> (build, build_metadata).
+EXTRA_BUILDERS: dict = {}
 
 
 def _concrete(name: str) -> str:
@@ -604,7 +607,10 @@ def build_schedule(name: str, geometry: Geometry, num_sms: int, *, validate: boo
     runs and a failing schedule raises :class:`ScheduleError`.
     """
     name, num_sms = _checked(name, geometry, num_sms)
-    builder = _build_dynamic if name in DYNAMIC_SCHEDULES else _build_static
+    if name in EXTRA_BUILDERS:
+        builder = EXTRA_BUILDERS[name][0]
+    else:
+        builder = _build_dynamic if name in DYNAMIC_SCHEDULES else _build_static
     sched = builder(name, geometry, num_sms)
     if validate:
         sched.validate()
@@ -618,6 +624,8 @@ def build_metadata(name: str, geometry: Geometry, num_sms: int) -> M.ScheduleMet
     name, num_sms = _checked(name, geometry, num_sms)
     if name in DYNAMIC_SCHEDULES:
         return _dynamic_tasks(name, geometry, num_sms)[2]
+    if name in EXTRA_BUILDERS:
+        return EXTRA_BUILDERS[name][1](name, geometry, num_sms)
     return _static_tasks(name, geometry, num_sms).meta
 
 

@@ -136,6 +136,9 @@ def _check_rows(s, meta, g, num_sms: int) -> None:
     if not dynamic and int(h[M.H_DISPATCH]) != M.DISPATCH_STATIC:
         _fail(s, f"metadata header field dispatch = {int(h[M.H_DISPATCH])} is neither dynamic nor static")
     batch, head, kv = t[:, M.C_BATCH], t[:, M.C_HEAD], t[:, M.C_KV]
+    splits = int(h[M.H_NUM_SPLITS])
+    if splits < 1 or np.any((t[:, M.C_SPLIT] < 0) | (t[:, M.C_SPLIT] >= splits)):
+        _fail(s, f"dQ split out of range: the header has {splits} splits")
     if np.any((batch < 0) | (batch >= g.batch) | (head < 0) | (head >= g.heads) | (kv < 0) | (kv >= g.n_kv)):
         _fail(s, "task with batch/head/kv_tile out of range")
     if not np.array_equal(t[:, M.C_HEAD_KV], head // g.group):
@@ -238,7 +241,7 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
     h, t = meta.header, meta.tasks.astype(np.int64)
     if int(h[M.H_DISPATCH]) == M.DISPATCH_DYNAMIC:
         return None, g.n_q + 1, True
-    if int(h[M.H_RANK_KIND]) != M.RANK_SHIFT:
+    if int(h[M.H_RANK_KIND]) not in (M.RANK_SHIFT, M.RANK_SPLIT):
         raise ValueError("check_metadata certifies queue schedules dispatched dynamically and the static shift "
                          "schedules; validate other static task lists with build_schedule(...).validate()")
     span = 2 * g.n_q + 1
@@ -289,11 +292,17 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
     _, reps = np.unique(sig, axis=0, return_index=True)
     tiles = M.tile_geometry_of(h)
     kvb, kve = tiles.kv_range(np.arange(n_q))
-    contrib = kve - kvb                          # contributions per dQ tile
+    # contributions per (dQ split, dQ tile): the split's KV tiles [sb, se) that meet the tile (a
+    # split whose tiles are not contiguous makes the count check below fail)
+    n_sp = int(h[M.H_NUM_SPLITS])
+    sb, se = np.full(n_sp, n_kv, dtype=np.int64), np.zeros(n_sp, dtype=np.int64)
+    np.minimum.at(sb, t[:, M.C_SPLIT], t[:, M.C_KV])
+    np.maximum.at(se, t[:, M.C_SPLIT], t[:, M.C_KV] + 1)
+    contrib = np.maximum(0, np.minimum(kve[None, :], se[:, None]) - np.maximum(kvb[None, :], sb[:, None]))
     def check_head(head: int) -> None:
         R, P = rows[head], hpot[head]
         pair_seen = np.zeros(n_kv * n_q, dtype=bool)
-        phi = np.full(n_q * n_kv, -1, dtype=np.int32)    # potential of the add of rank r into dQ tile q
+        phi = np.full(n_sp * n_q * n_kv, -1, dtype=np.int32)  # potential of the add of rank r into (split, q)
         bounds = np.searchsorted(np.cumsum(R[:, M.C_N_STEPS]), np.arange(0, int(R[:, M.C_N_STEPS].sum()),
                                                                          CHECK_CHUNK_STEPS), side="right")
         bounds = np.unique(np.concatenate([[0], bounds, [n_kv]]))
@@ -305,23 +314,26 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
                 i = int(np.flatnonzero(~ok)[0])
                 _fail(s, f"head {head}: KV tile {int(kv[i])} step {int(step[i])} visits Q tile {int(q[i])}, "
                          f"which the mask does not pair with it")
-            okr = (rank >= 0) & (rank < contrib[q])
+            cell = R[lo:hi, M.C_SPLIT][row] * n_q + q
+            okr = (rank >= 0) & (rank < contrib.reshape(-1)[cell])
             if not okr.all():
                 i = int(np.flatnonzero(~okr)[0])
-                _fail(s, f"head {head}: dQ tile {int(q[i])} gets rank {int(rank[i])} of {int(contrib[q[i]])}")
+                _fail(s, f"head {head}: dQ tile {int(q[i])} gets rank {int(rank[i])} of "
+                         f"{int(contrib.reshape(-1)[cell[i]])}")
             pair_seen[kv * n_q + q] = True
-            phi[q * n_kv + rank] = P[lo:hi][row] + step
+            phi[cell * n_kv + rank] = P[lo:hi][row] + step
         # as many distinct cells as steps: no pair twice, and ranks 0..k-1 of every dQ tile
         if np.count_nonzero(pair_seen) != g.num_steps // H or np.count_nonzero(phi >= 0) != g.num_steps // H:
             _fail(s, f"head {head}: a (kv, q) pair is visited twice or a dQ tile's ranks are not 0..k-1")
-        grid = phi.reshape(n_q, n_kv)
-        waits = np.arange(1, n_kv) < contrib[:, None]          # (q, rank r >= 1) exists
+        grid = phi.reshape(n_sp * n_q, n_kv)
+        waits = np.arange(1, n_kv) < contrib.reshape(-1)[:, None]  # ((split, q), rank r >= 1) exists
         before, after = grid[:, :-1], grid[:, 1:]
         bad = waits & ((before >= after) if strict else (before > after))
         if bad.any():
-            qq, r = (int(x[0]) for x in np.nonzero(bad))
-            _fail(s, f"deadlock risk: in head {head}, dQ tile {qq}'s add of rank {r + 1} may wait on one the "
-                     f"schedule runs later (potential {int(before[qq, r])} -> {int(after[qq, r])})")
+            cell, r = (int(x[0]) for x in np.nonzero(bad))
+            qq = cell % n_q
+            _fail(s, f"deadlock risk: in head {head}, dQ tile {qq} (split {cell // n_q})'s add of rank {r + 1} "
+                     f"may wait on one the schedule runs later (potential {int(before[cell, r])} -> {int(after[cell, r])})")
 
     heads = sorted(reps.tolist())
     workers = min(CHECK_THREADS, len(heads), os.cpu_count() or 1)
