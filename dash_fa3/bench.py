@@ -21,6 +21,7 @@ import sys
 import torch
 
 from . import _ext, ops, reference, validation, variants
+from ._cli import OneLineParser, folder_problem
 from ._timing import attention_flops, median_ms
 from .interface import flash_attn_func
 from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
@@ -236,15 +237,8 @@ MAX_SIZE = {"batch": 1 << 16, "seqlen": 1 << 24, "heads": 1 << 12, "heads_kv": 1
 CPU_MAX_SCORES = 1 << 28     # batch x heads x seqlen^2 of the CPU reference (fp32: 1 GiB per copy)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage block) and exit with status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m dash_fa3.bench", description=__doc__,
+    ap = OneLineParser(prog="python -m dash_fa3.bench", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     gd, cd = GPU_DEFAULTS, CPU_DEFAULTS
     ap.add_argument("--batch", type=int, default=None, help=f"default {gd['batch']} (CPU: {cd['batch']})")
@@ -292,14 +286,7 @@ def check_args(args) -> str | None:
 
 def check_plot_dir(path: str) -> str | None:
     """Make the plot's folder; the problem if it cannot be made or written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        return f"--plot {path!r}: cannot make its folder: {e.strerror or e}"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"--plot {path!r}: its folder is not writable"
-    return None
+    return folder_problem(os.path.dirname(os.path.abspath(path)), f"--plot {path!r}: its folder")
 
 
 def check_fits(args, on_gpu: bool) -> str | None:

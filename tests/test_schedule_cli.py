@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from dash_fa3._cli import headdim
 from dash_fa3.schedule import SCHEDULES, Geometry, main
 from dash_fa3.schedule.export import read_bundle
 from dash_fa3.schedule.lowering import get_kernel_metadata
@@ -145,7 +146,7 @@ def test_headdims_are_the_apis():
         except ValueError:
             api = False
         try:
-            cli.headdim_int(str(d))
+            headdim(str(d))
             ok = True
         except argparse.ArgumentTypeError:
             ok = False

@@ -19,7 +19,6 @@ Units: microseconds.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 from ... import variants
+from ..._cli import OneLineParser, bounded_float, bounded_int, folder_problem, headdim
 from .. import export
 from ..export import DEFAULT_GRID, grid_geometries
 from ..geometry import Geometry, bwd_block_sizes
@@ -83,60 +83,15 @@ SUBCOMMANDS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage block) and exit with status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 # ------------------------------------------------------------ argument types
-# argparse turns the ArgumentTypeError of a type= function into "argument --x: <message>",
-# one line on stderr and exit status 2.
-def _bounded_int(low: int, high: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
-        return value
-    return parse
-
-
-def _float(low: float, *, strict: bool):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low) or value > MAX_COST:
-            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} {low:g} and "
-                                             f"<= {MAX_COST:g}, got {text!r}")
-        return value
-    return parse
-
-
-positive_int = _bounded_int(1, 2 ** 31 - 1)
-nonnegative_float = _float(0.0, strict=False)
-positive_float = _float(0.0, strict=True)
-sms_int = _bounded_int(1, MAX_SMS)
-seqlen_int = _bounded_int(1, MAX_SEQLEN)
-heads_int = _bounded_int(1, MAX_HEADS)
-batch_int = _bounded_int(1, MAX_BATCH)
-block_int = _bounded_int(1, MAX_BLOCK)
-
-
-def headdim_int(text: str) -> int:
-    """A head dim the API accepts (:func:`dash_fa3.variants.check_head_dims`, the one rule)."""
-    try:
-        value = int(text)
-        variants.check_head_dims(value, value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e) if "head" in str(e) else f"expected an integer, got {text!r}") \
-            from None
-    return value
+positive_int = bounded_int(1, 2 ** 31 - 1)
+nonnegative_float = bounded_float(0.0, MAX_COST)
+positive_float = bounded_float(0.0, MAX_COST, strict=True)
+sms_int = bounded_int(1, MAX_SMS)
+seqlen_int = bounded_int(1, MAX_SEQLEN)
+heads_int = bounded_int(1, MAX_HEADS)
+batch_int = bounded_int(1, MAX_BATCH)
+block_int = bounded_int(1, MAX_BLOCK)
 
 
 def sm_list(text: str) -> list[int]:
@@ -157,12 +112,9 @@ def check_size(p, g: Geometry) -> None:
 
 def writable_dir(p, path: str, what: str) -> None:
     """Create ``path`` (a directory) or refuse in one line."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        p.error(f"{what} {path!r}: {e.strerror or e}")
-    if not os.access(path, os.W_OK | os.X_OK):
-        p.error(f"{what} {path!r} is not writable")
+    problem = folder_problem(path, what)
+    if problem:
+        p.error(problem)
 
 
 def _schedule_list(p, arg: str) -> list[str]:
@@ -258,7 +210,7 @@ def _add_cost_args(p, *, rc_default: float, pipeline: str = "writer"):
 def _add_shape_args(p, *, seqlen_required: bool):
     p.add_argument("--seqlen", type=seqlen_int, required=seqlen_required, help="seqlen_q")
     p.add_argument("--seqlen-k", type=seqlen_int, default=None, help="seqlen_k (default: seqlen)")
-    p.add_argument("--headdim", type=headdim_int, default=128,
+    p.add_argument("--headdim", type=headdim, default=128,
                    help=f"one of {', '.join(map(str, variants.HEADDIMS))} (default 128)")
     p.add_argument("--heads", type=heads_int, default=16)
     p.add_argument("--heads-kv", type=heads_int, default=None, help="kv heads (GQA); default: heads")
@@ -278,7 +230,7 @@ def _shape_geometry(p, args, block_m=None, block_n=None) -> Geometry:
 
 
 def _real_main(argv) -> int:
-    p = _Parser(prog="python -m dash_fa3.schedule",
+    p = OneLineParser(prog="python -m dash_fa3.schedule",
                 description="Simulate the DASH backward schedules on a real shape (the default subcommand, "
                             "'shape').",
                 epilog="subcommands (python -m dash_fa3.schedule SUBCOMMAND --help):\n"
@@ -333,9 +285,9 @@ def _real_main(argv) -> int:
 
 
 def _model_main(argv) -> int:
-    p = _Parser(prog="python -m dash_fa3.schedule model",
+    p = OneLineParser(prog="python -m dash_fa3.schedule model",
                 description="The paper's model: n KV tiles = n SMs, m heads, square tiles.")
-    tiles = _bounded_int(1, MAX_SEQLEN // 64)
+    tiles = bounded_int(1, MAX_SEQLEN // 64)
     p.add_argument("--kv-tiles", "-n", type=tiles, required=True)
     p.add_argument("--heads", "-m", type=heads_int, required=True)
     p.add_argument("--q-tiles", type=tiles, default=None, help="Q tiles (default: kv tiles)")
@@ -379,7 +331,7 @@ def _model_main(argv) -> int:
 
 
 def _grid_main(argv) -> int:
-    p = _Parser(prog="python -m dash_fa3.schedule bench-grid",
+    p = OneLineParser(prog="python -m dash_fa3.schedule bench-grid",
                 description="Validate (and optionally simulate) every schedule on the bench grid.")
     p.add_argument("--grid", default=None, help="bench_grid.json (default: the paper's grid)")
     p.add_argument("--sms", type=sm_list, default=[132, 114])
@@ -434,7 +386,7 @@ GALLERY = [
 
 
 def _gallery_main(argv) -> int:
-    p = _Parser(prog="python -m dash_fa3.schedule gallery", description="Write the Gantt charts of docs/schedule.md.")
+    p = OneLineParser(prog="python -m dash_fa3.schedule gallery", description="Write the Gantt charts of docs/schedule.md.")
     p.add_argument("--out", default=os.path.join("docs", "gantt"))
     p.add_argument("--compute", type=positive_float, default=1.0)
     p.add_argument("--reduce", type=nonnegative_float, default=0.5)
@@ -471,7 +423,7 @@ def _gallery_main(argv) -> int:
 
 def _calibrate_main(argv) -> int:
     from . import calibration as C
-    p = _Parser(
+    p = OneLineParser(
         prog="python -m dash_fa3.schedule calibrate",
         description="The simulator against the measured H100 grid (model/calibration.py): per grid point and "
                     "schedule measured / predicted ms and error, the ranking agreement; --fit refits the costs "
@@ -481,8 +433,8 @@ def _calibrate_main(argv) -> int:
                    help="seqlens the fit uses (the rest are held out)")
     p.add_argument("--headdim", type=int_list, default=None, help="head dims (default: all of the grid)")
     p.add_argument("--seqlens", type=int_list, default=None, help="seqlens of the table (default: all)")
-    p.add_argument("--max-evals", type=_bounded_int(1, 100000), default=80, help="fit: evaluations per head dim")
-    p.add_argument("--workers", type=_bounded_int(1, 256), default=min(4, os.cpu_count() or 1))
+    p.add_argument("--max-evals", type=bounded_int(1, 100000), default=80, help="fit: evaluations per head dim")
+    p.add_argument("--workers", type=bounded_int(1, 256), default=min(4, os.cpu_count() or 1))
     p.add_argument("--json", action="store_true", help="print rows, ranking and summary as JSON")
     args = p.parse_args(argv)
     train = tuple(args.train)
@@ -514,7 +466,7 @@ def _calibrate_main(argv) -> int:
 
 
 def _export_main(argv) -> int:
-    p = _Parser(
+    p = OneLineParser(
         prog="python -m dash_fa3.schedule export",
         description="Write the kernel's validated static schedule metadata (a bundle of flat int32 buffers, "
                     "dash_fa3/schedule/export.py) for programs without Python, e.g. benchmarks/cpp/bwd_bench.")
