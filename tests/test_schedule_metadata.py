@@ -57,10 +57,9 @@ def test_flat_buffer_round_trip_and_size(name):
     back = ScheduleMeta.from_int32_array(flat)
     for k, v in s.meta.to_numpy().items():
         assert np.array_equal(back.to_numpy()[k], v)
-    # O(tasks), not O(tiles^2)
+    # O(tasks), not O(tiles^2): a header, the CTA offsets and one row per task, far fewer than the steps
     n_off = 0 if s.dynamic else s.num_ctas + 1
-    assert flat.size == M.HEADER_LEN + n_off + M.NUM_COLS * s.num_tasks
-    assert s.meta.nbytes < 70 * s.num_tasks + 4 * (M.HEADER_LEN + 200)
+    assert flat.size == M.HEADER_LEN + n_off + M.NUM_COLS * s.num_tasks and s.meta.nbytes == 4 * flat.size
     assert s.num_steps > 10 * s.num_tasks
     # spot-check the scalar decoder on the big shape
     rng = np.random.default_rng(0)
