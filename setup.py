@@ -98,6 +98,22 @@ def build_ext_class():
     return TimedBuildExtension.with_options(use_ninja=True)
 
 
+# The test extra is what the README's test command needs; each framework adapter's tests need
+# that framework and skip without it, so the frameworks are extras of their own (CI installs
+# them all). The CPU-only install needs none of them, nor nvidia-cutlass: only the extension
+# build reads CUTLASS headers (build_config.include_dirs).
+FRAMEWORKS = {
+    "transformers": ["transformers>=5,<6"],
+    "torchtitan": ["torchtitan==0.3.0"],
+    # megatron-core 0.19 needs Python >= 3.12; on older Pythons its tests skip.
+    "megatron": ['megatron-core~=0.19.2; python_version >= "3.12"'],
+}
+EXTRAS = {
+    "test": ["pytest", "hypothesis", "matplotlib"],
+    **FRAMEWORKS,
+    "frameworks": [req for reqs in FRAMEWORKS.values() for req in reqs],
+}
+
 ext_modules = extension_modules()
 cmdclass = {"build_ext": build_ext_class()} if ext_modules else {}
 
@@ -110,12 +126,7 @@ setup(
     python_requires=">=3.10",
     # A lower bound only: the extension builds against whatever torch is installed.
     install_requires=["torch>=2.9", "numpy"],
-    extras_require={
-        # What the README's test command and examples need. megatron-core 0.19 needs
-        # Python >= 3.12; on older Pythons tests/test_integration_megatron.py skips.
-        "test": ["pytest", "hypothesis", "matplotlib", "transformers>=5,<6", "torchtitan==0.3.0",
-                 'megatron-core==0.19.2; python_version >= "3.12"'],
-    },
+    extras_require=EXTRAS,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     options={"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {},

@@ -1,5 +1,6 @@
 """setup.py's prerequisite check, on faked torch builds, environments and toolkits (CPU, nothing is built)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -145,3 +146,36 @@ def test_measurement_knobs_default_off_and_checked():
         build_config.measurement_defines({"DASH_FA3_BWD_FIXED_STEPS": "yes"})
     if "DASH_FA3_BWD_FIXED_STEPS" not in os.environ:  # the default build's flags define nothing
         assert not any("FIXED_STEPS" in f for f in build_config.NVCC_FLAGS + build_config.CXX_FLAGS)
+
+
+def _setup_kwargs(extra_code: str = "") -> dict:
+    """setup()'s keyword arguments from the real setup.py (CPU-only) in a fresh process, after
+    ``extra_code``; the values that are not JSON come back as their repr."""
+    code = (f"{extra_code}\nimport json, setuptools\n"
+            "setuptools.setup = lambda **kw: print('KW=' + json.dumps(kw, default=repr))\n"
+            "__file__ = 'setup.py'\nexec(compile(open('setup.py').read(), 'setup.py', 'exec'))\n")
+    env = {**os.environ, build_config.CPU_ONLY_ENV: "1"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.split("KW=", 1)[1])
+
+
+def test_cpu_only_setup_needs_neither_torch_nor_cutlass():
+    # Both made unimportable: a CPU-only install must get through setup.py without them.
+    kw = _setup_kwargs("import sys; sys.modules['torch'] = None; sys.modules['cutlass_library'] = None")
+    assert kw["name"] == "dash_fa3" and kw["ext_modules"] == []
+
+
+def test_test_extra_is_light_and_frameworks_are_their_own_extras():
+    extras = _setup_kwargs()["extras_require"]
+    names = {e: {req.split(";")[0].split("=")[0].split(">")[0].split("<")[0].split("~")[0].strip() for req in reqs}
+             for e, reqs in extras.items()}
+    assert names["test"] == {"pytest", "hypothesis", "matplotlib"}
+    for extra, package in (("transformers", "transformers"), ("torchtitan", "torchtitan"),
+                           ("megatron", "megatron-core")):
+        assert names[extra] == {package}
+        assert set(extras[extra]) <= set(extras["frameworks"])
+    assert names["frameworks"] == {"transformers", "torchtitan", "megatron-core"}
+    assert not any("cutlass" in req for reqs in extras.values() for req in reqs)
+    assert all("cutlass" not in req and "torch==" not in req for req in _setup_kwargs()["install_requires"])

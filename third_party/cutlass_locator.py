@@ -1,6 +1,7 @@
 """Where the CUTLASS/CuTe headers come from: the ``nvidia-cutlass`` wheel.
 
-The version is pinned here and in pyproject.toml; no sources are vendored.
+The version is pinned here (the README's install command and .ci/run name it too); no sources
+are vendored. Only the extension build needs the headers: a CPU-only install does not.
 ``include_dir()`` raises ``CutlassNotFound`` with the install command when the
 headers are missing or the installed wheel is not the pinned version.
 """

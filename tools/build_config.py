@@ -104,7 +104,8 @@ def find_problems(torch_build: TorchBuild | str, env, cutlass_include=None) -> t
     if isinstance(torch_build, str):
         problems.append(
             f"PyTorch is not importable ({torch_build}): install a CUDA build of torch >= "
-            f"{'.'.join(map(str, MIN_TORCH))}, e.g. pip install 'torch>=2.9'"
+            f"{'.'.join(map(str, MIN_TORCH))}, e.g. pip install 'torch>=2.9', then build with "
+            f"pip install --no-build-isolation (pip's isolated build environment holds no torch)"
         )
     else:
         if _version_tuple(torch_build.version) < MIN_TORCH:
