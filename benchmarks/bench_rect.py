@@ -50,7 +50,15 @@ EXTRA_SHAPES = [
     (4, 512, 8192, 16, 16, 128, "full"),
     (2, 1024, 16384, 32, 1, 128, "causal"),
 ]
-SETS = {"issue": ISSUE_SHAPES, "extra": EXTRA_SHAPES, "all": ISSUE_SHAPES + EXTRA_SHAPES}
+# Two keys per query: where auto starts to pick split.
+EDGE_SHAPES = [
+    (4, 2048, 4096, 16, 16, 128, "causal"),
+    (4, 2048, 4096, 16, 16, 128, "full"),
+    (8, 1024, 2048, 16, 4, 64, "causal"),
+    (8, 1024, 2048, 16, 4, 64, "full"),
+]
+SETS = {"issue": ISSUE_SHAPES, "extra": EXTRA_SHAPES, "edge": EDGE_SHAPES,
+        "all": ISSUE_SHAPES + EXTRA_SHAPES + EDGE_SHAPES}
 
 
 def label(s) -> str:

@@ -25,6 +25,8 @@ from .metadata import ScheduleMeta
 from .schedules import SCHEDULE_NAMES, Schedule, _check_num_sms
 
 AUTO_POLICIES = ("table", "model")
+#: Keys per query from which a full or causal ``auto`` is ``split`` (:func:`table_pick`).
+SPLIT_KEYS_PER_QUERY = 2
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
 if _auto_policy not in AUTO_POLICIES:
     raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
@@ -66,7 +68,15 @@ def table_pick(g: Geometry, headdim: int | None = None) -> str:
     Both shift orders lose where keys outnumber queries (a rectangle narrower
     than the KV tiles' walks forces their waits), so they are picked only where
     ``seqlen_k <= seqlen_q``.
+
+    From ``SPLIT_KEYS_PER_QUERY`` keys per query on (causal: twice that, since
+    the causal square's triangle, which the shift orders level, is a larger part
+    of the work), ``split``: every dQ tile would otherwise take more ordered adds
+    per step than one hand-off allows, and the splits' accumulators run those
+    adds side by side.
     """
+    if g.seqlen_k >= SPLIT_KEYS_PER_QUERY * (2 if g.causal else 1) * g.seqlen_q:
+        return "split"
     square = g.block_m == g.block_n == 128  # head dim 64
     keys_within = g.seqlen_k <= g.seqlen_q
     if g.causal:

@@ -41,6 +41,11 @@ from .metadata import planned_wave
 from .schedules import EXTRA_BUILDERS, Schedule, _header, _i32, _ranks_by_key
 
 NAME = "split"
+#: A split's tiles start their cyclic legs 2^STRIDE_LOG2 tiles apart, and it holds at most
+#: width >> STRIDE_LOG2 tiles: a dQ tile's consecutive adds come that many steps apart. A
+#: stride of 2 gives each hand-off two steps but doubles the splits, whose accumulators then
+#: cost more than the waits they save (benchmarks/bench_rect.py on an H100: docs/journal).
+STRIDE_LOG2 = 0
 
 
 def split_layout(g: Geometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -58,9 +63,15 @@ def split_layout(g: Geometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     begin = np.zeros(n_kv, dtype=np.int64)
     if not np.all(g.q_end == n_q) or np.any(np.diff(g.q_begin) < 0):
         return split, begin, np.full(n_kv, n_q, dtype=np.int64)
+    qb = g.q_begin.astype(np.int64)
     s, start = 0, 0
     for kv in range(n_kv):
-        if kv - start + 1 > max(n_q - int(g.q_begin[kv]), 1):
+        size = kv - start + 1
+        wide = size > max((n_q - int(qb[kv])) >> STRIDE_LOG2, 1)
+        # Tiles of one q_begin walk their Q tiles below the rectangle in step with each other:
+        # a split holds tiles of one q_begin (no such walk) or of distinct ones.
+        mixed = size > 2 and (qb[kv] == qb[kv - 1]) != (qb[kv - 1] == qb[kv - 2])
+        if wide or mixed:
             s, start = s + 1, kv
         split[kv], begin[kv] = s, start
     last = np.concatenate([np.flatnonzero(np.diff(split)), [n_kv - 1]])  # last tile of each split
@@ -89,7 +100,7 @@ def _tasks(g: Geometry, num_sms: int):
     r = rect[kv]
     width = g.n_q - r
     slot = kv - pa
-    cyc_off = slot % np.maximum(width, 1)
+    cyc_off = (slot << STRIDE_LOG2) % np.maximum(width, 1)
     lens = g.task_len[kv]
     T = kv.size
     num_ctas = min(S, U)
@@ -111,7 +122,7 @@ def _tasks(g: Geometry, num_sms: int):
     rows[:, M.C_RECT] = r
     cta_offsets = np.concatenate([[0], np.cumsum(np.bincount(cta, minlength=num_ctas))])
     header = _header(NAME, g, num_ctas, T, M.DISPATCH_STATIC, M.RANK_SPLIT, g.n_q, n, 0, int(lens.sum()),
-                     num_ctas + 1, num_splits=int(split[-1]) + 1 if n else 1)
+                     num_ctas + 1, cyc_stride_log2=STRIDE_LOG2, num_splits=int(split[-1]) + 1 if n else 1)
     meta = M.ScheduleMeta(header, _i32(cta_offsets), _i32(rows))
     return meta, hidx, kv, split[kv], r, slot, cyc_off, cta, wave, num_ctas
 
