@@ -17,8 +17,6 @@ a build option (``DASH_FA3_SOFTCAP=1``; without it CUDA calls raise, naming it).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import ops, reference, validation, variants
@@ -31,32 +29,23 @@ def _unsupported(feature: str, func: str = "flash_attn_func") -> NotImplementedE
 
 def _check_fa3_extras(func, qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa, flags,
                       sm_margin):
-    """The FA3 arguments dash_fa3 accepts only at their defaults, and the flag types."""
+    """The FA3 arguments dash_fa3 accepts only at their defaults, and the flag types; returns
+    sm_margin as an int."""
     if qv is not None:
         raise _unsupported("qv", func)
     if q_descale is not None or k_descale is not None or v_descale is not None:
         raise _unsupported("fp8 descaling (q_descale/k_descale/v_descale)", func)
-    if attention_chunk not in (0, None):
+    if attention_chunk is not None and validation.as_int(attention_chunk) != 0:
         raise _unsupported(f"attention_chunk={attention_chunk}", func)
     # FA3's callers pass num_splits=0 (its heuristic) or 1 and pack_gqa=None/False: both mean one split, no packing.
-    if num_splits not in (0, 1):
+    if validation.as_int(num_splits) not in (0, 1):
         raise _unsupported(f"num_splits={num_splits}", func)
     if pack_gqa not in (None, False):
         raise _unsupported(f"pack_gqa={pack_gqa!r}", func)
     for name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
-    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
-        raise ValueError(f"sm_margin must be a non-negative int, got {sm_margin!r}")
-
-
-def _softmax_scale(softmax_scale, headdim: int) -> float:
-    if softmax_scale is None:
-        return reference.default_softmax_scale(headdim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
-            math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    return float(softmax_scale)
+    return validation.check_count("sm_margin", sm_margin)
 
 
 def _effective_window(window, causal, seqlen_q, seqlen_k):
@@ -108,9 +97,9 @@ def flash_attn_func(
     Returns out, or (out, softmax_lse) with return_attn_probs; softmax_lse is
     (batch, heads, seqlen_q) fp32, natural log; out has v's head dim.
     """
-    _check_fa3_extras("flash_attn_func", qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa,
-                      (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)),
-                      sm_margin)
+    sm_margin = _check_fa3_extras("flash_attn_func", qv, q_descale, k_descale, v_descale, attention_chunk,
+                                  num_splits, pack_gqa, (("causal", causal), ("deterministic", deterministic),
+                                                         ("return_attn_probs", return_attn_probs)), sm_margin)
     window = validation.check_window_size(window_size)
     softcap = validation.check_softcap(softcap)
     left, right = (-1, 0 if causal else -1)
@@ -122,7 +111,7 @@ def flash_attn_func(
     mask = variants.mask_of_window(left, right)  # the kernel family: full, causal or local (a window)
     validation.check_attention_inputs(q, k, v, causal=mask == "causal", mask=mask, schedule=schedule,
                                       softcap=softcap > 0)
-    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
+    softmax_scale = validation.check_softmax_scale(softmax_scale, q.shape[-1])
     if mask != "local" and softcap == 0:
         out, lse = ops.attention(q, k, v, softmax_scale, mask == "causal", sm_margin, deterministic, schedule)
     else:
@@ -185,9 +174,9 @@ def flash_attn_varlen_func(
     "shift" and "symmetric_shift" plan over one geometry and are refused.
     """
     func = "flash_attn_varlen_func"
-    _check_fa3_extras(func, qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa,
-                      (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)),
-                      sm_margin)
+    sm_margin = _check_fa3_extras(func, qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa,
+                                  (("causal", causal), ("deterministic", deterministic),
+                                   ("return_attn_probs", return_attn_probs)), sm_margin)
     window = validation.check_window_size(window_size)
     softcap = validation.check_softcap(softcap)
     left, right = reference.window_bounds(window, causal)
@@ -195,7 +184,8 @@ def flash_attn_varlen_func(
                                            schedule=schedule)
     validation.check_seqused("seqused_q", seqused_q, cu_seqlens_q)
     validation.check_seqused("seqused_k", seqused_k, cu_seqlens_k)
-    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1])
+    softmax_scale = validation.check_softmax_scale(softmax_scale, q.shape[-1])
+    max_seqlen_q, max_seqlen_k = shape.max_seqlen_q, shape.max_seqlen_k
     if q.is_cuda:
         # The kernel family as flash_attn_func picks it, a document's bounds being max_seqlen's at most.
         if window != (-1, -1) or causal:

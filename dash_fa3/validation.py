@@ -9,15 +9,83 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import operator
 
+import numpy as np
 import torch
 
-from . import variants
+from . import reference, variants
 from .schedule import SCHEDULE_NAMES
 
 SUPPORTED_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The CPU reference also takes fp32 inputs (it computes in fp32 whatever it is given); the kernels do not.
+CPU_DTYPES = {**SUPPORTED_DTYPES, torch.float32: "fp32"}
 HOPPER_CAPABILITY = (9, 0)
+
+
+# ---------------------------------------------------------------- scalar arguments
+# The API's numbers may come from NumPy (np.float32, np.int64) or as 0-d tensors or arrays as well as
+# Python ints and floats: each is read as a Python number and then range-checked the same way.
+# Booleans (Python, NumPy or tensor) are refused where a number is expected, although Python counts
+# them as ints: True as a scale or a length is a bug in the caller.
+
+
+def _is_bool(x) -> bool:
+    return isinstance(x, (bool, np.bool_)) or (isinstance(x, (torch.Tensor, np.ndarray)) and x.dtype in (
+        torch.bool, np.bool_))
+
+
+def _zero_dim(x):
+    """A 0-d tensor or array as a Python number; any other value unchanged (None for an array or
+    tensor that is not 0-d: not a scalar)."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x.item() if x.ndim == 0 else None
+    return x
+
+
+def as_int(x):
+    """``x`` as a Python int if it is an integer scalar (int, NumPy integer, 0-d integer tensor or
+    array), else None. Booleans are not integers here."""
+    if _is_bool(x):
+        return None
+    x = _zero_dim(x)
+    if isinstance(x, float):  # a 0-d floating tensor's item()
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+def as_real(x):
+    """``x`` as a Python float if it is a real scalar (int, float, NumPy number, 0-d real tensor or
+    array), else None. Booleans and complex numbers are not real numbers here."""
+    if _is_bool(x):
+        return None
+    x = _zero_dim(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
+def check_count(name: str, x, minimum: int = 0) -> int:
+    """An integer argument ``name`` >= ``minimum`` as a Python int (see :func:`as_int`)."""
+    value = as_int(x)
+    if value is None or value < minimum:
+        what = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {x!r}")
+    return value
+
+
+def check_softmax_scale(softmax_scale, headdim: int) -> float:
+    """``softmax_scale``: a positive finite number, or None for 1/sqrt(headdim)."""
+    if softmax_scale is None:
+        return reference.default_softmax_scale(headdim)
+    value = as_real(softmax_scale)
+    if value is None or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return value
 
 
 class _ValueHeadDim:
@@ -36,7 +104,7 @@ class AttnShape(_ValueHeadDim):
     heads: int
     heads_kv: int
     headdim: int
-    dtype: str  # "bf16" / "fp16"
+    dtype: str  # "bf16" / "fp16"; "fp32" on CPU tensors (the reference)
     headdim_v: int | None = None  # v's (and out's) head dim; None: headdim
 
     def variant(self, causal: bool, mask: str | None = None) -> variants.Variant:
@@ -58,8 +126,13 @@ def _check_tensors(q, k, v, dims: int, layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be torch.bfloat16 or torch.float16, got {t.dtype}")
+        if t.device.type == "cpu" and t.dtype not in CPU_DTYPES:
+            raise TypeError(f"{name} must be torch.bfloat16 or torch.float16 (or torch.float32 on the CPU), "
+                            f"got {t.dtype}")
+        if t.device.type != "cpu" and t.dtype not in SUPPORTED_DTYPES:
+            fp32_note = "; torch.float32 runs on CPU tensors only (the reference)" if t.dtype == torch.float32 else ""
+            raise TypeError(f"{name} must be torch.bfloat16 or torch.float16 on {t.device.type}, got {t.dtype}"
+                            f"{fp32_note}")
         if t.dim() != dims:
             raise ValueError(f"{name} must have {dims} dims ({layout}), got shape {tuple(t.shape)}")
         if t.stride(-1) != 1:
@@ -112,7 +185,7 @@ def check_attention_inputs(q, k, v, *, causal: bool, schedule: str = "auto", mas
         raise ValueError(f"zero-length sequence: seqlen_q={seqlen_q}, seqlen_k={seqlen_k}; both must be >= 1")
     _check_heads(heads, heads_kv, headdim, v.shape[-1])
     check_schedule(schedule)
-    shape = AttnShape(batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, SUPPORTED_DTYPES[q.dtype], v.shape[-1])
+    shape = AttnShape(batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, CPU_DTYPES[q.dtype], v.shape[-1])
     if q.is_cuda:
         # Host lookups (device properties, the extension's variant list) that
         # torch.compile cannot trace; under compilation the C++ op re-checks at run time.
@@ -127,12 +200,7 @@ def _window_side(w) -> int | None:
     Python and NumPy ints and integer tensor entries (FA3's own tests pass a tensor) count."""
     if w is None:
         return -1
-    if isinstance(w, bool) or (isinstance(w, torch.Tensor) and w.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(w)
-    except TypeError:
-        return None
+    return as_int(w)
 
 
 def check_window_size(window_size) -> tuple[int, int]:
@@ -151,10 +219,10 @@ def check_softcap(softcap) -> float:
     """FA3's ``softcap``: 0 (or None) for none, else a positive finite number."""
     if softcap is None:
         return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
-            math.isfinite(softcap) and softcap >= 0):
+    value = as_real(softcap)
+    if value is None or not (math.isfinite(value) and value >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0: no capping), got {softcap!r}")
-    return float(softcap)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +233,10 @@ class VarlenShape(_ValueHeadDim):
     heads: int
     heads_kv: int
     headdim: int
-    dtype: str  # "bf16" / "fp16"
+    dtype: str  # "bf16" / "fp16"; "fp32" on CPU tensors (the reference)
     headdim_v: int | None = None  # v's (and out's) head dim; None: headdim
+    max_seqlen_q: int = 0  # the longest documents, as Python ints
+    max_seqlen_k: int = 0
 
 
 def check_seqused(name: str, seqused, cu_seqlens) -> None:
@@ -224,14 +294,13 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             f"cu_seqlens_q and cu_seqlens_k must describe one batch: got {cu_seqlens_q.numel()} and "
             f"{cu_seqlens_k.numel()} entries (batch + 1 each)"
         )
-    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {m!r}")
+    max_seqlen_q = check_count("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_count("max_seqlen_k", max_seqlen_k)
     if q.device.type == "cpu" and not torch.compiler.is_compiling():  # data-dependent: not traceable
         check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), total_q, max_seqlen_q)
         check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), total_k, max_seqlen_k)
     return VarlenShape(cu_seqlens_q.numel() - 1, total_q, total_k, heads, heads_kv, headdim,
-                       SUPPORTED_DTYPES[q.dtype], v.shape[-1])
+                       CPU_DTYPES[q.dtype], v.shape[-1], max_seqlen_q, max_seqlen_k)
 
 
 def check_offsets(name: str, values, total: int, max_seqlen: int) -> None:

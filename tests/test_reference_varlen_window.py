@@ -361,7 +361,7 @@ I32 = torch.int32
     (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be a non-negative int"),
     (dict(max_seqlen_k=4.0), ValueError, "max_seqlen_k must be a non-negative int"),
     (dict(q=torch.zeros(1, 6, 2, 64, dtype=torch.bfloat16)), ValueError, r"q must have 3 dims \(total_tokens"),
-    (dict(q=torch.zeros(6, 2, 64)), TypeError, "bfloat16 or torch.float16"),
+    (dict(q=torch.zeros(6, 2, 64, dtype=torch.float64)), TypeError, "bfloat16 or torch.float16"),
     (dict(q=torch.zeros(6, 3, 64, dtype=torch.bfloat16), k=torch.zeros(7, 2, 64, dtype=torch.bfloat16),
           v=torch.zeros(7, 2, 64, dtype=torch.bfloat16)), ValueError, "heads % heads_kv"),
     (dict(v=torch.zeros(7, 1, 32, dtype=torch.bfloat16)), ValueError, "q/k 64 with v 32 is not supported"),

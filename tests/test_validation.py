@@ -1,10 +1,11 @@
 """Input validation of flash_attn_func: every bad input gets a clear error (CPU)."""
 
+import numpy as np
 import pytest
 import torch
 
 import dash_fa3
-from dash_fa3 import _ext, validation
+from dash_fa3 import _ext, reference, validation
 
 
 def qkv(b=2, sq=16, sk=16, h=4, hkv=2, d=64, dtype=torch.bfloat16):
@@ -24,7 +25,8 @@ def test_valid_inputs_pass():
 @pytest.mark.parametrize(
     "mutate, exc, match",
     [
-        (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "bfloat16 or torch.float16"),
+        (lambda q, k, v: (q.double(), k.double(), v.double()), TypeError,
+         r"bfloat16 or torch.float16 \(or torch.float32 on the CPU\), got torch.float64"),
         (lambda q, k, v: (q, k.half(), v), TypeError, "share a dtype"),
         (lambda q, k, v: (q[0], k, v), ValueError, "4 dims"),
         (lambda q, k, v: (q, k, v[:, :8]), ValueError, "agree on all dims but the last"),
@@ -138,3 +140,131 @@ def test_missing_extension_reason_is_actionable(monkeypatch):
         pytest.skip("the extension is built here")
     with pytest.raises(RuntimeError, match="pip install"):
         _ext.ops()
+
+
+# ---------------------------------------------------------------- NumPy and 0-d tensor scalars
+
+
+def _varlen(**kw):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, h, 64, generator=g).to(torch.bfloat16) for n, h in ((6, 2), (7, 1), (7, 1)))
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=torch.tensor([0, 2, 6], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 3, 7], dtype=torch.int32), max_seqlen_q=4, max_seqlen_k=4)
+    return dash_fa3.flash_attn_varlen_func(**{**args, **kw})
+
+
+SCALAR_CASES = [
+    # (keyword, NumPy / tensor form, the Python number it stands for)
+    ("softmax_scale", np.float32(0.1), float(np.float32(0.1))),
+    ("softmax_scale", np.float64(0.1), 0.1),
+    ("softmax_scale", np.int64(1), 1),
+    ("softmax_scale", torch.tensor(0.1), float(torch.tensor(0.1))),
+    ("softmax_scale", np.array(0.1), 0.1),
+    ("softcap", np.float32(5.0), 5.0),
+    ("softcap", torch.tensor(5.0, dtype=torch.float64), 5.0),
+    ("softcap", np.int32(0), 0),
+    ("window_size", (np.int64(3), np.int32(0)), (3, 0)),
+    ("window_size", (torch.tensor(2), None), (2, -1)),
+    ("window_size", [np.int16(-1), torch.tensor(1, dtype=torch.int32)], (-1, 1)),
+    ("sm_margin", np.int64(2), 2),
+    ("sm_margin", torch.tensor(2), 2),
+    ("num_splits", np.int64(1), 1),
+    ("num_splits", torch.tensor(0), 0),
+    ("attention_chunk", np.int32(0), 0),
+]
+
+
+@pytest.mark.parametrize("name, value, plain", SCALAR_CASES)
+def test_numpy_and_zero_dim_scalars_give_the_python_numbers_result(name, value, plain):
+    q, k, v = qkv(sq=9, sk=11)
+    want = dash_fa3.flash_attn_func(q, k, v, causal=False, **{name: plain})
+    assert torch.equal(dash_fa3.flash_attn_func(q, k, v, causal=False, **{name: value}), want)
+    assert torch.equal(_varlen(**{name: value}), _varlen(**{name: plain}))
+
+
+@pytest.mark.parametrize("value", [np.int64(4), np.int32(5), np.uint8(9), torch.tensor(4), np.array(6)])
+def test_numpy_and_zero_dim_max_seqlen(value):
+    assert torch.equal(_varlen(max_seqlen_q=value, max_seqlen_k=value), _varlen(max_seqlen_q=9, max_seqlen_k=9))
+
+
+@pytest.mark.parametrize("name, value, exc, match", [
+    # Booleans are refused where a number is expected, in every spelling.
+    ("softmax_scale", np.True_, ValueError, "softmax_scale must be a positive finite number"),
+    ("softmax_scale", torch.tensor(True), ValueError, "softmax_scale must be a positive finite number"),
+    ("softcap", np.False_, ValueError, "softcap must be a finite number >= 0"),
+    ("sm_margin", np.True_, ValueError, "sm_margin must be a non-negative int"),
+    ("sm_margin", torch.tensor(True), ValueError, "sm_margin must be a non-negative int"),
+    ("window_size", (np.True_, 0), ValueError, "window_size must be a pair"),
+    ("window_size", (torch.tensor(False), 0), ValueError, "window_size must be a pair"),
+    ("num_splits", True, NotImplementedError, "num_splits=True"),
+    ("num_splits", np.True_, NotImplementedError, "num_splits=True"),
+    ("attention_chunk", False, NotImplementedError, "attention_chunk=False"),
+    # The range checks are those of Python numbers.
+    ("softmax_scale", np.float32(0.0), ValueError, "softmax_scale must be a positive finite number"),
+    ("softmax_scale", np.float32("nan"), ValueError, "softmax_scale must be a positive finite number"),
+    ("softmax_scale", torch.tensor(-0.1), ValueError, "softmax_scale must be a positive finite number"),
+    ("softcap", np.float64("inf"), ValueError, "softcap must be a finite number >= 0"),
+    ("softcap", torch.tensor(-1.0), ValueError, "softcap must be a finite number >= 0"),
+    ("sm_margin", np.int64(-1), ValueError, "sm_margin must be a non-negative int"),
+    ("window_size", (np.int64(-2), 0), ValueError, "window_size must be a pair"),
+    ("num_splits", np.int64(2), NotImplementedError, "num_splits=2"),
+    # Not scalars, or not integers where an int is expected.
+    ("softmax_scale", torch.tensor([0.1]), ValueError, "softmax_scale must be a positive finite number"),
+    ("softmax_scale", np.array([0.1]), ValueError, "softmax_scale must be a positive finite number"),
+    ("softmax_scale", np.complex64(0.1), ValueError, "softmax_scale must be a positive finite number"),
+    ("sm_margin", np.float64(1.0), ValueError, "sm_margin must be a non-negative int"),
+    ("sm_margin", torch.tensor(1.0), ValueError, "sm_margin must be a non-negative int"),
+    ("window_size", (torch.tensor(2.0), 0), ValueError, "window_size must be a pair"),
+])
+def test_scalar_forms_keep_the_checks(name, value, exc, match):
+    q, k, v = qkv()
+    with pytest.raises(exc, match=match):
+        dash_fa3.flash_attn_func(q, k, v, **{name: value})
+    with pytest.raises(exc, match=match):
+        _varlen(**{name: value})
+
+
+@pytest.mark.parametrize("value", [True, np.True_, torch.tensor(True), np.int64(-1), np.float64(4.0),
+                                   torch.tensor(4.0), torch.tensor([4]), "4"])
+def test_max_seqlen_refuses_what_is_no_count(value):
+    with pytest.raises(ValueError, match="max_seqlen_k must be a non-negative int"):
+        _varlen(max_seqlen_k=value)
+
+
+# ---------------------------------------------------------------- fp32 on the CPU
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_cpu_inputs_run_the_fp32_reference(causal):
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, n, h, 64, generator=g).requires_grad_() for n, h in ((9, 4), (12, 2), (12, 2)))
+    out, lse = dash_fa3.flash_attn_func(q, k, v, causal=causal, deterministic=True, return_attn_probs=True)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    want_out, want_lse = reference.attention_ref(q.detach(), k.detach(), v.detach(), None, causal)
+    want_grads = reference.attention_bwd_ref(dout, q.detach(), k.detach(), v.detach(), out.detach(), None, causal)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    for t, want in zip((q, k, v), want_grads):
+        assert t.grad.dtype == torch.float32 and torch.equal(t.grad, want)
+    # ... and fp32 is accurate: against fp64 within fp32 rounding, far below bf16's.
+    exact, _ = reference.attention_ref(q.detach().double(), k.detach().double(), v.detach().double(), None, causal,
+                                       compute_dtype=torch.float64)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_cpu_varlen_runs_the_reference():
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(n, h, 64, generator=g) for n, h in ((6, 2), (7, 1), (7, 1)))
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32)
+    out = dash_fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4, causal=True)
+    want, _ = reference.attention_varlen_ref(q, k, v, cu_q, cu_k, None, True)
+    assert out.dtype == torch.float32 and torch.equal(out, want)
+
+
+def test_fp32_off_the_cpu_is_refused_with_the_reason():
+    # Meta tensors stand for a GPU's here: the kernels take bf16 / fp16 only.
+    q, k, v = (torch.empty(1, 8, 2, 64, device="meta") for _ in range(3))
+    with pytest.raises(TypeError, match="bfloat16 or torch.float16 on meta, got torch.float32; torch.float32 runs "
+                                        "on CPU tensors only"):
+        dash_fa3.flash_attn_func(q, k, v)
