@@ -110,8 +110,9 @@ void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const 
                            const PackedDocs* docs = nullptr, int64_t block_m = 0);
 // GQA's dK/dV, summed by the postprocess from their per-head fp32 partials.
 struct DkvCast {
-  const float* dk_partial;  // (batch, heads, seqlen_k, headdim)
+  const float* dk_partial;  // (batch, heads, seqlen_k, headdim); accumulated: (batch, heads_kv, ...)
   const float* dv_partial;
+  bool accumulated;  // BwdParams::dkv_accumulate
   at::Tensor dk, dv;  // (batch, seqlen_k, heads_kv, headdim)
 };
 // dq_accum: as the main kernel leaves it (fragment order, bwd_block_m(hdim)-row tiles).

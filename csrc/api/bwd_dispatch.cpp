@@ -96,11 +96,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const bool gqa = heads != heads_kv;
+  // Non-deterministic GQA adds a group's dK/dV into one accumulator per KV head.
+  const bool dkv_accumulate = gqa && !deterministic;
   const int64_t dq_splits = hdr[schedule::kHNumSplits];
   TORCH_CHECK(dq_splits >= 1 && (dq_splits == 1 || packed == nullptr),
               msg("dash_fa3: schedule has ", dq_splits, " dQ splits (dense calls only, at least 1)"));
   const BwdWorkspace ws = make_bwd_workspace(
-      {sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, gqa, dq_splits}, dev);
+      {sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, gqa, dq_splits,
+       dkv_accumulate ? heads_kv : heads}, dev);
   launch_bwd_preprocess(out, dout, lse, ws, rounded, stream, packed, block_m);
 
   at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));
@@ -127,6 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   p.dv_stride = bshd_strides(dv, "dv");
   p.dk_partial = ws.dk_partial;
   p.dv_partial = ws.dv_partial;
+  p.dkv_accumulate = dkv_accumulate;
   p.schedule = schedule.data_ptr<int32_t>();
   p.schedule_header_host = hdr;
   p.batch = static_cast<int>(docs);
@@ -155,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
-  const DkvCast dkv{ws.dk_partial, ws.dv_partial, dk, dv};
+  const DkvCast dkv{ws.dk_partial, ws.dv_partial, dkv_accumulate, dk, dv};
   at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, sh.batch, heads, seqlen_q, rounded, hdim, softmax_scale,
                                          q.scalar_type(), dev, stream, gqa ? &dkv : nullptr, packed,
                                          dq_splits, ws.dq_split_floats);

@@ -14,8 +14,10 @@ int64_t round_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& device) {
   const int64_t rows = s.batch * s.heads * s.seqlen_q_rounded;
-  const int64_t partial_k = s.gqa ? s.batch * s.heads * s.seqlen_k * s.headdim : 0;
-  const int64_t partial_v = s.gqa ? s.batch * s.heads * s.seqlen_k * s.headdim_v : 0;
+  const int64_t slabs = s.dkv_slabs > 0 ? s.dkv_slabs : s.heads;
+  const int64_t partial_k = s.gqa ? s.batch * slabs * s.seqlen_k * s.headdim : 0;
+  const int64_t partial_v = s.gqa ? s.batch * slabs * s.seqlen_k * s.headdim_v : 0;
+  const bool accumulate = s.gqa && slabs != s.heads;  // added into: zeroed with the rest
   BwdWorkspace w{};
   int64_t off = 0;
   w.dpsum_offset = off;
@@ -23,10 +25,11 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   w.lse_log2_offset = off;
   off = round_up(off + rows * int64_t(sizeof(float)));
   const int64_t dk_offset = off;
+  const int64_t zero_from_partials = off;
   off = round_up(off + partial_k * int64_t(sizeof(float)));
   const int64_t dv_offset = off;
   off = round_up(off + partial_v * int64_t(sizeof(float)));
-  const int64_t zero_begin = off;
+  const int64_t zero_begin = accumulate ? zero_from_partials : off;
   w.dq_split_floats = rows * s.headdim;  // a multiple of 128 bytes: whole tiles
   w.dq_split_sems = s.batch * s.heads * s.n_q;
   w.dq_accum_offset = off;

@@ -1,16 +1,17 @@
 // The backward's scratch memory, one allocation per call:
 //
 //   dpsum | lse_log2 | dk_partial | dv_partial | dq_accum | dq_semaphore | task_counter
-//
-// dq_accum and dq_semaphore hold one accumulator and semaphore set per dQ
-// split of the schedule (one but for the split schedule), back to back.
 //                                              '------ zeroed by the preprocess ------'
 //
 // One allocation instead of six keeps the caching allocator off the host
 // path, and the buffers the main kernel only adds into form one contiguous
 // span, so the preprocess zeroes them in its own launch. GQA's per-head dK/dV
 // partials are written in full by the main kernel (no zeroing) and are empty
-// (size 0) without GQA.
+// (size 0) without GQA; non-deterministic GQA has one dK/dV accumulator per KV
+// head instead, which the main kernel adds into, so the zeroed span starts at
+// dk_partial then. dq_accum and dq_semaphore hold one accumulator and
+// semaphore set per dQ split of the schedule (one but for the split
+// schedule), back to back.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -41,6 +42,9 @@ struct BwdWorkspaceShape {
   int64_t batch, heads, seqlen_q_rounded, seqlen_k, headdim, headdim_v, n_q;
   bool gqa;
   int64_t dq_splits = 1;  // fp32 dQ accumulators (and semaphore sets), the schedule's num_splits
+  // GQA: dK/dV partial slabs per batch: heads (one per query head, written whole), or heads_kv
+  // (one accumulator per KV head, added into: then zeroed with the rest). 0: heads.
+  int64_t dkv_slabs = 0;
 };
 
 BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& device);

@@ -159,6 +159,7 @@ struct BwdPostprocessParams {
   // heads_kv, headdim).
   const float* dk_partial;
   const float* dv_partial;
+  int dkv_partial_group;  // slabs per KV head: heads / heads_kv, or 1 (BwdParams::dkv_accumulate)
   void* dk;
   void* dv;
   TensorStrides dk_stride, dv_stride;
@@ -215,6 +216,10 @@ struct BwdParams {
   // and casts into dk/dv.
   float* dk_partial;
   float* dv_partial;
+  // Non-deterministic GQA: dk_partial/dv_partial are (batch, heads_kv, seqlen_k,
+  // headdim) fp32 accumulators, zeroed, that each query head's task adds its
+  // tile into (in any order); the postprocess only casts them.
+  bool dkv_accumulate;
 
   // Packed documents (common/seqlen_info.h), as in FwdParams: nullptr for a
   // dense batch. Packed: batch counts documents, seqlen_q / seqlen_k are the

@@ -173,6 +173,34 @@ struct BwdEpilogue {
       }
       return;
     }
+    if (p.dkv_accumulate) {
+      // Non-deterministic GQA: the group's query heads add into their KV head's
+      // accumulator, in whatever order their tasks end (a group's slabs would
+      // cost `group` times the bytes, written here and read by the postprocess).
+      int64_t const base = (int64_t(sl.tensor_batch) * p.heads_kv + h_kv) * p.partial_rows + sl.offset_k;
+      if constexpr (Traits::kThreeWarpgroups) {
+        store_elements<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
+          atomicAdd(p.dk_partial + (base + n) * kHeadDim + d, tdKrdK(i));
+        });
+        if (has_dv) {
+          store_elements<typename Traits::TiledMmaDv, kHeadDimV>(sl, n0, mma_tid, [&](int n, int d, int i) {
+            atomicAdd(p.dv_partial + (base + n) * kHeadDimV + d, tdVrdV(i));
+          });
+        }
+      } else {
+        store_kv_rows(
+            sl, n0, mma_tid,
+            [&](int n, int d, int i) {
+              atomicAdd(reinterpret_cast<float2*>(p.dk_partial + (base + n) * kHeadDim + d),
+                        make_float2(tdKrdK(i), tdKrdK(i + 1)));
+            },
+            [&](int n, int d, int i) {
+              atomicAdd(reinterpret_cast<float2*>(p.dv_partial + (base + n) * kHeadDimV + d),
+                        make_float2(tdVrdV(i), tdVrdV(i + 1)));
+            });
+      }
+      return;
+    }
     // GQA: this query head's slab; every (batch, head, KV tile) has exactly one
     // task, so plain stores suffice: no zeroing, no atomics, no turn-taking.
     int64_t const base =

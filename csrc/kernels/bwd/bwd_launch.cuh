@@ -145,6 +145,7 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.dk_partial = gqa ? a.dk_partial : nullptr;
   p.dv_partial = gqa ? a.dv_partial : nullptr;
   p.partial_rows = packed ? a.total_k : a.seqlen_k;
+  p.dkv_accumulate = gqa && a.dkv_accumulate ? 1 : 0;
   p.cu_seqlens_q = a.cu_seqlens_q;
   p.cu_seqlens_k = a.cu_seqlens_k;
   // The device buffer's views, and the header fields every step's decode
@@ -223,6 +224,8 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
           "lse_log2, dpsum, dq_accum and dq_semaphore (from the preprocess) must be given");
   bool const gqa = params.heads != params.heads_kv;
   require(!gqa || (params.dk_partial && params.dv_partial), "GQA/MQA needs dk_partial and dv_partial");
+  require(!params.dkv_accumulate || !params.deterministic,
+          "dK/dV accumulated across a group's query heads have no fixed order: non-deterministic mode only");
   bwd::check_schedule_header<Traits>(params);
 
   typename Traits::Params p = bwd::make_bwd_params<Traits>(params);

@@ -129,9 +129,10 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
     } else {
       const int kv_slab = slab - w.q_slabs;
       const int h = kv_slab % p.heads_kv, b = kv_slab / p.heads_kv;
-      // Query heads h * group ... h * group + group - 1 share KV head h.
-      const int group = p.heads / p.heads_kv;
-      const int64_t first_row = (int64_t(b) * p.heads + int64_t(h) * group) * p.seqlen_k;
+      // Query heads h * group ... h * group + group - 1 share KV head h: a slab
+      // each, or one accumulator that they all added into (group 1 here).
+      const int group = p.dkv_partial_group;
+      const int64_t first_row = (int64_t(b) * p.heads_kv + h) * group * p.seqlen_k;
       for (int s = blockIdx.x * blockDim.y + threadIdx.y; s < p.seqlen_k; s += row_step) {
         float vals[kVec];
         if (c * kVec < p.headdim) {

@@ -546,6 +546,9 @@ struct BwdTraits {
     float* dk_partial;
     float* dv_partial;
     int partial_rows;  // k rows per slab: seqlen_k, packed total_k
+    // Non-deterministic GQA: the partials are (batch, heads_kv, ...) accumulators, zeroed, that
+    // every query head of the group adds into (BwdParams::dkv_accumulate).
+    int dkv_accumulate;
     // The schedule (csrc/schedules/schedule_metadata.h): CTA c runs task rows
     // [cta_offsets[c], cta_offsets[c + 1]) of the task table; the header's
     // fields that decode every step are launch constants, in rank.
