@@ -100,6 +100,33 @@ def make_fns(s, schedules, fa3):
     return fns, errors, check
 
 
+RESULT_COLUMNS = (("shape", None), ("ours nd", 3), ("FA3 nd", 3), ("best det", 3), ("best schedule", None),
+                  ("auto", 3), ("FA3 det", 3), ("best det / nd best", 2), ("auto / best det", 2),
+                  ("FA3 det / nd best", 2), ("ours nd / FA3 nd", 2))
+
+
+def write_results(path: str, table: list, args, with_fa3: bool) -> None:
+    """The table as a benchmarks/results data file (benchmarks/results/render.py reads it)."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    data = {
+        "id": stem,
+        "title": "Deterministic backward with few queries and many keys, beside FA3",
+        "device": torch.cuda.get_device_name(), "date": f"{now:%Y-%m-%d}", "commit": commit_label(),
+        "command": f"python benchmarks/bench_rect.py --set {args.set} --rounds {args.rounds} --iters {args.iters}",
+        "unit": "ms (ratios as named; nd best: the faster of ours nd and FA3 nd)",
+        "software": f"torch {torch.__version__}" + (", FA3 0251105a" if with_fa3 else ", no FA3 build"),
+        "journal": {"file": "docs/journal/rect-bwd.md", "section": "Measured", "holds_table": False},
+        "summary_columns": ["best det / nd best", "auto / best det"],
+        "columns": [{"name": n, **({"decimals": d} if d is not None else {})} for n, d in RESULT_COLUMNS],
+        "rows": table,
+    }
+    if not with_fa3 or any(v is None for row in table for v in row):
+        raise SystemExit("--results needs FA3 (every cell a number): build it with benchmarks/peers/build_fa3.py")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", choices=tuple(SETS), default="all")
@@ -108,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write every shape's per-round medians here")
+    ap.add_argument("--results", help="write the printed table as a benchmarks/results data file here (its id is "
+                                      "the file's name)")
     args = ap.parse_args(argv)
     schedules = [s for s in args.schedules.split(",") if s]
     if bad := [s for s in schedules if s not in SCHEDULES]:
@@ -123,7 +152,7 @@ def main(argv=None) -> int:
         fa3 = None
     print(f"# bench_rect: {torch.cuda.get_device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"commit {commit_label()}, rounds {args.rounds} x iters {args.iters}")
-    rows = []
+    rows, table = [], []
     print("| shape | ours nd | FA3 nd | best det (schedule) | auto | FA3 det | best det / nd best | auto / best det "
           "| FA3 det / nd best | ours nd / FA3 nd | check |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -146,6 +175,14 @@ def main(argv=None) -> int:
               f"| {speed(ms.get('FA3 det'))} | {ms['FA3 nd'] / ms['ours nd'] if 'FA3 nd' in ms else float('nan'):.2f} "
               f"| {check} |", flush=True)
         rows.append({"shape": s, "ms": ms, "rounds": round_ms, "errors": errors, "check": check})
+        fa3_nd, fa3_det = ms.get("FA3 nd"), ms.get("FA3 det")
+        table.append([label(s), round(ms["ours nd"], 3), round(fa3_nd, 3) if fa3_nd else None, round(det[best], 3),
+                      best, round(ms["ours auto"], 3), round(fa3_det, 3) if fa3_det else None,
+                      round(nd_best / det[best], 2), round(det[best] / ms["ours auto"], 2),
+                      round(nd_best / fa3_det, 2) if fa3_det else None,
+                      round(fa3_nd / ms["ours nd"], 2) if fa3_nd else None])
+    if args.results:
+        write_results(args.results, table, args, fa3 is not None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "commit": commit_label(),
