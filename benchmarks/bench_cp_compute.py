@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 from bench_distributed import parse_heads, parse_size, size_label  # noqa: E402
 
-from dash_fa3.schedule import cp_heads  # noqa: E402
+from dash_fa3.distributed import heads as cp_heads  # noqa: E402
 
 HEADDIM = 128
 MODES = ("det", "nd")

@@ -40,8 +40,8 @@ a round's figure is the median of its calls, the reported figure the median over
 
 Reported per configuration: ms, efficiency T1 / (P * T_P) against ours T1 in the same mode (nd for
 torch CP) and against SDPA cuDNN T1, ours / torch CP time ratios, and beside ours rows the model's
-prediction (det: dash_fa3.schedule.cp_heads.simulate at the row's chunk count; nd:
-dash_fa3.schedule.cp_runs.simulate; kernel rates scaled to the measured ours T1), labelled as the model.
+prediction (det: dash_fa3.distributed.heads.simulate at the row's chunk count; nd:
+dash_fa3.distributed.runs.simulate; kernel rates scaled to the measured ours T1), labelled as the model.
 Then the GPU bar per configuration (issue 16 at P = 2, issue 21 at P = 4 and 8). An implementation that
 raises NotImplementedError is "not available" (with the message), one that runs out of memory "OOM";
 neither stops the run. A hang inside a collective (one rank failing while the others wait in NCCL)
@@ -244,13 +244,13 @@ def parse_args(argv=None):
 
 def parse_transports(text: str) -> list[tuple[str, int]]:
     """"p2p:1,shared:4" -> [("p2p", 1), ("shared", 4)]; "" -> [("", 0)] (the environment's)."""
-    from dash_fa3.distributed import shared
+    from dash_fa3.distributed import transport
 
     out = []
     for item in _comma(text):
         name, _, chunks = item.partition(":")
-        if name not in shared.TRANSPORTS:
-            raise ValueError(f"unknown transport {name!r} in {item!r}; choose from {', '.join(shared.TRANSPORTS)}")
+        if name not in transport.TRANSPORTS:
+            raise ValueError(f"unknown transport {name!r} in {item!r}; choose from {', '.join(transport.TRANSPORTS)}")
         if not chunks.isdigit() or int(chunks) < 1:
             raise ValueError(f"{item!r}: give the chunk count as TRANSPORT:N with N >= 1")
         out.append((name, int(chunks)))
@@ -422,9 +422,9 @@ def _calibrated(simulate, cfg: dict, P: int, t1_ms: float | None, **kw):
 
 def model_prediction(cfg: dict, P: int, layout: str, t1_ms: float | None = None, chunks: int = 1) -> dict:
     """The head-parallel model's forward + backward for ours det
-    (dash_fa3.schedule.cp_heads.simulate), calibrated on the measured ours T1 det when given
+    (dash_fa3.distributed.heads.simulate), calibrated on the measured ours T1 det when given
     (``_calibrated``). {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
-    from dash_fa3.schedule import cp_heads
+    from dash_fa3.distributed import heads as cp_heads
 
     try:
         if P > 64:
@@ -437,9 +437,9 @@ def model_prediction(cfg: dict, P: int, layout: str, t1_ms: float | None = None,
 
 
 def run_plan_model(cfg: dict, P: int, layout: str, t1_ms: float | None) -> dict:
-    """The run plan's model (dash_fa3.schedule.cp_runs.simulate) for ours nd, calibrated on the
+    """The run plan's model (dash_fa3.distributed.runs.simulate) for ours nd, calibrated on the
     measured ours T1 nd (``_calibrated``). {"eff", "ms", "t1_ms"} or {"unavailable": reason}."""
-    from dash_fa3.schedule import cp_runs
+    from dash_fa3.distributed import runs as cp_runs
 
     if t1_ms is None:
         return {"unavailable": "no measured ours T1 nd to calibrate on"}
@@ -570,9 +570,9 @@ def header_lines(meta: dict) -> list[str]:
         f"after a check call and {meta['warmup']} warm-up(s); figures are medians over rounds (min–max over "
         f"rounds beside). T1 = {one} on the whole sequence (rank 0, the others wait). eff = T1 / (P · T_P): "
         "'vs ours T1' uses ours T1 in the row's mode (nd for torch CP), 'vs cuDNN T1' uses SDPA cuDNN T1. "
-        "'model' = for ours det, dash_fa3.schedule.cp_heads.simulate (the head-parallel model, at the row's "
+        "'model' = for ours det, dash_fa3.distributed.heads.simulate (the head-parallel model, at the row's "
         "chunk count) with its kernel rates scaled to the measured ours T1 det; for ours nd, "
-        "dash_fa3.schedule.cp_runs.simulate with its kernel rates scaled to the measured ours T1 nd. check = "
+        "dash_fa3.distributed.runs.simulate with its kernel rates scaled to the measured ours T1 nd. check = "
         "max abs difference of out, dq, dk, dv from ours T1 nd on the same inputs (! / WARN: above "
         f"{meta['check_tol']} x the reference's max abs value).",
     ]

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # Global lengths per rank count, each a multiple of 2 * P * 128; P = 1 runs both, so every P is
 # compared bit for bit with one rank. Zigzag chunks: 3 blocks at P = 3 (odd), 1 block at P = 8.
 LENGTHS = {1: (2048, 2304), 2: (2048,), 3: (2304,), 4: (2048,), 8: (2048,)}
-# The non-deterministic mode (the run plan, cuda_runtime.py, on the CPU reference ops) is checked
+# The non-deterministic mode (the run plan, runs.py, on the CPU reference ops) is checked
 # against fp64 at one length per P.
 NONDET_LENGTHS = {1: 2048, 2: 2048, 3: 2304, 4: 2048, 8: 2048}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -121,7 +121,8 @@ def _job_shared(D, group, rank, P, job, outdir):
 def _job_fault(D, group, rank, P, job, outdir):
     """Rank job['bad'] misbehaves at its second forward tile (folds) or its forward compute (heads,
     one chunk); the others record how they fail."""
-    from dash_fa3.distributed import backend, heads
+    from dash_fa3.distributed import heads
+    from dash_fa3.distributed.folds import backend
 
     algorithm = job["algorithm"]
     if algorithm == "heads-shared":
@@ -423,14 +424,14 @@ def test_heads_bitwise_one_process_for_every_number_of_ranks(attention_runs, nam
 
 
 def test_transport_and_chunk_settings_are_checked(monkeypatch):
-    from dash_fa3.distributed import heads, shared
+    from dash_fa3.distributed import heads, transport
 
     monkeypatch.delenv("DASH_FA3_CP_TRANSPORT", raising=False)
     monkeypatch.delenv("DASH_FA3_CP_CHUNKS", raising=False)
-    assert shared.transport() == "p2p" and heads.default_chunks() == heads.CHUNKS
+    assert transport.choose() == "p2p" and heads.default_chunks() == heads.CHUNKS
     monkeypatch.setenv("DASH_FA3_CP_TRANSPORT", "nccl")
     with pytest.raises(ValueError, match="DASH_FA3_CP_TRANSPORT='nccl': choose from p2p, shared"):
-        shared.transport()
+        transport.choose()
     for bad in ("0", "-1", "two"):
         monkeypatch.setenv("DASH_FA3_CP_CHUNKS", bad)
         with pytest.raises(ValueError, match="a positive integer"):
@@ -443,12 +444,12 @@ def test_defaults_by_device_and_heads(monkeypatch):
     """Unset, the transport is p2p off CUDA (shared for a CUDA group on one host: the GPU tests'
     default rows); nd runs the head-parallel algorithm on CUDA when every rank holds whole KV heads,
     the run plan otherwise and on CPU; det always the head-parallel one unless named."""
-    from dash_fa3.distributed import attention, shared
+    from dash_fa3.distributed import attention, transport
 
     monkeypatch.delenv("DASH_FA3_CP_TRANSPORT", raising=False)
-    assert shared.transport(object(), torch.device("cpu")) == "p2p"
+    assert transport.choose(object(), torch.device("cpu")) == "p2p"
     monkeypatch.setenv("DASH_FA3_CP_TRANSPORT", "shared")
-    assert shared.transport(object(), torch.device("cpu")) == "shared"
+    assert transport.choose(object(), torch.device("cpu")) == "shared"
     r = attention.resolve_algorithm
     assert r(None, False, 8, 2, "cuda") == "heads" and r(None, False, 2, 2, "cuda") == "heads"
     assert r(None, False, 1, 2, "cuda") == "runs" and r(None, False, 8, 2, "cpu") == "runs"
@@ -558,10 +559,9 @@ def test_slot_is_the_largest_message_set_the_pass_makes():
     its peer its n/2 tokens of the peer's heads of q, k, v (the forward's inputs), more than the
     results (out and the fp32 LSE); at P = 4 with 8 KV heads likewise, per peer."""
     from dash_fa3.distributed import heads
-    from dash_fa3.schedule import cp_heads
 
     for P, n, h, hk in ((2, 8192, 8, 8), (4, 16384, 16, 8), (3, 12288, 12, 6)):
-        p = cp_heads.plan(P, n, h, hk, "zigzag", 1)
+        p = heads.plan(P, n, h, hk, "zigzag", 1)
         q = torch.empty((2, n // P, h, 64), dtype=torch.bfloat16, device="meta")
         k = torch.empty((2, n // P, hk, 64), dtype=torch.bfloat16, device="meta")
         lse = torch.empty((2, h, n // P), dtype=torch.float32, device="meta")

@@ -1,12 +1,15 @@
-"""Distributed schedules as data (dash_fa3.schedule.distributed): layouts, balance, validation of
-broken schedules, rank programs, the alpha-beta simulator and its CLI. No processes, no torch."""
+"""The fold schedules as data (dash_fa3.distributed.folds) and the layouts they rest on: balance,
+validation of broken schedules, rank programs, the alpha-beta model and the plan CLI. No processes."""
 
 import json
 
 import numpy as np
 import pytest
 
-from dash_fa3.schedule import distributed as S
+from dash_fa3.distributed import cli
+from dash_fa3.distributed import folds as S
+from dash_fa3.distributed import layout as L
+from dash_fa3.distributed.model import CPCostModel
 
 
 def fold_loads(s):
@@ -20,24 +23,24 @@ def fold_loads(s):
 @pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
 def test_layouts_own_every_block_once(P):
     nb = 2 * P * 3
-    for layout in S.LAYOUTS:
-        owner = S.block_owners(layout, P, nb)
-        assert sorted(np.concatenate([S.local_blocks(layout, P, nb, r) for r in range(P)]).tolist()) == list(range(nb))
+    for layout in L.LAYOUTS:
+        owner = L.block_owners(layout, P, nb)
+        assert sorted(np.concatenate([L.local_blocks(layout, P, nb, r) for r in range(P)]).tolist()) == list(range(nb))
         assert np.bincount(owner, minlength=P).tolist() == [nb // P] * P
-    z = S.block_owners("zigzag", P, nb).reshape(2 * P, 3)[:, 0]
+    z = L.block_owners("zigzag", P, nb).reshape(2 * P, 3)[:, 0]
     assert z.tolist() == list(range(P)) + list(range(P))[::-1]
 
 
 def test_check_seqlen_says_which_lengths_work():
-    assert S.check_seqlen(6144, 3) == 48
+    assert L.check_seqlen(6144, 3) == 48
     with pytest.raises(ValueError,
                        match=r"multiple of 2\*P\*128 = 768: 768, 1536, 2304, \.\.\. \(nearest: 4608 or 5376\)"):
-        S.check_seqlen(5000, 3)
+        L.check_seqlen(5000, 3)
     for bad in (0, -768, 768.0, True):
         with pytest.raises(ValueError):
-            S.check_seqlen(bad, 3)
+            L.check_seqlen(bad, 3)
     with pytest.raises(ValueError, match="number of ranks"):
-        S.check_seqlen(768, 0)
+        L.check_seqlen(768, 0)
 
 
 # ------------------------------------------------------------------------------------------- builds
@@ -45,8 +48,8 @@ def test_check_seqlen_says_which_lengths_work():
 @pytest.mark.parametrize("fanout", [None, 1, 2])
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_built_schedules_validate(P, fanout):
-    n = 2 * P * S.G * 2
-    for layout in S.LAYOUTS:
+    n = 2 * P * L.G * 2
+    for layout in L.LAYOUTS:
         for assignment in S.ASSIGNMENTS:
             for causal in (True, False):
                 for pass_ in S.PASSES:
@@ -57,7 +60,7 @@ def test_built_schedules_validate(P, fanout):
 
 @pytest.mark.parametrize("P", [2, 3, 4, 5, 7, 8])
 def test_helper_worker_balances_causal_work(P):
-    n = 2 * P * S.G * 8
+    n = 2 * P * L.G * 8
     for pass_ in S.PASSES:
         hw = fold_loads(S.build(P, n, causal=True, pass_=pass_))
         none = fold_loads(S.build(P, n, causal=True, pass_=pass_, assignment="owner"))
@@ -78,7 +81,7 @@ def test_helper_worker_moves_whole_folds_and_returns_results():
         assert (w.block, w.rank, int(s.owner[w.block])) in returned
     # odd P: the middle rank neither helps nor is helped
     s = S.build(5, 5 * 2560, causal=True, pass_="fwd")
-    mid = {int(b) for b in S.local_blocks("contiguous", 5, s.num_blocks, 2)}
+    mid = {int(b) for b in L.local_blocks("contiguous", 5, s.num_blocks, 2)}
     assert all(w.rank == 2 for w in s.work_list() if w.block in mid)
     assert not any(w.rank == 2 for w in s.work_list() if w.block not in mid)
 
@@ -102,7 +105,7 @@ def test_no_all_gather_when_causal_needs_less():
 # ------------------------------------------------------------------------------- broken schedules
 
 def base(pass_="fwd", P=4, causal=True, **kw):
-    return S.build(P, 2 * P * S.G * 2, causal=causal, pass_=pass_, **kw)
+    return S.build(P, 2 * P * L.G * 2, causal=causal, pass_=pass_, **kw)
 
 
 def reject(s, match):
@@ -204,13 +207,13 @@ def test_relays_form_waves_within_a_step():
             assert feeders and all(rep.waves[j] < rep.waves[i] for j in feeders)
 
 
-@pytest.mark.parametrize("layout", S.LAYOUTS)
+@pytest.mark.parametrize("layout", L.LAYOUTS)
 @pytest.mark.parametrize("P", [3, 8])
 def test_rank_programs_agree_on_every_message(P, layout):
     """Sender and receiver post the same message (step, wave, packing), including ranks whose
     first message of a step is in a later wave."""
     for pass_ in S.PASSES:
-        s, rep = S.get_schedule(P, 2 * P * S.G * 2, True, pass_, layout)
+        s, rep = S.get_schedule(P, 2 * P * L.G * 2, True, pass_, layout)
         progs = [S.rank_program(s, rep, r) for r in range(P)]
         sent, received = {}, {}
         for r, prog in enumerate(progs):
@@ -230,7 +233,7 @@ def test_rank_programs_agree_on_every_message(P, layout):
 @pytest.mark.parametrize("schedule", list(S.PRESETS))
 def test_efficiency_at_most_one(schedule):
     for P in (1, 2, 4, 8):
-        for n in (2 * P * S.G * 16, 65536):
+        for n in (2 * P * L.G * 16, 65536):
             for causal in (True, False):
                 r = S.simulate(P, n, causal=causal, schedule=schedule)
                 assert 0 < r.efficiency <= 1.0 + 1e-9
@@ -238,7 +241,7 @@ def test_efficiency_at_most_one(schedule):
 
 
 def test_one_rank_is_the_single_gpu_kernel():
-    r = S.simulate(1, 65536, causal=True, schedule="helper_worker", cost=S.CostModel(launch_us=0))
+    r = S.simulate(1, 65536, causal=True, schedule="helper_worker", cost=CPCostModel(launch_us=0))
     assert r.efficiency == pytest.approx(1.0)
     assert r.bwd.gemms == r.bwd.gemms_single   # one rank shares S/P/dS between its two folds
 
@@ -248,17 +251,17 @@ def test_balancing_pays_for_causal(P):
     hw = S.simulate(P, 131072, causal=True, schedule="helper_worker")
     zz = S.simulate(P, 131072, causal=True, schedule="zigzag")
     nb = S.simulate(P, 131072, causal=True, schedule="no_balance")
-    assert hw.time < nb.time and zz.time < nb.time
-    assert abs(hw.time - zz.time) / hw.time < 0.1
+    assert hw.time_ms < nb.time_ms and zz.time_ms < nb.time_ms
+    assert abs(hw.time_ms - zz.time_ms) / hw.time_ms < 0.1
     # the price of row-complete folds: backward GEMMs grow towards 7/5 of one GPU's
     assert 1.15 < hw.bwd.gemms / hw.bwd.gemms_single < 1.4
 
 
 def test_slower_links_cost_time():
-    fast = S.simulate(8, 65536, cost=S.CostModel(beta_gbs=400))
-    slow = S.simulate(8, 65536, cost=S.CostModel(beta_gbs=25))
-    late = S.simulate(8, 65536, cost=S.CostModel(alpha_us=500))
-    assert slow.time > fast.time and late.time > fast.time
+    fast = S.simulate(8, 65536, cost=CPCostModel(beta_gbs=400))
+    slow = S.simulate(8, 65536, cost=CPCostModel(beta_gbs=25))
+    late = S.simulate(8, 65536, cost=CPCostModel(alpha_us=500))
+    assert slow.time_ms > fast.time_ms and late.time_ms > fast.time_ms
 
 
 def test_model_scales_to_64_ranks_and_1m_tokens():
@@ -269,28 +272,74 @@ def test_model_scales_to_64_ranks_and_1m_tokens():
 # ------------------------------------------------------------------------------------------- CLI
 
 def test_cli_table_and_json(capsys):
-    assert S.main(["--P", "2,4", "--seqlen", "64k", "--schedule", "all"]) == 0
+    assert cli.main(["plan", "--algorithm", "folds", "--P", "2,4", "--seqlen", "64k", "--schedule", "all"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in S.PRESETS) and "eff" in out
-    assert S.main(["--P", "2", "--seqlen", "4096", "--full", "--json", "--heads", "8", "--heads-kv", "2"]) == 0
+    assert all(name in out for name in S.PRESETS) and "efficiency" in out
+    assert cli.main(["plan", "--algorithm", "folds", "--P", "2", "--seqlen", "4096", "--full", "--json",
+                     "--heads", "8/2"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert {r["schedule"] for r in rows} == {"helper_worker", "zigzag"}
+    assert {r["variant"] for r in rows} == {"helper_worker", "zigzag"}
     assert all(r["causal"] is False and 0 < r["efficiency"] <= 1 for r in rows)
+
+
+def test_cli_models_every_algorithm_with_its_own_cost_defaults(capsys):
+    """One CLI for the three plans; a cost left unset takes each algorithm's default, so the rows
+    equal the algorithms' own simulate()."""
+    assert cli.main(["plan", "--P", "2", "--seqlen", "64k", "--layout", "contiguous", "--schedule",
+                     "helper_worker", "--json"]) == 0
+    rows = {r["algorithm"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(rows) == {"heads", "runs", "folds"}
+    from dash_fa3.distributed import heads, runs
+    assert rows["heads"]["efficiency"] == heads.simulate(2, 65536).efficiency
+    assert rows["runs"]["efficiency"] == runs.simulate(2, 65536).efficiency
+    assert rows["folds"]["efficiency"] == S.simulate(2, 65536).efficiency
+    # an explicit parameter applies to every algorithm
+    assert cli.main(["plan", "--P", "2", "--seqlen", "64k", "--algorithm", "heads", "--layout", "contiguous",
+                     "--beta-gbs", "10", "--json"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["efficiency"] == heads.simulate(2, 65536, beta_gbs=10.0).efficiency < rows["heads"]["efficiency"]
 
 
 @pytest.mark.parametrize("argv,match", [
     (["--P", "0"], "positive ints"),
     (["--P", "3", "--seqlen", "1000"], "multiple of 2"),
     (["--schedule", "ring"], "unknown schedule"),
+    (["--algorithm", "ring"], "unknown algorithm"),
     (["--P", "128"], "P <= 64"),
-    (["--heads", "3", "--heads-kv", "2"], "multiple of heads_kv"),
-    (["--beta-gbs", "0"], "beta_gbs"),
-    (["--fanout", "-1"], "fanout"),
+    (["--heads", "3/2"], "multiple of heads_kv"),
+    (["--heads", "0"], "positive ints"),
+    (["--heads", "100000"], "at most 1024 heads"),
+    (["--algorithm", "heads", "--P", "8", "--heads", "16/4"], "heads_kv >= P"),
+    (["--seqlen", "100m"], "at most 4194304 tokens"),
+    (["--seqlen", "99999999999999999999"], "positive ints"),
+    (["--algorithm", "folds", "--P", "64", "--seqlen", "2m"], "P x tokens"),
+    (["--headdim", "80"], "head dim 80 is not supported"),
+    (["--beta-gbs", "0"], "> 0"),
+    (["--beta-gbs", "nan"], "finite"),
+    (["--fwd-tflops", "inf"], "finite"),
+    (["--alpha-us", "-1"], ">= 0"),
+    (["--diag", "inf"], "finite"),
+    (["--hbm-gbs", "x"], "expected a number"),
+    (["--fanout", "-1"], "between 0 and 64"),
+    (["--diag", "2"], "<= 1"),
     (["--bogus"], "unrecognized"),
 ])
 def test_cli_rejects_bad_arguments_in_one_line(capsys, argv, match):
     with pytest.raises(SystemExit) as e:
-        S.main(argv)
+        cli.main(["plan", *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and match in err, err
+
+
+def test_cli_needs_its_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    assert e.value.code == 2 and "plan" in capsys.readouterr().err
+
+
+def test_cost_model_refuses_non_finite_and_negative_parameters():
+    for field, bad in (("beta_gbs", 0.0), ("beta_gbs", float("nan")), ("alpha_us", -1.0), ("diag", float("inf")),
+                       ("fwd_tflops", True)):
+        with pytest.raises(ValueError, match=field):
+            CPCostModel(**{field: bad})

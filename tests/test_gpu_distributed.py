@@ -90,10 +90,10 @@ def _worker(argv):
         dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout,
                                 device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
-    from dash_fa3.distributed import shared
+    from dash_fa3.distributed.transport import choose
     os.environ.pop("DASH_FA3_CP_TRANSPORT", None)   # what the default picks for this group
     with open(os.path.join(outdir, f"rank{rank}_transport.txt"), "w") as f:
-        f.write(shared.transport(group, torch.device("cuda", torch.cuda.current_device())))
+        f.write(choose(group, torch.device("cuda", torch.cuda.current_device())))
     result = {}
     for name, case in cases.items():
         causal, layout = case[0], case[7]

@@ -1,4 +1,4 @@
-"""The head-parallel plan (dash_fa3/schedule/cp_heads.py) and what its backward rests on: the whole
+"""The head-parallel plan (dash_fa3/distributed/heads.py) and what its backward rests on: the whole
 problem's schedule restricted to a rank's heads (metadata.restrict_heads) gives each of them the dQ
 add order it has in the whole call."""
 
@@ -7,10 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule, cp_heads
+from dash_fa3.distributed import heads as cp_heads
+from dash_fa3.distributed.layout import G
+from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule
 from dash_fa3.schedule import metadata as M
 from dash_fa3.schedule.lowering import get_kernel_metadata
-from dash_fa3.schedule.distributed import G
 
 
 def decoded(meta):
@@ -131,6 +132,8 @@ def test_model_single_rank_is_the_single_gpu_and_scaling_is_below_linear():
 
 
 def test_cli_prints_a_table(capsys):
-    assert cp_heads.main(["--P", "2,4", "--seqlen", "64k", "--heads", "32/8"]) == 0
+    from dash_fa3.distributed import cli
+
+    assert cli.main(["plan", "--algorithm", "heads", "--P", "2,4", "--seqlen", "64k", "--heads", "32/8"]) == 0
     out = capsys.readouterr().out
-    assert "| 2 | 0." in out and "| 4 | 0." in out
+    assert "| heads | contiguous | 2 | 65536 |" in out and "| heads | zigzag | 4 | 65536 |" in out

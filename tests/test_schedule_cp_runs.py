@@ -1,11 +1,11 @@
-"""The run plan of the GPU context-parallel path (dash_fa3/schedule/cp_runs.py)."""
+"""The run plan of the GPU context-parallel path (dash_fa3/distributed/runs.py)."""
 
 import dataclasses
 
 import pytest
 
-from dash_fa3.schedule import cp_runs
-from dash_fa3.schedule.distributed import G
+from dash_fa3.distributed import runs as cp_runs
+from dash_fa3.distributed.layout import G
 
 CASES = [(P, n, causal, layout) for P in (1, 2, 3, 4, 8) for n in (2 * P * G * 4, 2 * P * G * 37)
          for causal in (True, False) for layout in ("contiguous", "zigzag")]
@@ -91,11 +91,15 @@ def test_simulate_is_balanced_and_below_one():
 
 
 def test_cli_prints_one_row_per_rank_count(capsys):
-    assert cp_runs.main(["--P", "2,3,8", "--seqlen", "48k,96k", "--heads", "16"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    rows = [ln for ln in out if ln.startswith("| ") and ln[2].isdigit()]
-    assert [r.split("|")[1].strip() for r in rows] == ["2", "3", "8"]
+    import json
+
+    from dash_fa3.distributed import cli
+
+    assert cli.main(["plan", "--algorithm", "runs", "--P", "2,3,8", "--seqlen", "48k,96k", "--layout", "contiguous",
+                     "--heads", "16", "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     # 48k and 96k split into whole blocks for P = 2, 3 (64 x 768) and 8 (24 x 2048)
-    effs = [[float(c) for c in r.split("|")[2:4]] for r in rows]
-    assert all(0.5 < e <= 1.0 for row in effs for e in row), rows
-    assert all(row[1] >= row[0] for row in effs), rows     # a longer sequence hides more communication
+    assert [(r["seqlen"], r["P"]) for r in rows] == [(n, P) for n in (49152, 98304) for P in (2, 3, 8)]
+    eff = {(r["seqlen"], r["P"]): r["efficiency"] for r in rows}
+    assert all(0.5 < e <= 1.0 for e in eff.values()), rows
+    assert all(eff[(98304, P)] >= eff[(49152, P)] for P in (2, 3, 8)), rows   # longer hides more communication

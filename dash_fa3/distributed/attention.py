@@ -5,11 +5,11 @@ Three algorithms (``algorithm=``; the default follows the mode):
 * ``"heads"`` (default with ``deterministic=True``; ``heads.py``): each rank computes whole heads
   over the whole sequence with the single-GPU kernels (on CPU, the reference): output and gradients
   bitwise those of one GPU, for every number of ranks and both layouts. Needs heads_kv >= P.
-* ``"runs"`` (default with ``deterministic=False``; ``cuda_runtime.py``): DistFlashAttn's
+* ``"runs"`` (default with ``deterministic=False`` on CPU and where heads_kv < P; ``runs.py``): DistFlashAttn's
   helper-worker run plan: each rank calls the single-GPU kernels on whole runs of query blocks;
   partial dK/dV summed in fp32 (within rounding of one GPU, not bitwise).
 * ``"folds"`` (``deterministic=True`` only, CPU only: its fold kernels do not exist on the GPU;
-  ``runtime.py``): every block's reduction in one fixed order on one rank, bitwise the same for
+  ``folds/``): every block's reduction in one fixed order on one rank, bitwise the same for
   every number of ranks and any heads_kv (MQA included).
 
 Custom ops (not a bare autograd.Function) so that selective activation
@@ -25,11 +25,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..schedule import distributed as S
-from ..schedule import cp_heads
-from . import cuda_runtime, heads, runtime
-from .backend import get_backend
-from .sharding import resolve_group, resolve_layout
+from . import folds, heads, runs
+from .layout import check_seqlen, resolve_group, resolve_layout
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALGORITHMS = ("heads", "runs", "folds")
@@ -50,9 +47,9 @@ def cp_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, c
     if algorithm == "heads":
         return heads.forward(q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale)
     if algorithm == "folds":
-        backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
-        return *runtime.forward(q, k, v, group=group, causal=causal, layout=layout, backend=backend), []
-    return *cuda_runtime.forward(q, k, v, group=group, causal=causal, layout=layout,
+        backend = folds.get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
+        return *folds.forward(q, k, v, group=group, causal=causal, layout=layout, backend=backend), []
+    return *runs.forward(q, k, v, group=group, causal=causal, layout=layout,
                                  softmax_scale=softmax_scale), []
 
 
@@ -75,10 +72,10 @@ def cp_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Context-parallel attention backward on local shards ("runs", "folds"): (dq, dk, dv) like q, k, v."""
     group = _group(group_name)
     if algorithm == "folds":
-        backend = get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
-        return runtime.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
+        backend = folds.get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
+        return folds.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
                                 backend=backend)
-    return cuda_runtime.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
+    return runs.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
                                  softmax_scale=softmax_scale)
 
 
@@ -143,7 +140,7 @@ def _check(q, k, v, pg):
         raise ValueError(f"heads ({h}) must be a multiple of heads_kv ({k.shape[2]})")
     P = dist.get_world_size(pg)
     try:
-        S.check_seqlen(n * P, P)
+        check_seqlen(n * P, P)
     except ValueError as e:
         raise ValueError(f"local length {n} x {P} ranks = {n * P} tokens: {e}") from None
 
@@ -153,9 +150,8 @@ def resolve_algorithm(algorithm, deterministic: bool, heads_kv: int = 0, num_ran
     """The algorithm a call runs: ``algorithm`` checked against the mode, or the mode's default.
 
     Defaults: deterministic, ``heads``. Otherwise ``heads`` on CUDA when every rank can hold whole
-    KV heads (heads_kv >= P), else ``runs``: on two H200s (benchmarks/RESULTS.md, 2026-11-29) the
-    head-parallel algorithm through the shared transport met the efficiency bar in both modes,
-    where the run plan reached 0.94 at 128k tokens, 16 heads, contiguous layout."""
+    KV heads (heads_kv >= P), else ``runs``: on GPUs the head-parallel algorithm through the shared
+    transport was the faster in both modes where it applies (benchmarks/RESULTS.md)."""
     if algorithm is None:
         if deterministic:
             return "heads"
@@ -206,7 +202,7 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
     elif q.device.type != "cpu":
         raise ValueError(f"dash_fa3.distributed runs on CUDA or CPU tensors, got {q.device.type}")
     if algorithm == "heads":
-        cp_heads.kv_ranges(k.shape[2], dist.get_world_size(pg))   # raises for heads_kv < P
+        heads.kv_ranges(k.shape[2], dist.get_world_size(pg))   # raises for heads_kv < P
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):

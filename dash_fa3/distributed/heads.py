@@ -1,51 +1,54 @@
-"""Head-parallel context parallelism: each rank computes whole heads over the whole sequence.
+"""Head-parallel context parallelism (``algorithm="heads"``): each rank computes whole heads over the
+whole sequence. The plan as data, its validation, its cost model and its runtime.
 
-The plan (``dash_fa3/schedule/cp_heads.py``) gives each rank whole KV heads and their query heads.
-Every rank sends each peer its tokens of the peer's heads and receives the peers' tokens of its
-own; it then runs the single-GPU kernels (on CPU, the reference, one KV group at a time) on the
-whole sequence and sends each peer its tokens of the result. The forward's gathered q, k, v, out
-and lse are what autograd keeps, so the backward moves only dO in and dQ, dK, dV out. Every head is
-thus one single-GPU computation: output, LSE and gradients are bitwise ``flash_attn_func``'s on one
-GPU on the whole problem, in both modes (the deterministic one with its default schedule), for
-every number of ranks and both layouts. The backward runs the whole problem's schedule restricted
-to the rank's heads (``ops.bwd_heads_part``): the shift orders place a head's units by its index
-among all heads, so a call holding only some heads would otherwise give them other dQ orders.
+The sequence arrives sharded by tokens (``layout.shard``). This algorithm turns that into a
+sharding by heads: rank r takes KV heads [r*Hk//P, (r+1)*Hk//P) and their query heads (so Hk >= P),
+receives every other rank's tokens of those heads, runs the single-GPU kernels (on CPU, the
+reference, one KV group at a time) on the whole sequence, and sends each peer its tokens of the
+result. A head's attention is then one single-GPU computation whatever P and the layout: output,
+LSE and gradients are bitwise ``flash_attn_func``'s on one GPU, in both modes (the deterministic one
+with its default schedule), provided a head's result does not depend on how many heads share the
+call. The forward computes each (head, query tile) in one CTA; the deterministic backward runs the
+whole problem's schedule restricted to the rank's heads (``ops.bwd_heads_part``), because the shift
+orders place a head's units by its index among all heads (tests/test_schedule_cp_heads.py); GQA's
+dK/dV sum a group's heads in head order, and a group is never split.
 
-Messages go through ``batch_isend_irecv`` (NCCL runs them on its own stream, ordered after the
-compute stream's producers; ``Work.wait()`` makes the compute stream wait, not the host). The
-rank's heads can be cut into chunks (:func:`default_chunks`) whose transfers are posted around the
-other chunks' compute; every rank posts the same sequence of batches (inputs 0, inputs 1, results 0,
-inputs 2, results 1, ...), each pairing with its peers' batch of the same position. With
-``DASH_FA3_CP_TRANSPORT=shared`` the same messages move through buffers every rank maps, on copy
-engines (shared.py); the bits are the same either way. Gathered
+The forward's gathered q, k, v, out and lse are what autograd keeps, so the backward moves only dO
+in and dQ, dK, dV out. A rank's heads can be cut into chunks (:func:`default_chunks`) that form a
+pipeline: chunk c+1's inputs travel while chunk c computes, and chunk c's results travel back while
+chunk c+1 computes. Messages go through the group's transport (``transport.py``): ``p2p`` posts
+every rank's batches in the same sequence (inputs 0, inputs 1, results 0, inputs 2, results 1,
+...), each pairing with its peers' batch of the same position; ``shared`` packs all inputs, pulls
+them per chunk and pushes results (``shared.py``). The bits are the same either way. Gathered
 tensors are stored sequence-major ((tokens, ...), the remaining dimensions in order), so that a
 peer's piece of tokens is one contiguous region its message fills in place; the kernels read them
-through strided views. On CPU (gloo) each wait is bounded by the process group's timeout and a
-failed or stalled peer raises :class:`~.runtime.CommunicationError`.
+through strided views.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import torch
 import torch.distributed as dist
 
 from .. import ops, reference
-from ..schedule import cp_heads
-from ..schedule.distributed import G
-from . import runtime, shared
+from . import comm, shared
+from . import transport as tr
+from .layout import G, block_runs, check_layout, check_seqlen, local_blocks
+from .model import CPCostModel, Estimate
+
 
 # The CPU compute's block edge: fixed, so a head's arithmetic does not depend on the call's shape.
 CPU_BLOCK = 128
 
 
 # Chunks of each rank's heads in the transfer/compute pipeline (at most the smallest rank's KV-head
-# count). One by default: on two H200s (2026-11-24) two or four chunks were no faster through NCCL
-# (64k, 16 heads: 61.0 ms with one chunk, 64.5 with two, 61.0 with four): the transfers did not
-# overlap the kernels. Our reading, not measured: NCCL's kernels find no free SM while the persistent
-# attention kernels hold every SM. The ``shared`` transport (shared.py) moves data on copy engines
-# instead; ``DASH_FA3_CP_CHUNKS`` sets the count for it (and for p2p), the same on every rank.
+# count). One by default: through NCCL more chunks were no faster (benchmarks/RESULTS.md), the
+# transfers not overlapping the persistent kernels. ``DASH_FA3_CP_CHUNKS`` sets the count, the same
+# on every rank.
 CHUNKS = 1
 CHUNKS_ENV = "DASH_FA3_CP_CHUNKS"
 
@@ -64,52 +67,182 @@ def default_chunks() -> int:
     return n
 
 
-class _Exchange:
-    """One batch of point-to-point messages: (peer, tensor) sends and receives, posted together and
-    waited for together (bounded on gloo: :func:`~.runtime.wait_works`)."""
-
-    def __init__(self, group, rank: int, what: str, device):
-        self.group, self.rank, self.what, self.device = group, rank, what, device
-        self.sends: list[tuple[int, torch.Tensor]] = []
-        self.recvs: list[tuple[int, torch.Tensor]] = []
-        self.works = []
-
-    def send(self, peer: int, x: torch.Tensor) -> None:
-        self.sends.append((peer, x.contiguous()))
-
-    def recv_into(self, peer: int, dst: torch.Tensor) -> None:
-        self.recvs.append((peer, dst))
-
-    def recv_buffer(self, peer: int, shape, dtype) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        self.recvs.append((peer, buf))
-        return buf
-
-    def post(self) -> "_Exchange":
-        self.works = runtime.post_p2p(self.sends, self.recvs, self.group)
-        return self
-
-    def wait(self) -> None:
-        peers = [("send to", p) for p, _ in self.sends] + [("receive from", p) for p, _ in self.recvs]
-        runtime.wait_works(self.works, peers, self.group, self.rank, self.what)
-        self.works = []
+# Token-sharded tensors per pass that travel to the head owners, and results that travel back:
+# (name, per query head (True) or per KV head (False)); the LSE is fp32 per token and head.
+FWD_IN = (("q", True), ("k", False), ("v", False))
+FWD_OUT = (("out", True), ("lse", True))
+BWD_IN = (("dout", True),)        # the rest (q, k, v, out, lse of the rank's heads) is the forward's
+BWD_OUT = (("dq", True), ("dk", False), ("dv", False))
 
 
-class _SharedInputs:
-    """The input side of a :class:`~.shared.Pass` in :class:`_Exchange`'s terms."""
-
-    def __init__(self, ps: shared.Pass):
-        self.send, self.recv_into = ps.send_input, ps.recv_input
-
-
-class _SharedResults:
-    """The result side of a :class:`~.shared.Pass` in :class:`_Exchange`'s terms."""
-
-    def __init__(self, ps: shared.Pass):
-        self.send, self.recv_buffer = ps.send_result, ps.recv_result
+def kv_ranges(heads_kv: int, num_ranks: int) -> tuple[tuple[int, int], ...]:
+    """KV heads [lo, hi) of each rank."""
+    if heads_kv < num_ranks:
+        raise ValueError(
+            f"head-parallel context parallelism gives each rank whole KV heads (a GQA group is never "
+            f"split, so that its dK/dV sum keeps one order): {heads_kv} KV heads cannot be shared by "
+            f"{num_ranks} ranks; use a group of at most {heads_kv} ranks, or deterministic=False")
+    return tuple((r * heads_kv // num_ranks, (r + 1) * heads_kv // num_ranks) for r in range(num_ranks))
 
 
-def _gather(x, s, hd, p: cp_heads.HeadPlan, rank, heads_of, ex: _Exchange):
+def _split(lo: int, hi: int, parts: int) -> tuple[tuple[int, int], ...]:
+    n = hi - lo
+    return tuple((lo + c * n // parts, lo + (c + 1) * n // parts) for c in range(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPlan:
+    """The head-parallel plan of one shape: per rank its token pieces (global block runs in local
+    order) and per chunk its KV heads."""
+
+    num_ranks: int
+    num_blocks: int
+    heads: int
+    heads_kv: int
+    layout: str
+    pieces: tuple[tuple[tuple[int, int], ...], ...]        # rank -> ((lo, hi) global blocks, ...)
+    chunks: tuple[tuple[tuple[int, int], ...], ...]        # chunk -> rank -> (kv lo, kv hi)
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.heads_kv
+
+    def kv_heads(self, chunk: int, rank: int) -> tuple[int, int]:
+        return self.chunks[chunk][rank]
+
+    def q_heads(self, chunk: int, rank: int) -> tuple[int, int]:
+        lo, hi = self.chunks[chunk][rank]
+        return lo * self.group, hi * self.group
+
+    def items(self) -> list[tuple[int, int, int, int]]:
+        """(kv lo, kv hi, rank, step): at step c, rank r computes chunk c's KV heads (and their query
+        heads) over the whole sequence."""
+        return [(lo, hi, r, c) for c, per in enumerate(self.chunks) for r, (lo, hi) in enumerate(per)]
+
+    def local_pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """rank's token pieces as (lo, hi, offset in its local tokens), all in blocks."""
+        out, off = [], 0
+        for lo, hi in self.pieces[rank]:
+            out.append((lo, hi, off))
+            off += hi - lo
+        return out
+
+    def messages(self, src: int, dst: int) -> list[tuple[int, int, int]]:
+        """Token pieces (lo, hi, local offset in src's tokens) that src sends dst per chunk's inputs:
+        src's own pieces, in src's local order (dst sends results back over the same pieces)."""
+        return self.local_pieces(src) if src != dst else []
+
+
+@functools.lru_cache(maxsize=256)
+def plan(num_ranks: int, seqlen: int, heads: int, heads_kv: int, layout: str, chunks: int = 1) -> HeadPlan:
+    """The head-parallel plan (validated; cached per shape, as each call asks for it); refuses
+    lengths the layouts cannot split and Hk < P."""
+    nb = check_seqlen(seqlen, num_ranks)
+    check_layout(layout)
+    if heads <= 0 or heads_kv <= 0 or heads % heads_kv:
+        raise ValueError(f"heads ({heads}) must be a positive multiple of heads_kv ({heads_kv})")
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    ranges = kv_ranges(heads_kv, num_ranks)
+    n_chunks = min(chunks, min(hi - lo for lo, hi in ranges))
+    per_rank = [_split(lo, hi, n_chunks) for lo, hi in ranges]
+    pieces = tuple(tuple(block_runs(local_blocks(layout, num_ranks, nb, r).tolist()))
+                   for r in range(num_ranks))
+    p = HeadPlan(num_ranks, nb, heads, heads_kv, layout, pieces,
+                 tuple(tuple(per_rank[r][c] for r in range(num_ranks)) for c in range(n_chunks)))
+    validate(p)
+    return p
+
+
+def validate(p: HeadPlan) -> None:
+    """Every KV head computed by exactly one rank at one step; every token block held by exactly
+    one rank. Raises ValueError naming what is wrong."""
+    seen = {}
+    for lo, hi, r, c in p.items():
+        if not 0 <= lo < hi <= p.heads_kv:
+            raise ValueError(f"chunk {c} of rank {r}: KV heads [{lo}, {hi}) out of range [0, {p.heads_kv})")
+        for h in range(lo, hi):
+            if h in seen:
+                raise ValueError(f"KV head {h} is computed twice (rank {seen[h][0]} step {seen[h][1]} "
+                                 f"and rank {r} step {c})")
+            seen[h] = (r, c)
+    if len(seen) != p.heads_kv:
+        raise ValueError(f"KV heads {sorted(set(range(p.heads_kv)) - set(seen))} are computed by no rank")
+    owner = {}
+    for r, pcs in enumerate(p.pieces):
+        for lo, hi in pcs:
+            for b in range(lo, hi):
+                if b in owner:
+                    raise ValueError(f"token block {b} is held by ranks {owner[b]} and {r}")
+                owner[b] = r
+    if len(owner) != p.num_blocks:
+        raise ValueError(f"{p.num_blocks - len(owner)} token blocks are held by no rank")
+
+
+# beta: what the head-parallel transfers reached on two H200s over NVLink (benchmarks/RESULTS.md)
+DEFAULT_COST = CPCostModel(beta_gbs=160.0)
+
+
+def simulate(num_ranks: int, seqlen: int, *, causal: bool = True, layout: str = "contiguous", batch: int = 1,
+             heads: int = 16, heads_kv: int = 16, headdim: int = 128, chunks: int = 1, elem_bytes: int = 2,
+             cost: CPCostModel | None = None, **rates) -> Estimate:
+    """Estimate of one forward + backward (α-β messages, concurrent in both directions; kernels at
+    the cost model's rates; memory passes at its ``hbm_gbs``). ``cost`` defaults to
+    :data:`DEFAULT_COST`; ``rates`` replace its fields (``fwd_tflops=...``).
+
+    Per pass and rank: the first chunk's inputs arrive (exposed), then chunk c computes while chunk
+    c+1's inputs and chunk c-1's results travel, and the last chunk's results return (exposed).
+    A chunk's transfer time is its larger direction (P-1 peers' pieces, one message per piece and
+    tensor). Memory passes: packing what is sent, placing what arrives (read + write each)."""
+    cost = (cost or DEFAULT_COST).with_(**rates)
+    p = plan(num_ranks, seqlen, heads, heads_kv, layout, chunks)
+    n_tok = p.num_blocks * G
+    pairs = (p.num_blocks * (p.num_blocks + 1) // 2 if causal else p.num_blocks ** 2) * G * G
+    fwd_head = cost.gemm_seconds(4.0 * pairs * headdim * batch, "fwd")       # per query head, seconds
+    bwd_head = cost.gemm_seconds(2.5 * 4.0 * pairs * headdim * batch, "bwd")
+    local_tok = n_tok // num_ranks
+
+    def nbytes(names, tokens, kvh):
+        return sum(tokens * batch * (kvh * p.group if per_q else kvh) * (4 if n == "lse" else headdim * elem_bytes)
+                   for n, per_q in names)
+
+    def transfer(names, r, c, back):
+        """One chunk's messages of rank r: what it receives and what it sends concurrently (the larger
+        direction counts), plus packing and placing them (a read and a write each)."""
+        mine = p.kv_heads(c, r)[1] - p.kv_heads(c, r)[0]
+        others = sum(p.kv_heads(c, q)[1] - p.kv_heads(c, q)[0] for q in range(num_ranks) if q != r)
+        remote = nbytes(names, n_tok - local_tok, mine)       # my heads of the peers' tokens
+        own = nbytes(names, local_tok, others)                # the peers' heads of my tokens
+        recv, send = (own, remote) if back else (remote, own)
+        msgs = len(names) * sum(len(p.pieces[q]) for q in range(num_ranks) if q != r)
+        wire = (msgs * cost.alpha_us * 1e-6 + max(recv, send) / (cost.beta_gbs * 1e9)) if num_ranks > 1 else 0.0
+        return wire + 2 * (recv + send) / (cost.hbm_gbs * 1e9)
+
+    comp, exposed = [], []
+    for r in range(num_ranks):
+        total_c, total_e = 0.0, 0.0
+        for names_in, names_out, per_head in ((FWD_IN, FWD_OUT, fwd_head), (BWD_IN, BWD_OUT, bwd_head)):
+            n_c = len(p.chunks)
+            c_times = [(p.kv_heads(c, r)[1] - p.kv_heads(c, r)[0]) * p.group * per_head for c in range(n_c)]
+            in_times = [transfer(names_in, r, c, False) for c in range(n_c)]
+            out_times = [transfer(names_out, r, c, True) for c in range(n_c)]
+            # pipeline: in(0), then per chunk max(compute c, in(c+1) + out(c-1)), then out(last)
+            t = in_times[0]
+            for c in range(n_c):
+                nxt = in_times[c + 1] if c + 1 < n_c else 0.0
+                prv = out_times[c - 1] if c > 0 else 0.0
+                t += max(c_times[c], nxt + prv)
+            t += out_times[-1]
+            total_c += sum(c_times)
+            total_e += t - sum(c_times)
+        comp.append(total_c * 1e3)
+        exposed.append(total_e * 1e3)
+    single = heads * (fwd_head + bwd_head) * 1e3
+    time = max(c + e for c, e in zip(comp, exposed))
+    return Estimate("heads", layout, num_ranks, seqlen, bool(causal), tuple(comp), tuple(exposed), time, single)
+
+
+def _gather(x, s, hd, p: HeadPlan, rank, heads_of, ex: tr.Exchange):
     """This rank's heads ``heads_of(rank)`` of x over all tokens, from the token shards: a view of a
     sequence-major buffer whose peer pieces arrive through ``ex`` (x: local shard, sequence dim s,
     head dim hd)."""
@@ -130,7 +263,7 @@ def _gather(x, s, hd, p: cp_heads.HeadPlan, rank, heads_of, ex: _Exchange):
     return buf.movedim(0, s)
 
 
-def _scatter(y, s, hd, p: cp_heads.HeadPlan, rank, heads_of, out, ex: _Exchange):
+def _scatter(y, s, hd, p: HeadPlan, rank, heads_of, out, ex: tr.Exchange):
     """Sends each peer its tokens of y (this rank's heads over all tokens) and posts the receives of
     this rank's tokens of the peers' heads; returns the placements to run once ``ex`` has arrived.
     This rank's own tokens go into ``out`` (the local shard, all heads) at once."""
@@ -191,11 +324,11 @@ def _run(p, rank, group, inputs, compute, outputs, what):
     head)]; ``compute(chunk, *gathered)`` -> results; ``outputs``: [(local result tensor, seq dim, head
     dim, per query head)] filled in place."""
     device = inputs[0][0].device
-    if shared.transport(group, device) == "shared" and p.num_ranks > 1:   # the name is checked at every P
+    if tr.choose(group, device) == "shared" and p.num_ranks > 1:   # the name is checked at every P
         return _run_shared(p, rank, group, inputs, compute, outputs, what)
 
     def post_inputs(c):
-        ex = _Exchange(group, rank, f"{what} inputs, chunk {c}", device)
+        ex = tr.P2PExchange(group, rank, f"{what} inputs, chunk {c}", device)
         views = [_gather(x, s, hd, p, rank, _heads_fn(p, c, pq), ex) for x, s, hd, pq in inputs]
         return ex.post(), views
 
@@ -207,7 +340,7 @@ def _run(p, rank, group, inputs, compute, outputs, what):
         ex_in, views = pending[c]
         ex_in.wait()
         ys = compute(c, *views)
-        ex_out = _Exchange(group, rank, f"{what} results, chunk {c}", device)
+        ex_out = tr.P2PExchange(group, rank, f"{what} results, chunk {c}", device)
         landing = []
         for y, (out, s, hd, pq) in zip(ys, outputs):
             landing += _scatter(y, s, hd, p, rank, _heads_fn(p, c, pq), out, ex_out)
@@ -218,7 +351,7 @@ def _run(p, rank, group, inputs, compute, outputs, what):
             dst.copy_(src)
 
 
-class _Sizes:
+class _Sizes(tr.Exchange):
     """An exchange that only counts the bytes each peer is sent, each message aligned as the shared
     transport lays it out (for :func:`slot_bytes`)."""
 
@@ -235,7 +368,7 @@ class _Sizes:
         return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def slot_bytes(p: cp_heads.HeadPlan, inputs, outputs) -> int:
+def slot_bytes(p: HeadPlan, inputs, outputs) -> int:
     """The most bytes one rank sends another in either exchange of a pass (all chunks): its slot.
     Counted by running the pass's own :func:`_gather` and :func:`_scatter` for every rank on meta
     tensors of the local shapes, so the messages are sized where they are made. The same on every
@@ -263,7 +396,7 @@ def _run_shared(p, rank, group, inputs, compute, outputs, what):
     pulled up front, each chunk computes once its pulls are done, and its results are pushed while
     the next chunk computes."""
     ps = shared.Pass(group, rank, p.num_ranks, slot_bytes(p, inputs, outputs), inputs[0][0].device, what)
-    side_in, side_out = _SharedInputs(ps), _SharedResults(ps)
+    side_in, side_out = ps.inputs(), ps.results()
     views, pulls = [], []
     for c in range(len(p.chunks)):
         views.append([_gather(x, s, hd, p, rank, _heads_fn(p, c, pq), side_in) for x, s, hd, pq in inputs])
@@ -285,7 +418,7 @@ def _run_shared(p, rank, group, inputs, compute, outputs, what):
 SAVED_PER_CHUNK = 5   # q, k, v, out, lse of the chunk's heads over the whole sequence
 
 
-def saved_shapes(q_shape, heads_kv: int, p: cp_heads.HeadPlan, rank: int) -> list[tuple[int, ...]]:
+def saved_shapes(q_shape, heads_kv: int, p: HeadPlan, rank: int) -> list[tuple[int, ...]]:
     """Shapes of :func:`forward`'s saved tensors on ``rank`` (for the custom op's fake)."""
     b, _, _, d = q_shape
     N = p.num_blocks * G
@@ -298,17 +431,17 @@ def saved_shapes(q_shape, heads_kv: int, p: cp_heads.HeadPlan, rank: int) -> lis
     return out
 
 
-def plan_of(q_shape, heads_kv: int, group, layout: str, chunks: int | None = None) -> cp_heads.HeadPlan:
+def plan_of(q_shape, heads_kv: int, group, layout: str, chunks: int | None = None) -> HeadPlan:
     P = dist.get_world_size(group)
     b, n, h, _ = q_shape
-    return cp_heads.plan(P, n * P, h, heads_kv, layout, chunks or default_chunks())
+    return plan(P, n * P, h, heads_kv, layout, chunks or default_chunks())
 
 
 def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, chunks: int | None = None):
     """This rank's (out (b, n, h, d), lse (b, h, n) fp32) for local shards q, k, v, and what the
     backward needs: per chunk, its heads' q, k, v, out and lse over the whole sequence (so the
     backward moves only dO in and the gradients out)."""
-    runtime.ensure_communicator(group, q.device)
+    comm.ensure_communicator(group, q.device)
     rank = dist.get_rank(group)
     b, n, h, d = q.shape
     p = plan_of(q.shape, k.shape[2], group, layout, chunks)
@@ -329,7 +462,7 @@ def forward(q, k, v, *, group, causal: bool, layout: str, softmax_scale: float, 
 def backward(dout, saved, *, heads_kv: int, group, causal: bool, layout: str, softmax_scale: float,
              deterministic: bool, chunks: int | None = None):
     """This rank's (dq, dk, dv) for its local dO and :func:`forward`'s saved tensors."""
-    runtime.ensure_communicator(group, dout.device)
+    comm.ensure_communicator(group, dout.device)
     rank = dist.get_rank(group)
     b, n, h, d = dout.shape
     # the forward's chunk count, whatever DASH_FA3_CP_CHUNKS says now

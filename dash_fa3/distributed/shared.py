@@ -1,12 +1,10 @@
-"""Transfers of the head-parallel algorithm through buffers that every rank of the group maps
-(``DASH_FA3_CP_TRANSPORT=shared``; ``p2p`` is ``batch_isend_irecv``). The default (unset) is
-``shared`` for a CUDA group whose ranks are on one host, each on its own GPU, with peer access
-between them, else ``p2p`` (:func:`transport`).
+"""The ``shared`` transport (``transport.py``): the head-parallel algorithm's messages through
+buffers that every rank of the group maps, moved by plain copies.
 
-Why: cutting a rank's heads into chunks did not overlap NCCL's transfers with compute (two H200s,
-2026-11-24: 61.0, 64.5 and 61.0 ms with one, two and four chunks). Our reading, not profiled: through
-NCCL a transfer is a kernel, which cannot start while a persistent attention kernel holds every SM. A copy between two
-GPUs' mapped buffers (``cudaMemcpyAsync`` over NVLink, which ``Tensor.copy_`` issues for contiguous
+Why: through NCCL a transfer is a kernel, which cannot start while a persistent attention kernel
+holds every SM, so cutting a rank's heads into chunks did not overlap transfers with compute (our
+reading, not profiled; the measurements are in benchmarks/RESULTS.md). A copy between two GPUs'
+mapped buffers (``cudaMemcpyAsync`` over NVLink, which ``Tensor.copy_`` issues for contiguous
 tensors of one dtype) runs on a copy engine and needs no SM. With it, chunk c+1's inputs arrive and
 chunk c-1's results leave while chunk c computes. On CUDA the buffers are PyTorch's symmetric memory
 (peer mappings only, never NVLink multicast); on CPU each rank's buffer is a shared-memory file
@@ -30,10 +28,6 @@ stream); barrier B on the copy stream once every push is issued; the compute str
 and places the results. The next pass may reuse the buffer: a rank packs its outbox only after its
 barrier B, which no rank passes before every pull of the pass is done; a peer pushes into a rank's
 inbox only after barrier A, which that rank reaches only after placing the previous results.
-
-Measured on two H200s (benchmarks/RESULTS.md, 2026-11-29): with one chunk, ``shared`` was 1-3%
-faster than ``p2p`` at 128k tokens and met issue 16's efficiency bar in both modes; four chunks were
-slower than one (the transfers did not hide behind the kernels), so the default stays one chunk.
 """
 
 from __future__ import annotations
@@ -41,55 +35,15 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from . import comm
+from .transport import ENV, Exchange
 
-ENV = "DASH_FA3_CP_TRANSPORT"
-TRANSPORTS = ("p2p", "shared")
 ALIGN = 16    # bytes: every message starts at a multiple (any dtype's view; 16-byte copies)
-
-
-def transport(group=None, device=None) -> str:
-    """The head-parallel transport: the one ``DASH_FA3_CP_TRANSPORT`` names (every rank of a group must
-    name the same), else ``shared`` for a CUDA group that :func:`_maps_peers` accepts, else ``p2p``.
-    Without a group and a device: the named one, else ``p2p``."""
-    name = os.environ.get(ENV)
-    if name is not None:
-        if name not in TRANSPORTS:
-            raise ValueError(f"{ENV}={name!r}: choose from {', '.join(TRANSPORTS)}")
-        return name
-    if group is None or device is None or torch.device(device).type != "cuda":
-        return "p2p"
-    return "shared" if _maps_peers(group, torch.device(device)) else "p2p"
-
-
-_peer_verdicts: dict = {}
-
-
-def _maps_peers(group, device: torch.device) -> bool:
-    """Whether every rank of ``group`` is on this host, on a GPU of its own, with peer access to every
-    other rank's GPU that it can see (collective, once per group: two small all-gathers). The same
-    answer on every rank."""
-    key = (group.group_name, id(group))
-    if key in _peer_verdicts:
-        return _peer_verdicts[key]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(index).uuid))
-    ranks = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ranks, mine, group=group)
-    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-    ok = (all(host == mine[0] for host, _ in ranks) and len({uuid for _, uuid in ranks}) == len(ranks)
-          and all(torch.cuda.can_device_access_peer(index, visible[uuid]) for _, uuid in ranks
-                  if uuid != mine[1] and uuid in visible))
-    verdicts = [None] * len(ranks)
-    dist.all_gather_object(verdicts, ok, group=group)
-    _peer_verdicts[key] = all(verdicts)
-    return _peer_verdicts[key]
 
 
 def aligned(nbytes: int) -> int:
@@ -130,7 +84,7 @@ class _CudaBuffers:
         self.copy_stream = torch.cuda.Stream(device)
         # A peer that never arrives makes the barrier kernel trap after the group's timeout (the
         # process then fails with a CUDA error) instead of spinning forever.
-        self.timeout_ms = int(runtime.group_timeout(group).total_seconds() * 1000)
+        self.timeout_ms = int(comm.group_timeout(group).total_seconds() * 1000)
 
     def remote(self, rank: int) -> torch.Tensor:
         if rank not in self._remote:
@@ -166,7 +120,8 @@ class _FileBuffers:
     def __init__(self, group, device, nbytes: int):
         self.group, self.rank, self.nbytes = group, dist.get_rank(group), nbytes
         tag = [secrets.token_hex(8)]
-        dist.broadcast_object_list(tag, group_src=0, group=group)
+        with comm.guard(group, self.rank, "creating the shared buffers"):
+            dist.broadcast_object_list(tag, group_src=0, group=group)
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = [os.path.join(folder, f"dash_fa3-cp-{tag[0]}-{r}") for r in range(dist.get_world_size(group))]
         with open(path[self.rank], "wb") as f:
@@ -182,7 +137,7 @@ class _FileBuffers:
 
     def barrier(self, what: str) -> None:
         work = dist.barrier(group=self.group, async_op=True)
-        runtime.wait_works([work], [("the barrier of every rank", None)], self.group, self.rank, what)
+        comm.wait_works([work], [("the barrier of every rank", None)], self.group, self.rank, what)
 
     def copy_context(self):
         return contextlib.nullcontext()
@@ -215,7 +170,8 @@ def buffers(group, device, nbytes: int):
         # The old buffer goes only once no rank can still read or write it.
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
-        dist.barrier(group=group)
+        with comm.guard(group, dist.get_rank(group), "growing the shared buffers"):
+            dist.barrier(group=group)
         del _buffers[key]
     cls = _CudaBuffers if torch.device(device).type == "cuda" else _FileBuffers
     _buffers[key] = cls(group, device, nbytes)
@@ -323,3 +279,24 @@ class Pass:
             self.bufs.barrier(f"{self.what}, results pushed")
         self.bufs.compute_after_copy()
         self._keep = []
+
+    def inputs(self) -> "_Side":
+        """The input exchange as an :class:`~.transport.Exchange`: ``send`` packs into this rank's
+        outbox, ``recv_into`` registers a pull (issued by :meth:`pull`)."""
+        return _Side(send=self.send_input, recv_into=self.recv_input)
+
+    def results(self) -> "_Side":
+        """The result exchange as an :class:`~.transport.Exchange`: ``send`` registers a push into
+        the peer's inbox (issued by :meth:`push`), ``recv_buffer`` is the view where a result lands."""
+        return _Side(send=self.send_result, recv_buffer=self.recv_result)
+
+
+class _Side(Exchange):
+    """One direction of a :class:`Pass` through the :class:`~.transport.Exchange` interface."""
+
+    def __init__(self, send, recv_into=None, recv_buffer=None):
+        self.send = send
+        if recv_into is not None:
+            self.recv_into = recv_into
+        if recv_buffer is not None:
+            self.recv_buffer = recv_buffer

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..schedule.distributed import G
+from ..layout import G
 
 
 @dataclass

@@ -1,132 +1,53 @@
-"""Executes a validated distributed schedule on one rank: P2P messages in step order, folds on a
-block backend.
+"""Executes a validated fold schedule on one rank: messages in step order, folds on a block backend.
 
-Per step t, per wave: post this rank's packed sends and receives of (t, wave) with
-``batch_isend_irecv``; during wave 0 compute the step's work items; then wait for
-the wave's messages, each wait bounded by the process group's timeout. A peer
-that died makes the wait fail at once (connection closed), one that stalls makes
-it time out; both raise :class:`CommunicationError` naming the step and peers,
-so no rank hangs. There is no barrier: a rank waits only for the messages it
-takes part in.
+Per step t, per wave: post this rank's packed sends and receives of (t, wave) through a
+``transport.P2PExchange``; during wave 0 compute the step's work items; then wait for the wave's
+messages, each wait bounded by the process group's timeout (``comm.wait_works``): a peer that died
+or stalled raises :class:`~..comm.CommunicationError` naming the step and peers, so no rank hangs.
+There is no barrier: a rank waits only for the messages it takes part in.
 
-A message is every transfer of one (src, dst, step, wave), packed as raw bytes
-in the order both sides derive from the schedule (kind, then block), so one
-isend/irecv pair moves it whatever mix of dtypes it holds.
+A message is every transfer of one (src, dst, step, wave), packed as raw bytes in the order both
+sides derive from the schedule (kind, then block), so one send/receive pair moves it whatever mix
+of dtypes it holds.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
 
 import torch
 import torch.distributed as dist
 
-from ..schedule import distributed as S
+from .. import transport as tr
+from ..layout import G, local_blocks
 from .backend import BlockBackend
-
-
-class CommunicationError(RuntimeError):
-    """A peer failed (or its connection did) during distributed attention. The process group is
-    unusable afterwards: abort it (or exit) rather than retry on it."""
-
-
-class CommunicationTimeout(CommunicationError, TimeoutError):
-    """A peer sent or received nothing within the process group's timeout."""
-
-
-def group_timeout(group) -> datetime.timedelta:
-    """The process group's timeout (what ``init_process_group``/``new_group`` got as ``timeout=``)."""
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-        timeout = backend.options._timeout
-        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-            return timeout
-    except (AttributeError, RuntimeError):
-        pass
-    return dist.distributed_c10d.default_pg_timeout
-
-
-_warmed: set[str] = set()
-
-
-def ensure_communicator(group, device) -> None:
-    """NCCL needs every rank of a group in its first collective; a point-to-point batch that
-    leaves a rank out would hang there. One small all-reduce per group settles that."""
-    if group.group_name in _warmed or torch.device(device).type != "cuda":
-        return
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
-    _warmed.add(group.group_name)
-
-
-def post_p2p(sends, recvs, group) -> list:
-    """Post (peer, tensor) sends and receives in one ``batch_isend_irecv``; return the works."""
-    ops_ = [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
-    ops_ += [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
-    return dist.batch_isend_irecv(ops_) if ops_ else []
-
-
-def wait_works(works, peers, group, rank: int, where: str, timeout=None) -> None:
-    """Wait for posted works; ``peers``: a ("send to" | "receive from", peer) per work (peer None: a
-    collective, named by the first part alone).
-
-    CPU (gloo): each wait is bounded by the process group's timeout; a peer that died fails it at
-    once, one that stalls at the timeout, and either raises :class:`CommunicationError`
-    (:class:`CommunicationTimeout`) naming this rank, ``where`` and the peer. CUDA (NCCL): a plain
-    ``wait()``, which makes the current stream wait without blocking the host; a stalled peer is
-    left to the NCCL watchdog and the group's timeout."""
-    if not works:
-        return
-    if _is_nccl(group):
-        for w in works:
-            w.wait()
-        return
-    timeout = timeout or group_timeout(group)
-    for (what, peer), work in zip(peers, works):
-        head = f"dash_fa3.distributed: rank {rank} of the group, {where}: {what}" + (
-            "" if peer is None else f" rank {peer}")
-        limit = f"did not complete within the process group's timeout ({timeout.total_seconds():g} s)"
-        try:
-            ok = work.wait(timeout)
-        except RuntimeError as e:
-            if "timed out" in str(e).lower():
-                raise CommunicationTimeout(f"{head} {limit}: {e}") from e
-            raise CommunicationError(f"{head} failed: {e}") from e
-        if ok is False:
-            raise CommunicationTimeout(f"{head} {limit}")
-
-
-def _is_nccl(group) -> bool:
-    try:
-        return dist.get_backend(group) == "nccl"
-    except (RuntimeError, ValueError):
-        return False
-
+from .plan import OWN, PARTNER, PASS_INPUTS
+from .validate import get_schedule, rank_program
 
 @functools.lru_cache(maxsize=64)
 def plan(num_ranks: int, seqlen: int, causal: bool, pass_: str, layout: str, rank: int):
     """This rank's program; per fold it computes, the step of the fold's last item (when its result
     is final); per step, the input blocks used for the last time (dropped after it, so a rank holds
     about two chunks of other ranks' data, not everything it ever needs); local block indices."""
-    sched, report = S.get_schedule(num_ranks, seqlen, causal, pass_, layout)
-    prog = S.rank_program(sched, report, rank)
+    sched, report = get_schedule(num_ranks, seqlen, causal, pass_, layout)
+    prog = rank_program(sched, report, rank)
     last, last_use = {}, {}
     for st in prog:
         for w in st.works:
             last[(w.kind, w.block)] = st.step
-            last_use[(S.OWN[w.kind], w.block)] = st.step
+            last_use[(OWN[w.kind], w.block)] = st.step
             for j in range(w.lo, w.hi):
-                last_use[(S.PARTNER[w.kind], j)] = st.step
+                last_use[(PARTNER[w.kind], j)] = st.step
         for sends, _ in st.waves:
             for m in sends:
                 for x in m.transfers:
-                    if x.kind in S.PASS_INPUTS[pass_]:
+                    if x.kind in PASS_INPUTS[pass_]:
                         for j in range(x.lo, x.hi):
                             last_use[(x.kind, j)] = st.step
     expire = [[] for _ in prog]
     for key, t in last_use.items():
         expire[t].append(key)
-    local = S.local_blocks(layout, num_ranks, sched.num_blocks, rank).tolist()
+    local = local_blocks(layout, num_ranks, sched.num_blocks, rank).tolist()
     return prog, last, expire, {b: i for i, b in enumerate(local)}
 
 
@@ -134,7 +55,8 @@ class _Store:
     """Raw per-block tensors this rank holds (owned, received or computed), by (data kind, block).
     The raw form is what travels; the backend's working form is made on first use."""
 
-    def __init__(self, shapes: dict):
+    def __init__(self, shapes: dict, device):
+        self.device = device
         self.raw: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self.forms: dict[tuple[str, int], object] = {}
         self.shapes = shapes   # kind -> ((shape, dtype), ...)
@@ -171,32 +93,27 @@ class _Store:
                 self.raw[(x.kind, b)] = tuple(ts)
 
 
-def _exchange(store: _Store, sends, recvs, group, timeout, rank: int, step: int, wave: int, compute=None):
+def _exchange(store: _Store, sends, recvs, group, rank: int, step: int, wave: int, compute=None):
     """Post one wave's messages, run ``compute`` meanwhile, wait (bounded), unpack the receives."""
-    ops, bufs = [], []
+    ex = tr.P2PExchange(group, rank, f"step {step} wave {wave}", store.device, tag=step * 1024 + wave)
     for m in sends:
-        ops.append(dist.P2POp(dist.isend, store.pack(m.transfers), group=group, group_peer=m.peer,
-                              tag=m.step * 1024 + m.wave))
-    for m in recvs:
-        buf = torch.empty(sum(store.nbytes(x.kind) * (x.hi - x.lo) for x in m.transfers), dtype=torch.uint8)
-        bufs.append(buf)
-        ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=m.peer, tag=m.step * 1024 + m.wave))
-    works = dist.batch_isend_irecv(ops) if ops else []
+        ex.send(m.peer, store.pack(m.transfers))
+    bufs = [ex.recv_buffer(m.peer, (sum(store.nbytes(x.kind) * (x.hi - x.lo) for x in m.transfers),), torch.uint8)
+            for m in recvs]
+    ex.post()
     if compute is not None:
         compute()
-    peers = [("send to", m.peer) for m in sends] + [("receive from", m.peer) for m in recvs]
-    wait_works(works, peers, group, rank, f"step {step} wave {wave}", timeout)
+    ex.wait()
     for m, buf in zip(recvs, bufs):
         store.unpack(m.transfers, buf)
 
 
 def _run(prog, expire, store: _Store, group, rank: int, compute_step) -> None:
-    timeout = group_timeout(group)
     for st in prog:
         if not st.waves:
             compute_step(st)
         for v, (sends, recvs) in enumerate(st.waves):
-            _exchange(store, sends, recvs, group, timeout, rank, st.step, v,
+            _exchange(store, sends, recvs, group, rank, st.step, v,
                       compute=(lambda: compute_step(st)) if v == 0 else None)
         for key in expire[st.step]:
             store.raw.pop(key, None)
@@ -206,7 +123,7 @@ def _run(prog, expire, store: _Store, group, rank: int, compute_step) -> None:
 def _local_slices(index: dict, blocks):
     for b in blocks:
         i = index[b]
-        yield b, slice(i * S.G, (i + 1) * S.G)
+        yield b, slice(i * G, (i + 1) * G)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal: bool, layout: str,
@@ -217,8 +134,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal:
     hk = k.shape[2]
     prog, last, expire, index = plan(P, n * P, bool(causal), "fwd", layout, rank)
     dt = q.dtype
-    store = _Store({"q": (((b, S.G, h, d), dt),), "kv": (((b, S.G, hk, d), dt),) * 2,
-                    "o": (((b, S.G, h, d), dt), ((b, h, S.G), torch.float32))})
+    store = _Store({"q": (((b, G, h, d), dt),), "kv": (((b, G, hk, d), dt),) * 2,
+                    "o": (((b, G, h, d), dt), ((b, h, G), torch.float32))}, q.device)
     for blk, sl in _local_slices(index, index):
         store.raw[("q", blk)] = (q[:, sl],)
         store.raw[("kv", blk)] = (k[:, sl], v[:, sl])
@@ -261,9 +178,10 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str,
     hk = k.shape[2]
     prog, last, expire, index = plan(P, n * P, bool(causal), "bwd", layout, rank)
     dt = q.dtype
-    row, kvrow = ((b, S.G, h, d), dt), ((b, S.G, hk, d), dt)
-    stats = ((b, h, S.G), torch.float32)
-    store = _Store({"kv": (kvrow, kvrow), "qrow": (row, row, stats, stats), "dq": (row,), "dkv": (kvrow, kvrow)})
+    row, kvrow = ((b, G, h, d), dt), ((b, G, hk, d), dt)
+    stats = ((b, h, G), torch.float32)
+    store = _Store({"kv": (kvrow, kvrow), "qrow": (row, row, stats, stats), "dq": (row,), "dkv": (kvrow, kvrow)},
+                   q.device)
     for blk, sl in _local_slices(index, index):
         store.raw[("kv", blk)] = (k[:, sl], v[:, sl])
         delta = backend.delta(out[:, sl], dout[:, sl])
