@@ -35,7 +35,9 @@ seqlen_q * seqlen_k, halved when causal) warns once per process with
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 import warnings
 
 import torch
@@ -53,6 +55,7 @@ __all__ = [
     "default_softmax_scale",
     "SlowReferenceWarning",
     "SLOW_WORK_THRESHOLD",
+    "one_thread",
 ]
 
 # A CPU call with at least this many (unmasked) score entries warns once: about a
@@ -112,6 +115,27 @@ def _visible(i0: int, i1: int, j0: int, j1: int, offset: int, device, left: int 
     return keep
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Runs the block on one intra-op thread, then restores the thread count.
+
+    How a BLAS library splits a product among threads, and how many of them it takes (MKL may take
+    fewer than torch asks when the machine is busy), can change the order of a sum and so the last
+    bits. On one thread each product of a given shape takes one order, so a computation whose
+    shapes are fixed gives the same bits whatever ``torch.get_num_threads()`` is and however loaded
+    the machine (on one machine and torch build). The count is the process's: other Python threads
+    running torch ops meanwhile get one thread too."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _check_compute_dtype(compute_dtype: torch.dtype) -> None:
     if compute_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
@@ -129,9 +153,13 @@ def _bhsd(x: torch.Tensor, heads: int, compute_dtype: torch.dtype) -> torch.Tens
 
 def _block_size(batch: int, heads: int, block_size: int | None) -> int:
     if block_size is not None:
-        if not isinstance(block_size, int) or block_size < 1:
+        try:
+            edge = None if isinstance(block_size, bool) else operator.index(block_size)
+        except TypeError:
+            edge = None
+        if edge is None or edge < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        return block_size
+        return edge
     edge = math.isqrt(max(1, _TILE_ELEMENTS // max(1, batch * heads)))
     edge = 1 << (edge.bit_length() - 1)
     return min(_MAX_BLOCK, max(_MIN_BLOCK, edge))

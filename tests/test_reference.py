@@ -3,6 +3,7 @@
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -246,3 +247,31 @@ def test_16k_tokens_on_cpu_use_linear_memory():
     assert float(err) < 1e-5 and float(lse_err) < 1e-4, (err, lse_err)
     assert finite == "True" and contiguous == "True"
     assert n_warn == "1" and category == "SlowReferenceWarning"
+
+
+def test_one_thread_runs_on_one_thread_and_restores_the_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with reference.one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"):
+            with reference.one_thread():
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 64.0, "64"])
+def test_block_size_must_be_a_positive_int(bad):
+    q = torch.randn(1, 4, 2, 64)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        reference.attention_ref(q, q, q, block_size=bad)
+
+
+def test_block_size_takes_numpy_ints():
+    q = torch.randn(1, 70, 2, 64)
+    assert torch.equal(reference.attention_ref(q, q, q, block_size=np.int64(64))[0],
+                       reference.attention_ref(q, q, q, block_size=64)[0])

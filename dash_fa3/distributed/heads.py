@@ -290,11 +290,14 @@ def _fwd_compute(q, k, v, softmax_scale, causal):
         return ops.fwd(q, k, v, softmax_scale, causal, 0)
     outs, lses = [], []
     g = q.shape[2] // k.shape[2]
-    for h in range(k.shape[2]):       # one KV group per call: the same shapes for every P
-        o, lse = reference.attention_ref(q[:, :, h * g:(h + 1) * g], k[:, :, h:h + 1], v[:, :, h:h + 1],
-                                         softmax_scale, causal, block_size=CPU_BLOCK)
-        outs.append(o.to(q.dtype))
-        lses.append(lse.float())
+    # One KV group per call (the same shapes for every P), on one thread (the same order of every
+    # sum whatever the thread count): the bits depend on the head alone.
+    with reference.one_thread():
+        for h in range(k.shape[2]):
+            o, lse = reference.attention_ref(q[:, :, h * g:(h + 1) * g], k[:, :, h:h + 1], v[:, :, h:h + 1],
+                                             softmax_scale, causal, block_size=CPU_BLOCK)
+            outs.append(o.to(q.dtype))
+            lses.append(lse.float())
     return torch.cat(outs, 2), torch.cat(lses, 1)
 
 
@@ -305,13 +308,15 @@ def _bwd_compute(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, 
                                   heads, heads_kv, kv_lo)
     dqs, dks, dvs = [], [], []
     g = q.shape[2] // k.shape[2]
-    for h in range(k.shape[2]):
-        sl = slice(h * g, (h + 1) * g)
-        dq, dk, dv = reference.attention_bwd_ref(dout[:, :, sl], q[:, :, sl], k[:, :, h:h + 1], v[:, :, h:h + 1],
-                                                 out[:, :, sl], softmax_scale, causal, block_size=CPU_BLOCK)
-        dqs.append(dq.to(q.dtype))
-        dks.append(dk.to(k.dtype))
-        dvs.append(dv.to(v.dtype))
+    with reference.one_thread():   # as in _fwd_compute
+        for h in range(k.shape[2]):
+            sl = slice(h * g, (h + 1) * g)
+            dq, dk, dv = reference.attention_bwd_ref(dout[:, :, sl], q[:, :, sl], k[:, :, h:h + 1],
+                                                     v[:, :, h:h + 1], out[:, :, sl], softmax_scale, causal,
+                                                     block_size=CPU_BLOCK)
+            dqs.append(dq.to(q.dtype))
+            dks.append(dk.to(k.dtype))
+            dvs.append(dv.to(v.dtype))
     return torch.cat(dqs, 2), torch.cat(dks, 2), torch.cat(dvs, 2)
 
 
