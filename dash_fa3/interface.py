@@ -13,6 +13,11 @@ kernels. Packed variable-length batches (``flash_attn_varlen_func``, windows
 included) run the Hopper kernels, forward and backward. ``softcap`` > 0
 (scores softcap * tanh(scores / softcap), FA3's) runs on the softcap kernels,
 a build option (``DASH_FA3_SOFTCAP=1``; without it CUDA calls raise, naming it).
+
+Numeric arguments (``softmax_scale``, ``softcap``, ``window_size``'s sides,
+``max_seqlen_q/k``, ``sm_margin``, ...) may be Python numbers, NumPy scalars or
+0-d tensors and arrays, with the same checks; booleans are refused where a
+number is expected.
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ def flash_attn_func(
 
     q: (batch, seqlen_q, heads, headdim); k: (batch, seqlen_k, heads_kv, headdim);
     v: (batch, seqlen_k, heads_kv, headdim_v), headdim_v == headdim or (MLA) 128
-    with headdim 192; bf16 or fp16, last dim contiguous, heads % heads_kv == 0.
+    with headdim 192; bf16 or fp16 (fp32 too on CPU tensors, which run the fp32
+    reference), last dim contiguous, heads % heads_kv == 0.
     softmax_scale defaults to 1/sqrt(headdim). causal aligns the mask to the
     bottom-right corner when seqlen_q != seqlen_k. window_size=(left, right)
     (FA3's: -1 unbounded, bottom-right aligned; causal sets the right side to 0
@@ -150,8 +156,8 @@ def flash_attn_varlen_func(
     """Attention over packed documents, FA3's varlen layout.
 
     q: (total_q, heads, headdim); k: (total_k, heads_kv, headdim); v: (total_k,
-    heads_kv, headdim_v) as in ``flash_attn_func``; bf16 or fp16, last dim
-    contiguous. cu_seqlens_q / cu_seqlens_k: int32, (batch + 1,),
+    heads_kv, headdim_v) as in ``flash_attn_func``; bf16 or fp16 (fp32 too on
+    CPU tensors), last dim contiguous. cu_seqlens_q / cu_seqlens_k: int32, (batch + 1,),
     on q's device: document b is q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
     against k/v rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]); it attends only
     within itself, causal and window masks aligned to its own bottom-right
