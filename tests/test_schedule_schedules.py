@@ -94,8 +94,9 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=12288, **full64)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "fa3"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full64)) == "shift"
-    # The shift orders only where seqlen_k <= seqlen_q.
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=6144, **full64)) == "fa3"
+    # The shift orders only where seqlen_k <= seqlen_q (from 2 keys per query on, a full mask takes split).
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=6144, **full64)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=6144, **full64)) == "split"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=6144, seqlen_k=2048, **full64)) == "shift"
     causal128 = dict(batch=1, heads=16, headdim=128, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal128)) == "spt"
