@@ -53,21 +53,20 @@ def table_pick(g: Geometry, headdim: int | None = None) -> str:
     bench grids (their runs and figures: docs/journal/auto-rule-history.md); a
     shape off the grids gets the rule of its region.
 
-    Causal: the dQ adds of ``spt`` (shortest KV tile first, descending
-    accumulation) collide least when tasks of unequal length start together,
-    and it wins everywhere except with head dim 128's 64 x 128 tiles from 32 KV
-    tiles on, where ``symmetric_shift``'s levelled pairs of tiles fill the SMs
-    better. Head dim 96 shares those tiles but not that result, so ``headdim``
-    tells the two apart.
+    Causal: ``spt`` (shortest KV tile first, descending accumulation) is the
+    fastest measured order except with head dim 128's 64 x 128 tiles from 32 KV
+    tiles on, where ``symmetric_shift``'s pairs of a long and a short KV tile per
+    CTA level the work. Head dim 96 shares those tiles but not that result, so
+    ``headdim`` tells the two apart.
 
-    Full: every KV tile has the same length, and ``shift`` staggers the tiles'
-    walks so no two add into one dQ tile at once; it wins from a few KV tiles
-    (below that the queue orders are as fast) up to a length that depends on
-    the tile shape, past which the queue order ``fa3`` is as fast or faster.
+    Full: every KV tile has the same length, and ``shift`` starts the KV tiles of
+    a wave on distinct Q tiles of their cyclic walks, so their dQ adds do not
+    wait on each other; it is fastest from a few KV tiles (below that the queue
+    orders are as fast) up to a length that depends on the tile shape, past
+    which the queue order ``fa3`` is as fast or faster.
 
-    Both shift orders lose where keys outnumber queries (a rectangle narrower
-    than the KV tiles' walks forces their waits), so they are picked only where
-    ``seqlen_k <= seqlen_q``.
+    Both shift orders measured slower where keys outnumber queries, so they are
+    picked only where ``seqlen_k <= seqlen_q``.
 
     From ``SPLIT_KEYS_PER_QUERY`` keys per query on (causal: twice that, since
     the causal square's triangle, which the shift orders level, is a larger part
