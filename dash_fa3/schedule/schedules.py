@@ -285,7 +285,7 @@ def task_claim_cost(task_steps: np.ndarray) -> np.ndarray:
     """The cost :func:`greedy_assignment` gives each task of a queue (lowering, lpt
     sections, packed documents): its number of Q-tile steps; a task without steps
     (windows) still stores dK = dV = 0, so it costs one. (A fixed extra cost per
-    task, 1 to 8 steps, was measured and balanced no better: docs/bwd_kernel.md.)"""
+    task balanced no better: docs/journal/bwd-kernel.md.)"""
     return np.maximum(np.asarray(task_steps), 1)
 
 
@@ -304,10 +304,10 @@ def lpt_order(g: Geometry, hidx: np.ndarray, kv: np.ndarray, num_sms: int) -> tu
 
     Sections of consecutive (batch, head) pairs run one after another; within a
     section, longest task first (ties: head, then kv). The section bounds the
-    heads whose Q/dO are read at once: longest-first over ALL heads started one
-    KV tile of every head together: at seqlen 2048 (128 heads, causal, head
-    dim 128) it measured 0.78x the head-major spt order (H200), each Q tile
-    read from HBM again by every KV tile.
+    heads whose Q/dO are read at once: longest-first over ALL heads starts one
+    KV tile of every head together, so each Q tile is read from HBM again by
+    every KV tile, and many heads measured slower than the head-major spt
+    order (docs/journal/auto-rule-history.md).
     The section size is the one, among powers of two and an equal split up to
     the L2 bound, whose queue the greedy claim model balances best (ties: the
     smaller section).

@@ -2,7 +2,7 @@
 
 Two pipelines (``CostModel.pipeline``):
 
-``"writer"`` (default): what the backward kernel does (docs/bwd_kernel.md).
+``"writer"`` (default): what the backward kernel does (docs/design/kernels-bwd.md).
 Per CTA two resources run concurrently:
 
 * the MMA warpgroups run the CTA's steps back to back: step j computes its
