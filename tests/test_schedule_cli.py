@@ -218,7 +218,8 @@ def test_bad_arguments_from_the_command_line(tmp_path):
                            "--reduce", "nan"], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.count("\n") == 1 and "argument --reduce: must be a finite number >= 0 and <= 1e+09, got 'nan'" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert "argument --reduce: must be a finite number >= 0 and <= 1e+09, got 'nan'" in proc.stderr
 
 
 def test_export_bundle(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The DASH schedules of the deterministic backward (pure Python + numpy;
-matplotlib only for plots).  See docs/schedule.md.
+matplotlib only for plots).  See docs/design/schedule.md.
 
 Two layers:
 

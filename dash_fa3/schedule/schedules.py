@@ -345,7 +345,7 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
                 causal mask), Q ascending, dQ adds in descending kv order.
     descending: fa3 with the Q loop reversed: queue kv ascending, Q descending,
                 dQ adds in ascending kv order (the paper's "just reverse the
-                loop"; see docs/schedule.md for why not descending kv).
+                loop"; see docs/design/schedule.md for why not descending kv).
     lpt:        longest task first within sections of heads (lpt_order),
                 Q ascending, dQ adds in ascending kv order. Meant for the
                 non-deterministic mode: claiming the long causal tasks first

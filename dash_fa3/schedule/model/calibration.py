@@ -11,7 +11,7 @@ fitted to a measured H100 grid (:data:`H100_B064A4D`); both are package data,
 fitted.  :func:`predict_ms` turns the costs into a predicted time of the whole
 backward call, :func:`best_schedule` into a schedule choice for any shape.
 ``python -m dash_fa3.schedule calibrate`` refits them (needs scipy) and prints
-the table of docs/schedule.md.
+the table of docs/journal/schedule.md.
 
 Units: microseconds.
 """
@@ -153,7 +153,7 @@ def calibration_from_dict(d: dict) -> Calibration:
 
 
 #: The shipped H100 data: the measured grid and the costs ``python -m dash_fa3.schedule calibrate
-#: --fit`` fitted to part of it (least squares of the log error; the rest held out, docs/schedule.md
+#: --fit`` fitted to part of it (least squares of the log error; the rest held out, docs/design/schedule.md
 #: "Calibration"). ``handoff_at`` and ``overhead`` are not fitted: the model is insensitive to the
 #: first, and on this grid the second cannot be told apart from the epilogue (the file says how it
 #: was set).
@@ -378,7 +378,7 @@ def ranking(rows: list[dict], tie: float = 0.02) -> list[dict]:
 
 
 def format_table(rows: list[dict], ranks: list[dict]) -> str:
-    """The markdown table of docs/schedule.md: per grid point, each column's
+    """The markdown table of docs/journal/schedule.md: per grid point, each column's
     measured / predicted ms and error, then the ranking columns."""
     short = {"nd": "nd (lpt)", "fa3": "fa3", "spt": "spt", "descending": "desc", "shift": "shift",
              "symmetric_shift": "sym_shift", "lpt": "lpt"}

@@ -16,7 +16,7 @@ Bench grid (validate every schedule on the paper's grid, optionally simulate)::
 
     python -m dash_fa3.schedule bench-grid [--grid bench_grid.json] [--sms 132,114] [--simulate]
 
-Gallery (the Gantt charts of docs/schedule.md)::
+Gallery (the Gantt charts of docs/design/schedule.md)::
 
     python -m dash_fa3.schedule gallery --out docs/gantt
 
@@ -77,7 +77,7 @@ SUBCOMMANDS = {
     "shape": "the default: simulate the schedules on a real shape (this help)",
     "model": "the paper's model: n KV tiles = n SMs, m heads, square tiles",
     "bench-grid": "validate (and optionally simulate) every schedule on the bench grid",
-    "gallery": "write the Gantt charts of docs/schedule.md",
+    "gallery": "write the Gantt charts of docs/design/schedule.md",
     "calibrate": "the simulator against the measured H100 grid (--fit refits it)",
     "export": "write the kernel's validated static metadata for programs without Python",
 }
@@ -386,7 +386,8 @@ GALLERY = [
 
 
 def _gallery_main(argv) -> int:
-    p = OneLineParser(prog="python -m dash_fa3.schedule gallery", description="Write the Gantt charts of docs/schedule.md.")
+    p = OneLineParser(prog="python -m dash_fa3.schedule gallery",
+                      description="Write the Gantt charts of docs/design/schedule.md.")
     p.add_argument("--out", default=os.path.join("docs", "gantt"))
     p.add_argument("--compute", type=positive_float, default=1.0)
     p.add_argument("--reduce", type=nonnegative_float, default=0.5)
@@ -440,10 +441,10 @@ def _calibrate_main(argv) -> int:
     train = tuple(args.train)
     grid = C.H100_B064A4D
     cal = C.H100
-    measured = {r[0] for r in grid.rows}
+    measured, lengths = {r[0] for r in grid.rows}, {r[2] for r in grid.rows}
     hds = tuple(args.headdim) if args.headdim else tuple(sorted(measured))
-    for what, given, known in (("--headdim", hds, measured), ("--seqlens", args.seqlens or (), {r[2] for r in grid.rows}),
-                               ("--train", train, {r[2] for r in grid.rows})):
+    for what, given, known in (("--headdim", hds, measured), ("--seqlens", args.seqlens or (), lengths),
+                               ("--train", train, lengths)):
         unknown = sorted(set(given) - known)
         if unknown:
             p.error(f"{what} {unknown} not in the measured grid ({', '.join(map(str, sorted(known)))})")

@@ -1,7 +1,7 @@
 """The paper's closed forms (DASH, arXiv 2601.21824) for n KV tiles = n SMs, m heads.
 
 Returns None where the paper gives no formula.  The causal fa3 and descending
-forms are approximations in the paper ("about"); see docs/schedule.md for the
+forms are approximations in the paper ("about"); see docs/design/schedule.md for the
 exact values of our model and the bounds the tests check.
 """
 
