@@ -96,8 +96,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   c10::cuda::CUDAGuard guard(dev);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const bool gqa = heads != heads_kv;
-  // Non-deterministic GQA adds a group's dK/dV into one accumulator per KV head.
-  const bool dkv_accumulate = gqa && !deterministic;
+  // Non-deterministic GQA with at least twice as many keys as queries adds a group's dK/dV
+  // into one accumulator per KV head: its tasks are short, and a slab per query head would
+  // move `group` times the bytes. With longer tasks the slabs' plain stores were faster than
+  // adds into a shared accumulator (docs/journal/results.md, GQA dK/dV without ordered adds).
+  const bool dkv_accumulate = gqa && !deterministic && 2 * seqlen_q <= seqlen_k;
   const int64_t dq_splits = hdr[schedule::kHNumSplits];
   TORCH_CHECK(dq_splits >= 1 && (dq_splits == 1 || packed == nullptr),
               msg("dash_fa3: schedule has ", dq_splits, " dQ splits (dense calls only, at least 1)"));
