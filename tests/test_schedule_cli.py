@@ -158,6 +158,7 @@ def test_headdims_are_the_apis():
     ["--seqlen", "1048576", "--heads", "1", "--causal", "--no-gantt"],
     ["model", "-n", "4096", "-m", "1"],
     ["export", "--out", "unused.i32", "--seqlen", "8388608", "--heads", "1"],
+    ["export", "--out", "unused.i32", "--seqlen", "1048576", "--heads", "4096", "--batch", "4"],
 ])
 def test_long_sequences_are_refused_up_front(argv, capsys):
     """128k-1M tokens: refused in one line that names the limit, before any schedule is built (the
@@ -169,7 +170,7 @@ def test_long_sequences_are_refused_up_front(argv, capsys):
         main(argv)
     assert exc.value.code == 2 and time.perf_counter() - t0 < 10
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and (f"{cli.MAX_STEPS:,}" in err[0] or f"{cli.MAX_HEAD_CELLS:,}" in err[0]), err
+    assert len(err) == 1 and any(f"{limit:,}" in err[0] for limit in (cli.MAX_STEPS, cli.MAX_HEAD_CELLS, cli.MAX_TASKS))
 
 
 def test_a_long_sequence_with_one_head_runs(capsys):

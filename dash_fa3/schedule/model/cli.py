@@ -64,6 +64,8 @@ MAX_STEPS = 1 << 21
 #: (KV tile, Q tile) cells of one head that export's kernel-path check walks (a few bytes each,
 #: per checking thread): about 1M tokens at head dim 128.
 MAX_HEAD_CELLS = 1 << 28
+#: Task rows (heads x KV tiles) of one exported schedule, each a row of int64 while it is built.
+MAX_TASKS = 1 << 22
 #: Bounds of the sizes the shapes take, checked before any array is made.
 MAX_SEQLEN = 1 << 24
 MAX_HEADS = 1 << 12
@@ -498,6 +500,9 @@ def _export_main(argv) -> int:
         if g.n_q * g.n_kv > MAX_HEAD_CELLS:
             p.error(f"{g.describe()}: {g.n_q:,} x {g.n_kv:,} tiles per head is more than the {MAX_HEAD_CELLS:,} "
                     f"the metadata check walks")
+        if g.num_heads_total * g.n_kv > MAX_TASKS:
+            p.error(f"{g.describe()}: {g.num_heads_total * g.n_kv:,} tasks is more than the {MAX_TASKS:,} an "
+                    f"exported schedule holds")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if os.path.isdir(args.out) or not os.access(out_dir, os.W_OK):
         p.error(f"--out {args.out!r} is a directory or not writable")
