@@ -238,7 +238,10 @@ def _job_checkpoint(D, group, rank, P, job, outdir):
     return out
 
 
-def _worker(argv):
+def _worker(argv, jobs=None):
+    """One rank: joins the gloo group of the launch and runs its job (``jobs``: kind -> function;
+    this file's jobs by default); a fault job's group is broken, so the process exits without
+    tearing it down (that could block)."""
     rank, P, store, jobfile, outdir = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
     sys.path.insert(0, ROOT)
     torch.set_num_threads(1)
@@ -252,8 +255,8 @@ def _worker(argv):
         job = json.load(f)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=P,
                             timeout=datetime.timedelta(seconds=job["timeout_s"]))
-    run = {"attention": _job_attention, "shared": _job_shared, "fault": _job_fault,
-           "checkpoint": _job_checkpoint}[job["kind"]]
+    run = (jobs or {"attention": _job_attention, "shared": _job_shared, "fault": _job_fault,
+                    "checkpoint": _job_checkpoint})[job["kind"]]
     result = run(D, dist.group.WORLD, rank, P, job, outdir)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -264,9 +267,10 @@ def _worker(argv):
 
 # ------------------------------------------------------------------------------------------ launcher
 
-def launch(P, job, tmp_path, wait_s=240, expect_dead=()):
-    """Run this file as P worker processes; return (per-rank JSON results, per-rank exit codes).
-    Fails (never hangs) if a rank outlives ``wait_s``; ranks in ``expect_dead`` may be killed."""
+def launch(P, job, tmp_path, wait_s=240, expect_dead=(), script=HERE):
+    """Run ``script`` (this file by default) as P worker processes; return (per-rank JSON results,
+    per-rank exit codes). Fails (never hangs) if a rank outlives ``wait_s``; ranks in
+    ``expect_dead`` may be killed."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     jobfile = tmp_path / "job.json"
     jobfile.write_text(json.dumps(job))
@@ -276,7 +280,7 @@ def launch(P, job, tmp_path, wait_s=240, expect_dead=()):
     procs = []
     for r in range(P):
         log = open(tmp_path / f"rank{r}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, HERE, str(r), str(P), str(tmp_path / "store"), str(jobfile),
+        procs.append(subprocess.Popen([sys.executable, script, str(r), str(P), str(tmp_path / "store"), str(jobfile),
                                        str(tmp_path)], stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + wait_s
     codes = {}

@@ -1,9 +1,11 @@
 """Sequence parallelism (context parallelism) whose results are bitwise identical for every
 number of ranks. See docs/distributed.md.
 
-* :func:`context_parallel_attn` -- attention on local shards, differentiable (``attention.py``);
+* :func:`context_parallel_attn` -- attention on local shards, differentiable (``attention.py``); its
+  first call per group and arguments checks that every rank passes the same ones (``agreement.py``);
 * :func:`shard` / :func:`unshard` -- a full tensor to this rank's tokens and back (``layout.py``,
-  with ``G``, the fixed block granularity: the global length must be a multiple of 2*P*G);
+  with ``G``, the fixed block granularity: the global length must be a multiple of 2*P*G); both and
+  the attention mark what they return with its layout, so a mismatch is an error;
 * :class:`CommunicationError`, :class:`CommunicationTimeout` -- a peer failed or stalled (``comm.py``);
 * :class:`BlockBackend` -- the interface a fold kernel backend implements (``folds/backend.py``).
 

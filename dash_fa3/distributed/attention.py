@@ -20,16 +20,15 @@ The process group travels as its name (ops take no ProcessGroup objects).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from . import folds, heads, runs
-from .layout import check_seqlen, resolve_group, resolve_layout
+from .. import validation
+from . import agreement, folds, heads, runs
+from .layout import DEFAULT_LAYOUT, check_seqlen, check_shard_layout, mark_layout, resolve_group, resolve_layout
+from .model import ALGORITHMS
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ALGORITHMS = ("heads", "runs", "folds")
+DTYPES = agreement.DTYPES
 
 
 def _group(name: str):
@@ -167,6 +166,30 @@ def resolve_algorithm(algorithm, deterministic: bool, heads_kv: int = 0, num_ran
     return algorithm
 
 
+def _validate(q, k, v, pg, causal, softmax_scale, deterministic, layout, algorithm):
+    """This rank's own checks: (layout, algorithm, softmax scale) resolved, or the error."""
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):   # as flash_attn_func: "no" is not True
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    layout = resolve_layout(layout)
+    _check(q, k, v, pg)
+    check_shard_layout(layout, q, k, v, group=pg)
+    P = dist.get_world_size(pg)
+    algorithm = resolve_algorithm(algorithm, deterministic, k.shape[2], P, q.device.type)
+    if q.device.type == "cuda":
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"dash_fa3.distributed on CUDA takes bf16 or fp16, got {q.dtype}")
+        if algorithm == "folds":
+            raise NotImplementedError(
+                "dash_fa3.distributed: algorithm='folds' needs fold kernels that do not exist on the GPU; "
+                "use algorithm='heads' (the deterministic default: bitwise one GPU's result)")
+    elif q.device.type != "cpu":
+        raise ValueError(f"dash_fa3.distributed runs on CUDA or CPU tensors, got {q.device.type}")
+    if algorithm == "heads":
+        heads.kv_ranges(k.shape[2], P)   # raises for heads_kv < P
+    return layout, algorithm, validation.check_softmax_scale(softmax_scale, q.shape[-1])
+
+
 def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, deterministic=False, layout=None,
                           algorithm=None):
     """Attention over a sequence split across the ranks of ``group``; returns this rank's output.
@@ -187,26 +210,28 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
     the Hopper kernels on whole runs of query blocks (the reference on CPU); the output is bitwise a
     single-GPU call's, the gradients agree with one GPU to rounding (partial dK/dV summed in fp32).
     Either algorithm can be named in either mode where it is allowed. See docs/distributed.md.
+
+    Every rank must pass the same dtype, local shape, ``causal``, scale, layout, algorithm and mode:
+    the first call per (group, arguments) checks that with one small all-gather and raises the same
+    one-line error on every rank otherwise (as it does when one rank's own arguments are wrong). A
+    peer that fails or stalls makes every other rank raise :class:`CommunicationError` /
+    :class:`CommunicationTimeout` within the group's timeout.
     """
     pg = resolve_group(group)
-    layout = resolve_layout(layout)
-    _check(q, k, v, pg)
-    algorithm = resolve_algorithm(algorithm, bool(deterministic), k.shape[2], dist.get_world_size(pg), q.device.type)
-    if q.device.type == "cuda":
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"dash_fa3.distributed on CUDA takes bf16 or fp16, got {q.dtype}")
-        if algorithm == "folds":
-            raise NotImplementedError(
-                "dash_fa3.distributed: algorithm='folds' needs fold kernels that do not exist on the GPU; "
-                "use algorithm='heads' (the deterministic default: bitwise one GPU's result)")
-    elif q.device.type != "cpu":
-        raise ValueError(f"dash_fa3.distributed runs on CUDA or CPU tensors, got {q.device.type}")
-    if algorithm == "heads":
-        heads.kv_ranges(k.shape[2], dist.get_world_size(pg))   # raises for heads_kv < P
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    out, _, _ = cp_fwd(q, k, v, pg.group_name, bool(causal), float(softmax_scale), bool(deterministic), layout,
-                       algorithm)
-    return out
+    try:
+        args = _validate(q, k, v, pg, causal, softmax_scale, deterministic, layout, algorithm)
+        error = None
+    except (TypeError, ValueError, NotImplementedError) as e:   # every rank learns of it (agreement.check)
+        args, error = None, e
+    if torch.compiler.is_compiling():
+        if error is not None:
+            raise error
+    else:
+        # the resolved values where this rank's checks passed: ranks that resolve alike agree
+        sig = agreement.signature(q, k, causal, args[2] if args else softmax_scale,
+                                  args[0] if args else (DEFAULT_LAYOUT if layout is None else layout),
+                                  args[1] if args else algorithm, deterministic)
+        agreement.check(pg, sig, error)
+    layout, algorithm, softmax_scale = args
+    out, _, _ = cp_fwd(q, k, v, pg.group_name, causal, softmax_scale, deterministic, layout, algorithm)
+    return out if torch.compiler.is_compiling() else mark_layout(out, layout)

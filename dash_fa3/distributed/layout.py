@@ -6,14 +6,21 @@ algorithm's plan is made of the same aligned blocks. A layout assigns the blocks
 *chunks* (one owner's run of blocks): ``contiguous`` gives rank r chunk r of P; ``zigzag`` gives
 rank r chunks r and 2P-1-r of 2P (one cheap and one expensive band of a causal mask). A global
 length must therefore be a multiple of 2*P*G.
+
+The same layout must reach ``shard``, ``context_parallel_attn`` and ``unshard``: a mismatch gives
+tokens in the wrong places, not an error. So ``shard`` and ``context_parallel_attn`` mark the tensors
+they return with their layout (an attribute, :func:`mark_layout`), and each group remembers the
+layouts ``shard`` used per local length; :func:`check_shard_layout` refuses a call whose layout
+contradicts either (a copy of a shard loses its mark, but not the group's record).
 """
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from . import comm
 
 G = 128  # block granularity in tokens; fixed so no algorithm's structure depends on P
 LAYOUTS = ("contiguous", "zigzag")
@@ -110,6 +117,34 @@ def resolve_layout(layout) -> str:
     return layout
 
 
+MARK = "_dash_fa3_layout"
+_sharded: dict[tuple[str, int, int], set[str]] = {}   # (group name, id, local length) -> layouts shard used
+
+
+def mark_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` marked as holding this rank's tokens in ``layout`` (what shard and the attention return)."""
+    setattr(x, MARK, layout)
+    return x
+
+
+def check_shard_layout(layout: str, *xs: torch.Tensor, group, seq_dim: int = 1) -> None:
+    """ValueError if a tensor is marked with another layout, or, for unmarked ones, if ``shard`` on
+    this group cut tensors of this local length only with another layout. With one rank both
+    layouts are the identity."""
+    if dist.get_world_size(group) == 1:
+        return
+    for x in xs:
+        have = getattr(x, MARK, None)
+        if have is not None and have != layout:
+            raise ValueError(f"a tensor passed with layout={layout!r} holds its rank's tokens in layout={have!r} "
+                             f"(shard/context_parallel_attn made it so): pass layout={have!r} here too")
+        if have is None:
+            used = _sharded.get((group.group_name, id(group), x.shape[seq_dim % x.dim()]), ())
+            if used and layout not in used:
+                raise ValueError(f"a tensor passed with layout={layout!r} has the local length that shard gave "
+                                 f"on this group only with layout={sorted(used)[0]!r}: pass that layout here too")
+
+
 def _check_dim(x: torch.Tensor, seq_dim: int) -> int:
     if not isinstance(seq_dim, int) or not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"seq_dim={seq_dim!r} is not a dimension of a {x.dim()}-D tensor")
@@ -129,20 +164,29 @@ def shard(x: torch.Tensor, group, seq_dim: int = 1, layout=None) -> torch.Tensor
     nb = check_seqlen(x.shape[dim], P)
     parts = [x.narrow(dim, lo * G, (hi - lo) * G)
              for lo, hi in block_runs(local_blocks(layout, P, nb, rank).tolist())]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    local = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    _sharded.setdefault((pg.group_name, id(pg), local.shape[dim]), set()).add(layout)
+    return mark_layout(local, layout)
 
 
 def unshard(x_local: torch.Tensor, group, seq_dim: int = 1, layout=None) -> torch.Tensor:
     """The full tensor on every rank from each rank's ``shard`` (an all-gather; not differentiable,
-    a utility for checking and for outputs)."""
+    a utility for checking and for outputs). A peer that fails or stalls raises
+    :class:`~.comm.CommunicationError` (:class:`~.comm.CommunicationTimeout`)."""
     pg = resolve_group(group)
     layout = resolve_layout(layout)
     dim = _check_dim(x_local, seq_dim)
-    P = dist.get_world_size(pg)
+    P, rank = dist.get_world_size(pg), dist.get_rank(pg)
     n = x_local.shape[dim]
     nb = check_seqlen(n * P, P)
+    have = getattr(x_local, MARK, None)
+    if P > 1 and have is not None and have != layout:
+        raise ValueError(f"unshard(layout={layout!r}) of a tensor that holds its rank's tokens in layout={have!r}: "
+                         f"pass layout={have!r}")
     gathered = [torch.empty_like(x_local, memory_format=torch.contiguous_format) for _ in range(P)]
-    dist.all_gather(gathered, x_local.contiguous(), group=pg)
+    with comm.guard(pg, rank, "unshard"):
+        work = dist.all_gather(gathered, x_local.contiguous(), group=pg, async_op=True)
+    comm.wait_works([work], [("the all-gather of every rank's shard", None)], pg, rank, "unshard")
     shape = list(x_local.shape)
     shape[dim] = n * P
     full = x_local.new_empty(shape)

@@ -55,11 +55,19 @@ class _Store:
     """Raw per-block tensors this rank holds (owned, received or computed), by (data kind, block).
     The raw form is what travels; the backend's working form is made on first use."""
 
-    def __init__(self, shapes: dict, device):
+    def __init__(self, shapes: dict, device, loaders: dict):
         self.device = device
+        self.loaders = loaders   # kind -> the backend's load_* for the kinds computed with
         self.raw: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self.forms: dict[tuple[str, int], object] = {}
         self.shapes = shapes   # kind -> ((shape, dtype), ...)
+
+    def form(self, kind: str, blk: int):
+        """The working form of a block's data (made once, on first use)."""
+        key = (kind, blk)
+        if key not in self.forms:
+            self.forms[key] = self.loaders[kind](*self.raw[key])
+        return self.forms[key]
 
     def nbytes(self, kind: str) -> int:
         n = 0
@@ -135,18 +143,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal:
     prog, last, expire, index = plan(P, n * P, bool(causal), "fwd", layout, rank)
     dt = q.dtype
     store = _Store({"q": (((b, G, h, d), dt),), "kv": (((b, G, hk, d), dt),) * 2,
-                    "o": (((b, G, h, d), dt), ((b, h, G), torch.float32))}, q.device)
+                    "o": (((b, G, h, d), dt), ((b, h, G), torch.float32))}, q.device,
+                   {"q": backend.load_q, "kv": backend.load_kv})
     for blk, sl in _local_slices(index, index):
         store.raw[("q", blk)] = (q[:, sl],)
         store.raw[("kv", blk)] = (k[:, sl], v[:, sl])
 
-    def form(kind, blk):
-        key = (kind, blk)
-        if key not in store.forms:
-            raw = store.raw[key]
-            store.forms[key] = backend.load_q(*raw) if kind == "q" else backend.load_kv(*raw)
-        return store.forms[key]
-
+    form = store.form
     states = {}
 
     def compute_step(st):
@@ -181,19 +184,13 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str,
     row, kvrow = ((b, G, h, d), dt), ((b, G, hk, d), dt)
     stats = ((b, h, G), torch.float32)
     store = _Store({"kv": (kvrow, kvrow), "qrow": (row, row, stats, stats), "dq": (row,), "dkv": (kvrow, kvrow)},
-                   q.device)
+                   q.device, {"qrow": backend.load_qrow, "kv": backend.load_kv})
     for blk, sl in _local_slices(index, index):
         store.raw[("kv", blk)] = (k[:, sl], v[:, sl])
         delta = backend.delta(out[:, sl], dout[:, sl])
         store.raw[("qrow", blk)] = (q[:, sl], dout[:, sl], lse[:, :, sl], delta)
 
-    def form(kind, blk):
-        key = (kind, blk)
-        if key not in store.forms:
-            raw = store.raw[key]
-            store.forms[key] = backend.load_qrow(*raw) if kind == "qrow" else backend.load_kv(*raw)
-        return store.forms[key]
-
+    form = store.form
     dq_states, dkv_states = {}, {}
 
     def compute_step(st):
