@@ -169,3 +169,35 @@ def test_paths_named_by_the_design_pages_exist(path):
         if not (ROOT / rel).exists():
             missing.append(rel)
     assert not missing, f"{path.relative_to(ROOT)} names missing files: {missing}"
+
+
+DOTTED = re.compile(r"`(dash_fa3(?:\.\w+)+)")
+
+
+@pytest.mark.parametrize("path", DESIGN_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_dotted_names_named_by_the_design_pages_exist(path):
+    """`dash_fa3.x.y` on a design page is an importable module or one of its attributes
+    (modules that need an absent framework are skipped)."""
+    import importlib
+
+    missing = []
+    for name in sorted(set(DOTTED.findall(path.read_text()))):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ModuleNotFoundError as e:
+                if not (e.name or "").startswith("dash_fa3"):
+                    obj = None
+                    break
+                continue
+            rest = parts[i:]
+            break
+        if obj is None:
+            continue
+        for attr in rest:
+            if not hasattr(obj, attr):
+                missing.append(name)
+                break
+            obj = getattr(obj, attr)
+    assert not missing, f"{path.relative_to(ROOT)} names missing objects: {missing}"
