@@ -40,14 +40,32 @@ What it does with torchtitan's call:
   ``torch.are_deterministic_algorithms_enabled()`` at each call, which
   torchtitan's ``debug.deterministic`` switches on.
 
+Context parallelism: TorchTitan's own CP route does not reach this module
+(``apply_cp_to_forward`` wraps only Flex and SDPA inner attentions, and the
+Llama 3 config refuses CP with a Varlen-type inner attention, which
+``DashFA3Attention.Config`` is). ``apply_cp(model, cp_mesh)`` takes its place:
+it hands every ``DashFA3Attention`` the CP mesh dimension (a ``DeviceMesh``,
+``(mesh, dim)`` or a ``ProcessGroup``), and each call then runs
+``dash_fa3.distributed.context_parallel_attn`` on the local tokens with the
+``zigzag`` layout, which is the token order of TorchTitan's default CP load
+balancer (``headtail``: rank r holds chunks r and 2·CP−1−r of 2·CP). Shard the
+inputs, labels and positions with ``prepare_context_parallel_input(...,
+load_balancer_type="headtail")`` (or ``dash_fa3.distributed.shard(x, group,
+layout="zigzag")``, the same tokens); the global length must be a multiple of
+2·CP·128. ``deterministic`` is passed through (``None`` follows
+``torch.are_deterministic_algorithms_enabled()``, i.e. ``debug.deterministic``);
+the deterministic algorithm needs n_kv_heads >= CP. Under CP the masks must be
+None or one document per row of the whole sequence; packed documents are
+refused.
+
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
 a FlexAttention ``BlockMask``
 or a per-layer dict of masks, sliding windows (``window_size`` other than
 ``(-1, 0)``/``(-1, -1)``, or a model that overrides ``get_attention_masks``,
 as gpt-oss and Qwen 3.5 do for their windows), ``score_mod``,
 ``out_transform`` (attention sinks), unknown keyword arguments, DTensor inputs
-(context parallel: single GPU only for now; torchtitan's own
-``apply_cp_to_forward`` also refuses this module) and fp32 inputs (dash_fa3
+(torchtitan's SDPA context-parallel wrapping; use ``apply_cp``), packed
+documents with context parallelism, and fp32 inputs (dash_fa3
 computes in bf16/fp16: train with torchtitan's bf16 mixed precision, its
 default).
 """
@@ -59,6 +77,7 @@ import weakref
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 import torchtitan
 from torchtitan.models.common.attention import (
@@ -70,11 +89,12 @@ from torchtitan.models.common.attention import (
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.protocols.module import Module
 
+from ..distributed import context_parallel_attn
 from ..interface import flash_attn_func, flash_attn_varlen_func
 from ..ops import remember_host_offsets
 from . import UnsupportedAttention, check_options, resolve_deterministic
 
-__all__ = ["DashFA3Attention", "UnsupportedAttention", "apply", "use_dash_fa3"]
+__all__ = ["DashFA3Attention", "UnsupportedAttention", "apply", "apply_cp", "use_dash_fa3"]
 
 _version = tuple(int(p) for p in torchtitan.__version__.split(".")[:2] if p.isdigit())
 if _version < (0, 3):
@@ -85,6 +105,9 @@ if _version < (0, 3):
 
 CAUSAL = (-1, 0)
 FULL = (-1, -1)
+# TorchTitan's default CP load balancer ("headtail") gives rank r chunks r and 2*CP-1-r of 2*CP:
+# dash_fa3's zigzag layout.
+CP_LAYOUT = "zigzag"
 _REPLACED = (FlexAttention, VarlenAttention, ScaledDotProductAttention)
 _REPLACED_CONFIGS = tuple(cls.Config for cls in _REPLACED)
 
@@ -92,7 +115,8 @@ _REPLACED_CONFIGS = tuple(cls.Config for cls in _REPLACED)
 def _refuse(what: str) -> UnsupportedAttention:
     return UnsupportedAttention(
         f"dash_fa3's torchtitan attention cannot compute {what}. It runs full or causal attention over one "
-        f"document per row or documents packed in rows, on a single GPU, and does not fall back to another attention; "
+        f"document per row or documents packed in rows (one document per row under context parallelism), and "
+        f"does not fall back to another attention; "
         f"use attn_backend='flex' or 'varlen' for this model or input"
     )
 
@@ -157,9 +181,12 @@ class DashFA3Attention(Module):
         check_options(config.deterministic, config.schedule)
         self.deterministic = config.deterministic
         self.schedule = config.schedule
+        self.cp_group = None  # set by apply_cp: the context-parallel ProcessGroup
 
     def extra_repr(self) -> str:
-        return f"window_size={self.window_size}, deterministic={self.deterministic}, schedule={self.schedule!r}"
+        cp = "" if self.cp_group is None else f", context_parallel={dist.get_world_size(self.cp_group)} ranks (zigzag)"
+        return (f"window_size={self.window_size}, deterministic={self.deterministic}, "
+                f"schedule={self.schedule!r}{cp}")
 
     def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *, attention_masks=None,
                 scale: float | None = None, enable_gqa: bool = False, is_causal: bool | None = None,
@@ -177,9 +204,13 @@ class DashFA3Attention(Module):
             raise _refuse(f"the keyword arguments {', '.join(unknown)}")
         batch, seqlen_q = q_BLNH.shape[:2]
         seqlen_k = k_BLNH.shape[1]
+        cp_ranks = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
         packed = None
         if isinstance(attention_masks, VarlenMetadata):
-            if not _one_document_per_row(attention_masks, batch, seqlen_q, seqlen_k):
+            # Under CP the metadata describes the whole sequence (the trainer builds it before sharding).
+            if not _one_document_per_row(attention_masks, batch, seqlen_q * cp_ranks, seqlen_k * cp_ranks):
+                if self.cp_group is not None:
+                    raise _refuse("documents packed in rows with context parallelism")
                 packed = attention_masks
         elif isinstance(attention_masks, Mapping):
             raise _refuse(f"a dict of per-layer masks (keys {sorted(attention_masks)}): a hybrid or "
@@ -202,6 +233,9 @@ class DashFA3Attention(Module):
         else:
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
         deterministic = resolve_deterministic(self.deterministic)
+        if self.cp_group is not None:
+            return context_parallel_attn(q_BLNH, k_BLNH, v_BLNH, self.cp_group, causal=causal, softmax_scale=scale,
+                                         deterministic=deterministic, layout=CP_LAYOUT)
         if packed is not None:
             # Documents packed in rows: the (batch * seq, heads, dim) views go to the varlen
             # kernels, each document attending within itself.
@@ -289,4 +323,37 @@ def apply(model: torch.nn.Module, *, deterministic: bool | None = None, schedule
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
+    return model
+
+
+def _process_group(cp_mesh) -> dist.ProcessGroup:
+    """The ProcessGroup of a CP mesh dimension: a 1-D DeviceMesh, (DeviceMesh, dim) or a ProcessGroup."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(cp_mesh, dist.ProcessGroup):
+        return cp_mesh
+    if isinstance(cp_mesh, DeviceMesh) and cp_mesh.ndim == 1:
+        return cp_mesh.get_group()
+    if isinstance(cp_mesh, tuple) and len(cp_mesh) == 2 and isinstance(cp_mesh[0], DeviceMesh):
+        return cp_mesh[0].get_group(cp_mesh[1])
+    raise TypeError(f"apply_cp needs the CP mesh dimension: a 1-D DeviceMesh, (DeviceMesh, dim) or a "
+                    f"ProcessGroup, got {type(cp_mesh).__name__}")
+
+
+def apply_cp(model: torch.nn.Module, cp_mesh) -> torch.nn.Module:
+    """Runs every ``DashFA3Attention`` of ``model`` with context parallelism over ``cp_mesh``
+    (a 1-D ``DeviceMesh``, ``(mesh, dim)``, e.g. ``(parallel_dims.world_mesh, "cp")``, or a
+    ``ProcessGroup``); returns the model. It takes the place of torchtitan's
+    ``apply_cp_to_forward``. The inputs must come sharded in the headtail / zigzag order
+    (``prepare_context_parallel_input(..., load_balancer_type="headtail")``)."""
+    found = [m for m in model.modules() if isinstance(m, DashFA3Attention)]
+    others = [name for name, m in model.named_modules() if isinstance(m, _REPLACED)]
+    if others:
+        raise _refuse(f"context parallelism for {others[0]} ({len(others)} torchtitan inner attentions): call "
+                      f"apply(model) before apply_cp")
+    if not found:
+        raise ValueError(f"found no DashFA3Attention in {type(model).__name__}: call apply(model) first")
+    group = _process_group(cp_mesh)
+    for module in found:
+        module.cp_group = group
     return model
