@@ -55,7 +55,7 @@ SHAPES = [
 # A second set, chosen after the table's rules were revised on SHAPES (H100, 2026-11-24:
 # shift for full masks up to 128 KV tiles at head dim 64 too, and the shift orders only when
 # seqlen_q == seqlen_k), to measure the revision on shapes it was not fitted to; its first
-# measurement then moved the second rule to seqlen_k <= seqlen_q (schedules.resolve_schedule_name).
+# measurement then moved the second rule to seqlen_k <= seqlen_q (policy.resolve_schedule_name).
 HELD_OUT = [
     (4, 4096, 4096, 16, 4, 64, False),     # GQA 4, 32 KV tiles
     (2, 10240, 10240, 8, 8, 128, True),
