@@ -39,6 +39,20 @@ What it does with transformers' call:
   ``set_defaults``; else ``deterministic`` follows
   ``torch.are_deterministic_algorithms_enabled()`` and ``schedule`` is "auto".
 
+Context parallelism: transformers and accelerate shard sequences only for
+their SDPA attention (torch's ``context_parallel``, which replaces
+``scaled_dot_product_attention``), not for an ``attn_implementation`` function.
+Inside ``with context_parallel(group, layout="zigzag"):`` every "dash_fa3"
+attention call runs ``dash_fa3.distributed.context_parallel_attn`` over
+``group`` on this rank's tokens instead: shard ``input_ids``, ``position_ids``
+and labels with ``dash_fa3.distributed.shard(x, group, layout=layout)``, pass
+``attention_mask=torch.ones_like(input_ids)`` (an explicit mask without padding
+keeps transformers from reading the zigzag positions as packed documents) and
+``use_cache=False``. The position_ids must be this rank's positions of the
+layout (checked once per tensor: a device sync on the GPU); packed documents,
+KV caches, sliding windows and softcap are refused under it. See
+``examples/context_parallel_transformers.py``.
+
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
 padding in the attention mask, packed sequences with a KV cache (transformers
 looks for packing only without one; position_ids that restart inside a row are
@@ -53,9 +67,11 @@ models (dash_fa3 computes in bf16/fp16: load the model with
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
+import torch.distributed as dist
 
 import transformers
 from transformers import AttentionInterface
@@ -63,12 +79,13 @@ from transformers.masking_utils import AttentionMaskInterface, bidirectional_mas
 from transformers.masking_utils import and_masks, sliding_window_overlay
 from transformers import masking_utils
 
+from ..distributed import context_parallel_attn
 from ..interface import flash_attn_func, flash_attn_varlen_func
 from ..ops import remember_host_offsets
 from . import UnsupportedAttention, check_options, resolve_deterministic
 
-__all__ = ["NAME", "UnsupportedAttention", "attention_forward", "mask_for_dash_fa3", "register", "set_defaults",
-           "get_defaults"]
+__all__ = ["NAME", "UnsupportedAttention", "attention_forward", "context_parallel", "mask_for_dash_fa3", "register",
+           "set_defaults", "get_defaults"]
 
 NAME = "dash_fa3"
 
@@ -302,6 +319,74 @@ def _causal(module, kwargs) -> bool:
     return is_causal
 
 
+_cp: list = [None]  # (group, layout) inside context_parallel(), else None
+# The last position_ids accepted under CP: weak reference, version, and the (group, layout) checked against.
+_cp_checked_positions: list = [None, -1, None]
+
+
+@contextlib.contextmanager
+def context_parallel(group, layout: str = "zigzag"):
+    """Within it, every "dash_fa3" attention call runs ``context_parallel_attn`` over ``group`` (a
+    ProcessGroup, 1-D DeviceMesh or (DeviceMesh, dim)) with ``layout`` ("zigzag" or "contiguous"):
+    the model gets this rank's tokens, as ``dash_fa3.distributed.shard`` gives them."""
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"unknown layout {layout!r}; choose from zigzag, contiguous")
+    if group is None:
+        raise TypeError("context_parallel needs the process group of the sequence's ranks")
+    saved = _cp[0]
+    _cp[0] = (group, layout)
+    try:
+        yield
+    finally:
+        _cp[0] = saved
+
+
+def _cp_ranks(group) -> tuple[int, int]:
+    if isinstance(group, tuple):
+        group = group[0].get_group(group[1])
+    elif not isinstance(group, dist.ProcessGroup):
+        group = group.get_group()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _layout_positions(layout: str, seqlen: int, rank: int, size: int) -> torch.Tensor:
+    """The global positions of ``rank``'s tokens of a ``seqlen``-token sequence, in local order."""
+    if layout == "contiguous":
+        return torch.arange(rank * seqlen // size, (rank + 1) * seqlen // size)
+    chunk = seqlen // (2 * size)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * size - 1 - rank)])
+
+
+def _cp_attention(query, key, value, scaling, causal, kwargs):
+    """One attention call inside context_parallel(): this rank's tokens through context_parallel_attn."""
+    group, layout = _cp[0]
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        raise _refuse("packed sequences (cu_seq_lens_q/k) with context parallelism")
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap"):
+        raise _refuse("a sliding window or softcap with context parallelism")
+    if query.shape[2] != key.shape[2]:
+        raise _refuse(f"{query.shape[2]} queries over {key.shape[2]} keys (a KV cache) with context parallelism")
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise _refuse("context parallelism without position_ids (pass this rank's shard of the positions)")
+    ref, version, checked_for = _cp_checked_positions
+    if not (ref is not None and ref() is position_ids and version == position_ids._version and checked_for is _cp[0]):
+        rank, size = _cp_ranks(group)
+        want = _layout_positions(layout, query.shape[2] * size, rank, size).to(position_ids.device)
+        if position_ids.shape[-1] != want.numel() or not bool((position_ids == want).all()):
+            raise _refuse(f"position_ids that are not rank {rank}'s {layout} positions under context parallelism "
+                          f"(packed documents, a KV cache offset or another layout)")
+        _cp_checked_positions[:] = [weakref.ref(position_ids), position_ids._version, _cp[0]]
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        deterministic = resolve_deterministic(_defaults["deterministic"])
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = context_parallel_attn(q, k, v, group, causal=causal, softmax_scale=scaling, deterministic=deterministic,
+                                layout=layout)
+    return out, None
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """The "dash_fa3" attention function: (batch, heads, seq, dim) in, ((batch, seq, heads, dim), None) out."""
@@ -318,6 +403,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     for name in ("cu_seqlens_q", "cu_seqlens_k"):
         if kwargs.get(name) is not None:
             raise _refuse(f"the keyword {name} (transformers passes packed offsets as cu_seq_lens_q/k)")
+    if _cp[0] is not None:
+        if query.dtype not in (torch.bfloat16, torch.float16):
+            raise UnsupportedAttention(f"attn_implementation='{NAME}' computes in bf16/fp16, but the model runs in "
+                                       f"{query.dtype}: load it with dtype=torch.bfloat16")
+        return _cp_attention(query, key, value, scaling, _causal(module, kwargs), kwargs)
     documents = None
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         # Offsets handed over by the caller (e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=True)).
