@@ -35,13 +35,27 @@ What it does with Megatron's call:
   at each call; ``schedule`` is the constructor's (``"auto"``). Set them
   through ``get_gpt_layer_dash_fa3_spec(deterministic=..., schedule=...)``.
 
+Context parallelism (``context_parallel_size > 1``): each call runs
+``dash_fa3.distributed.context_parallel_attn`` on Megatron's context-parallel
+group (``pg_collection.cp``, else ``parallel_state.get_context_parallel_group()``)
+with the ``zigzag`` layout, which is the token order of Megatron's own load
+balancing (``get_batch_on_this_cp_rank``: rank r holds chunks r and 2·CP−1−r of
+2·CP); GQA heads unrepeated, causal or full as above, ``deterministic`` as above
+(the deterministic algorithm needs ``num_query_groups`` per tensor-parallel rank
+>= CP). The global sequence length must be a multiple of 2·CP·128. The mask
+must be None, all False, or the CP-sharded causal mask (rows of this rank's
+tokens, columns of the whole sequence). dash_fa3 moves the data with its own
+exchange, whatever ``cp_comm_type`` names; ``schedule`` applies to single-GPU
+calls only.
+
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
+packed sequences (``qkv_format="thd"``) with context parallelism,
 padded or context-parallel ``packed_seq_params``, ``attention_bias``,
 attention dropout > 0 while training (``config.attention_dropout = 0.0``;
 Megatron's default is 0.1), any other mask (padding, documents, an
 ``arbitrary`` mask type), sliding windows (``config.window_size``), softmax
 offsets / sinks (``config.softmax_type`` other than "vanilla"), ``qk_clip``,
-context parallelism (``context_parallel_size > 1``), extra core-attention
+extra core-attention
 keywords, and fp32 inputs (dash_fa3 computes in bf16/fp16: ``bf16=True``).
 """
 
@@ -54,10 +68,12 @@ import weakref
 import torch
 
 import megatron.core
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from ..distributed import context_parallel_attn
 from ..interface import flash_attn_func, flash_attn_varlen_func
 from ..ops import host_offsets
 from . import UnsupportedAttention, check_options, resolve_deterministic
@@ -71,6 +87,9 @@ if _version < (0, 19):
         f"pip install megatron-core==0.19.2 (Python >= 3.12)"
     )
 
+# Megatron's CP load balancing (get_batch_on_this_cp_rank) gives rank r chunks r and 2*CP-1-r of
+# 2*CP: dash_fa3's zigzag layout.
+CP_LAYOUT = "zigzag"
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _FULL_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 
@@ -78,7 +97,7 @@ _FULL_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 def _refuse(what: str) -> UnsupportedAttention:
     return UnsupportedAttention(
         f"DashFA3DotProductAttention cannot compute {what}. It runs full or causal attention over unpadded, "
-        f"unpacked or THD-packed sequences, without context parallelism, and does not fall back to another "
+        f"unpacked or THD-packed sequences (unpacked only with context parallelism), and does not fall back to another "
         f"attention; use the local or Transformer Engine spec for this model or input"
     )
 
@@ -86,8 +105,15 @@ def _refuse(what: str) -> UnsupportedAttention:
 _checked_masks: dict = {}  # id(mask) -> (weak reference, version, verdict): "causal", "none" or None
 
 
-def _mask_kind(mask: torch.Tensor, seqlen_q: int, seqlen_k: int):
-    """"none" for an all-False mask, "causal" for Megatron's causal mask, else None.
+def _zigzag_rows(seqlen_k: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """The global positions of a CP rank's tokens in Megatron's load-balanced order."""
+    chunk = seqlen_k // (2 * cp_size)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)])
+
+
+def _mask_kind(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, cp=(0, 1)):
+    """"none" for an all-False mask, "causal" for Megatron's causal mask, else None. Under
+    context parallelism (``cp`` = (rank, size)) the causal mask has this rank's query rows.
 
     Every layer of a forward gets the same mask tensor, so each is checked once."""
     entry = _checked_masks.get(id(mask))
@@ -100,6 +126,10 @@ def _mask_kind(mask: torch.Tensor, seqlen_q: int, seqlen_k: int):
                       f"keys (expected (batch or 1, heads or 1, {seqlen_q}, {seqlen_k}))")
     if not bool(mask.any()):
         kind = "none"
+    elif cp[1] > 1:
+        rows = _zigzag_rows(seqlen_k, *cp).to(mask.device)
+        causal = torch.arange(seqlen_k, device=mask.device)[None, :] > rows[:, None]
+        kind = "causal" if rows.numel() == seqlen_q and bool((mask == causal).all()) else None
     else:
         causal = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device).triu(1 + seqlen_k - seqlen_q)
         kind = "causal" if bool((mask == causal).all()) else None
@@ -119,8 +149,14 @@ class DashFA3DotProductAttention(MegatronModule):
                  cp_comm_type: str | None = None, pg_collection=None, *, deterministic: bool | None = None,
                  schedule: str = "auto"):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise _refuse(f"context parallelism (context_parallel_size={config.context_parallel_size})")
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
+            ranks = torch.distributed.get_world_size(self.cp_group)
+            if ranks != config.context_parallel_size:
+                raise _refuse(f"context parallelism over a group of {ranks} ranks while context_parallel_size="
+                              f"{config.context_parallel_size} (initialize_model_parallel with the config's size)")
         self.layer_number = max(1, layer_number)
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
             raise _refuse(f"sliding-window attention (window_size={config.window_size}) in layer "
@@ -146,14 +182,14 @@ class DashFA3DotProductAttention(MegatronModule):
         return (f"attn_mask_type={self.attn_mask_type.name}, softmax_scale={self.softmax_scale:.4g}, "
                 f"deterministic={self.deterministic}, schedule={self.schedule!r}")
 
-    def _causal(self, attention_mask, attn_mask_type: AttnMaskType, seqlen_q: int, seqlen_k: int) -> bool:
+    def _causal(self, attention_mask, attn_mask_type: AttnMaskType, seqlen_q: int, seqlen_k: int, cp=(0, 1)) -> bool:
         if attn_mask_type in _CAUSAL_TYPES:
-            if attention_mask is None or _mask_kind(attention_mask, seqlen_q, seqlen_k) in ("causal", "none"):
+            if attention_mask is None or _mask_kind(attention_mask, seqlen_q, seqlen_k, cp) in ("causal", "none"):
                 return True
             raise _refuse(f"an attention_mask that is not the causal mask ({attn_mask_type.name}: padding, "
                           f"document or custom masks)")
         if attn_mask_type in _FULL_TYPES:
-            if attention_mask is None or _mask_kind(attention_mask, seqlen_q, seqlen_k) == "none":
+            if attention_mask is None or _mask_kind(attention_mask, seqlen_q, seqlen_k, cp) == "none":
                 return False
             raise _refuse(f"a {attn_mask_type.name} mask that masks tokens out (padded batches)")
         raise _refuse(f"attn_mask_type={attn_mask_type.name}")
@@ -178,6 +214,12 @@ class DashFA3DotProductAttention(MegatronModule):
                 f"bf16=True (or fp16=True)"
             )
         deterministic = True if self.config.deterministic_mode else resolve_deterministic(self.deterministic)
+        if self.cp_group is not None:
+            if packed_seq_params is not None:
+                raise _refuse(f"packed sequences (qkv_format={packed_seq_params.qkv_format!r}) with context "
+                              f"parallelism (context_parallel_size={self.config.context_parallel_size})")
+            return self._forward_cp(query, key, value, attention_mask, attn_mask_type or self.attn_mask_type,
+                                    deterministic)
         if packed_seq_params is not None:
             return self._forward_packed(query, key, value, attention_mask, attn_mask_type or self.attn_mask_type,
                                         packed_seq_params, deterministic)
@@ -187,6 +229,17 @@ class DashFA3DotProductAttention(MegatronModule):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out = flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=causal,
                               deterministic=deterministic, schedule=self.schedule)
+        return out.transpose(0, 1).reshape(seqlen_q, batch, heads * out.shape[-1])
+
+    def _forward_cp(self, query, key, value, attention_mask, attn_mask_type, deterministic):
+        """This CP rank's tokens (Megatron's zigzag order) through context_parallel_attn."""
+        cp = (torch.distributed.get_rank(self.cp_group), torch.distributed.get_world_size(self.cp_group))
+        seqlen_q, batch, heads, _ = query.shape
+        causal = self._causal(attention_mask, attn_mask_type, seqlen_q, seqlen_q * cp[1], cp)
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out = context_parallel_attn(q, k, v, self.cp_group, causal=causal, softmax_scale=self.softmax_scale,
+                                    deterministic=deterministic, layout=CP_LAYOUT)
         return out.transpose(0, 1).reshape(seqlen_q, batch, heads * out.shape[-1])
 
 
