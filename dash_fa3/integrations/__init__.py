@@ -15,6 +15,13 @@ Adapters translate layouts and arguments into ``dash_fa3.flash_attn_func``,
 pass ``deterministic`` and ``schedule`` through, and raise a clear error for
 what they cannot express (a mask, dropout, a window); they never fall back to
 another attention.
+
+Context parallelism goes to ``dash_fa3.distributed.context_parallel_attn`` with
+the framework's token order: Megatron-Core's ``context_parallel_size`` (its CP
+group, zigzag as ``get_batch_on_this_cp_rank`` shards), TorchTitan through
+``torchtitan.apply_cp(model, cp_mesh)`` (zigzag: its "headtail" load balancer),
+transformers inside ``transformers.context_parallel(group)`` (inputs sharded
+with ``dash_fa3.distributed.shard``).
 """
 
 

@@ -194,7 +194,8 @@ class DashFA3Attention(Module):
         from torch.distributed.tensor import DTensor
 
         if any(isinstance(t, DTensor) for t in (q_BLNH, k_BLNH, v_BLNH)):
-            raise _refuse("DTensor inputs (context parallel or an unwrapped tensor-parallel layout)")
+            raise _refuse("DTensor inputs (torchtitan's SDPA context-parallel wrapping, or an unwrapped tensor-parallel "
+                          "layout; for context parallelism use dash_fa3.integrations.torchtitan.apply_cp)")
         if score_mod is not None:
             raise _refuse(f"a FlexAttention score_mod ({score_mod!r})")
         if out_transform is not None:
