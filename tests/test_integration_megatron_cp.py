@@ -1,5 +1,5 @@
 """Context parallelism through the Megatron-Core adapter: a tiny GPT trained on CPU (gloo, spawned
-processes; this file is also the worker) with context_parallel_size = 1, 2 and 4.
+processes; this file is also the worker) with context_parallel_size = 1, 2, 3 and 4.
 
 Each run sets Megatron up with ``initialize_model_parallel(context_parallel_size=P)``, builds the
 GPT from ``get_gpt_layer_dash_fa3_spec`` and shards tokens, labels, positions and the causal mask
@@ -64,6 +64,7 @@ def tiny_gpt(P, deterministic, seed):
 
 def _worker(argv):
     rank, P, job, outdir = cpu.init_worker(argv)
+    seqlen = job["seqlen"]
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import VocabParallelEmbedding
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -81,9 +82,9 @@ def _worker(argv):
     params32 = [p.detach().clone() for p in model.parameters()]
     model = model.to(torch.bfloat16)
     g = torch.Generator().manual_seed(job["seed"] + 1)
-    seq = torch.randint(0, VOCAB, (1, SEQLEN + 1), generator=g)
-    batch = {"tokens": seq[:, :-1], "labels": seq[:, 1:], "position_ids": torch.arange(SEQLEN)[None],
-             "attention_mask": torch.ones(SEQLEN, SEQLEN, dtype=torch.bool).triu(1)[None, None],
+    seq = torch.randint(0, VOCAB, (1, seqlen + 1), generator=g)
+    batch = {"tokens": seq[:, :-1], "labels": seq[:, 1:], "position_ids": torch.arange(seqlen)[None],
+             "attention_mask": torch.ones(seqlen, seqlen, dtype=torch.bool).triu(1)[None, None],
              "cu_seqlens": None}
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
 
@@ -96,7 +97,7 @@ def _worker(argv):
         # Embeddings take (batch, seq) ids; everything after them runs (seq, batch, hidden).
         return (1, 1) if isinstance(module, (VocabParallelEmbedding, torch.nn.Embedding)) else (0, 0)
 
-    losses, norms = cpu.train(model, params32, step, STEPS, LR, cp_group, SEQLEN, token_dims)
+    losses, norms = cpu.train(model, params32, step, STEPS, LR, cp_group, seqlen, token_dims)
     if rank == 0:
         torch.save(params32, os.path.join(outdir, "params.pt"))
     parallel_state.destroy_model_parallel()
@@ -109,13 +110,14 @@ def _worker(argv):
 def runs(tmp_path_factory):
     cache = {}
 
-    def get(P, deterministic, cp_path=True):
-        key = (P, deterministic, cp_path)
+    def get(P, deterministic, cp_path=True, seqlen=SEQLEN):
+        key = (P, deterministic, cp_path, seqlen)
         if key not in cache:
-            mode = ("det" if deterministic else "nondet") + ("" if cp_path else "_plain")
+            mode = ("det" if deterministic else "nondet") + ("" if cp_path else "_plain") + f"_{seqlen}"
             out = tmp_path_factory.mktemp(f"mcore_cp{P}_{mode}")
             res = cpu.launch(os.path.abspath(__file__), P, {"seed": 7, "deterministic": deterministic,
-                                                            "cp_path": cp_path, "timeout_s": 120}, out, sys.executable)
+                                                            "cp_path": cp_path, "seqlen": seqlen,
+                                                            "timeout_s": 120}, out, sys.executable)
             assert all(res[r] == res[0] for r in res), res   # every rank reports the same global numbers
             cache[key] = (res[0], torch.load(out / "params.pt"))
         return cache[key]
@@ -128,6 +130,13 @@ def test_deterministic_training_is_bitwise_the_same_for_every_cp_size(runs, P):
     (ref, ref_params), (got, got_params) = runs(1, True), runs(P, True)
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert ref["losses"][-1] < ref["losses"][0]   # it trains
+    assert all(torch.equal(a, b) for a, b in zip(got_params, ref_params))
+
+
+def test_deterministic_training_at_cp3_is_bitwise_cp1(runs):
+    """An odd CP size, uneven KV heads per rank (2 of 4 on one), at 768 tokens (a multiple of 2*3*128)."""
+    (ref, ref_params), (got, got_params) = runs(1, True, seqlen=768), runs(3, True, seqlen=768)
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert all(torch.equal(a, b) for a, b in zip(got_params, ref_params))
 
 

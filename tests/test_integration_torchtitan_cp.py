@@ -1,5 +1,5 @@
 """Context parallelism through the TorchTitan adapter: a tiny Llama 3 trained on CPU (gloo, spawned
-processes; this file is also the worker) with CP = 1, 2 and 4.
+processes; this file is also the worker) with CP = 1, 2, 3 and 4.
 
 Each run shards the tokens, labels and positions with TorchTitan's own
 ``prepare_context_parallel_input`` (the default "headtail" load balancer) and hands the model's
@@ -73,6 +73,7 @@ def tiny_llama(seed):
 
 def _worker(argv):
     rank, P, job, outdir = cpu.init_worker(argv)
+    seqlen = job["seqlen"]
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
@@ -85,9 +86,9 @@ def _worker(argv):
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
     g = torch.Generator().manual_seed(job["seed"] + 1)
-    seq = torch.randint(0, VOCAB, (1, SEQLEN + 1), generator=g)
+    seq = torch.randint(0, VOCAB, (1, seqlen + 1), generator=g)
     inputs, labels = seq[:, :-1], seq[:, 1:]
-    extra = {"positions": torch.arange(SEQLEN)[None]}
+    extra = {"positions": torch.arange(seqlen)[None]}
     if job["cp_path"]:   # at P = 1 too: the CP path over a mesh of one rank
         mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("cp",))
         inputs, labels, extra = prepare_context_parallel_input(inputs, labels, extra, mesh, torch.device("cpu"),
@@ -101,7 +102,7 @@ def _worker(argv):
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                                  reduction="none").view(labels.shape)
 
-    losses, norms = cpu.train(model, params32, step, STEPS, LR, dist.group.WORLD, SEQLEN,
+    losses, norms = cpu.train(model, params32, step, STEPS, LR, dist.group.WORLD, seqlen,
                               token_dims=lambda module: (1, 1))
     if rank == 0:
         torch.save(params32, os.path.join(outdir, "params.pt"))
@@ -114,13 +115,14 @@ def _worker(argv):
 def runs(tmp_path_factory):
     cache = {}
 
-    def get(P, deterministic, cp_path=True):
-        key = (P, deterministic, cp_path)
+    def get(P, deterministic, cp_path=True, seqlen=SEQLEN):
+        key = (P, deterministic, cp_path, seqlen)
         if key not in cache:
-            mode = ("det" if deterministic else "nondet") + ("" if cp_path else "_plain")
+            mode = ("det" if deterministic else "nondet") + ("" if cp_path else "_plain") + f"_{seqlen}"
             out = tmp_path_factory.mktemp(f"tt_cp{P}_{mode}")
             res = cpu.launch(os.path.abspath(__file__), P, {"seed": 5, "deterministic": deterministic,
-                                                            "cp_path": cp_path, "timeout_s": 120}, out, sys.executable)
+                                                            "cp_path": cp_path, "seqlen": seqlen,
+                                                            "timeout_s": 120}, out, sys.executable)
             assert all(res[r] == res[0] for r in res), res   # every rank reports the same global numbers
             cache[key] = (res[0], torch.load(out / "params.pt"))
         return cache[key]
@@ -135,6 +137,13 @@ def test_deterministic_training_is_bitwise_the_same_for_every_cp_size(runs, P):
     assert ref["losses"][-1] < ref["losses"][0]   # it trains
     assert all(torch.equal(a, b) for a, b in zip(got_params, ref_params))
     assert not torch.equal(ref_params[0], tiny_llama(5).tok_embeddings.weight.detach())   # the weights moved
+
+
+def test_deterministic_training_at_cp3_is_bitwise_cp1(runs):
+    """An odd CP size, uneven KV heads per rank (2 of 4 on one), at 768 tokens (a multiple of 2*3*128)."""
+    (ref, ref_params), (got, got_params) = runs(1, True, seqlen=768), runs(3, True, seqlen=768)
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
+    assert all(torch.equal(a, b) for a, b in zip(got_params, ref_params))
 
 
 @pytest.mark.parametrize("P", CP_SIZES[1:])
