@@ -163,7 +163,7 @@ def parse_args(argv=None):
                     help="ours det (the head-parallel algorithm): TRANSPORT:CHUNKS variants, each its own row, e.g. "
                          "p2p:1,shared:2,shared:4 (DASH_FA3_CP_TRANSPORT / DASH_FA3_CP_CHUNKS for the call); empty: "
                          "one row as the environment has it. The model assumes chunk transfers overlap compute, "
-                         "which the p2p transport did not achieve (docs/distributed.md)")
+                         "which the p2p transport did not achieve (docs/design/distributed.md)")
     ap.add_argument("--nd-transports", default="",
                     help="ours nd through the head-parallel algorithm (algorithm='heads'): TRANSPORT:CHUNKS "
                          "variants, each its own row beside the run plan's, e.g. shared:1; empty: none")

@@ -97,7 +97,7 @@ def test_costs_of_uncalibrated_headdims():
 def test_predictions_on_the_small_grid_points():
     """The shipped costs against the measured ms at seqlen 512 and 1024 (both head
     dims and masks, all 7 columns; 512 was fitted, 1024 held out): the errors
-    docs/schedule.md reports for them (median 1.4%, max 11.8%)."""
+    docs/journal/schedule.md reports for them (median 1.4%, max 11.8%)."""
     rows = C.evaluate_grid(C.H100, C.H100_B064A4D, train_seqlens=(512,), seqlens=(512, 1024))
     assert len(rows) == 2 * 2 * 2 * 7
     errs = sorted(abs(r["error"]) for r in rows)

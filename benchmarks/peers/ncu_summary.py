@@ -6,7 +6,7 @@ postprocess are left out).
 
 DIR holds NAME.raw.csv (and NAME.sass.csv for --top) as ncu_peers.sh writes them,
 NAME = IMPL_hHDIM_MASK_SEQLEN. Prints one markdown table per point with the
-metrics docs/bwd_kernel.md compares (duration, tensor-pipe activity, issued
+metrics docs/journal/bwd-kernel.md compares (duration, tensor-pipe activity, issued
 instructions, shared-memory bank conflicts, the stall reasons per issued
 instruction), with --top N the N instructions of each kernel with the most
 stall samples and their two main reasons, and with --conflicts N the N with the

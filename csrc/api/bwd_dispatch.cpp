@@ -98,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   const bool gqa = heads != heads_kv;
   // Non-deterministic GQA with at least twice as many keys as queries adds a group's dK/dV
   // into one accumulator per KV head: its tasks are short, and a slab per query head would
-  // move `group` times the bytes. With longer tasks the slabs' plain stores were faster than
+  // move `group` times the bytes. With longer tasks the slabs' plain stores are faster than
   // adds into a shared accumulator (docs/journal/results.md, GQA dK/dV without ordered adds).
   const bool dkv_accumulate = gqa && !deterministic && 2 * seqlen_q <= seqlen_k;
   const int64_t dq_splits = hdr[schedule::kHNumSplits];

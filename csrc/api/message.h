@@ -1,8 +1,9 @@
 // Error-message text for TORCH_CHECK, built without std::ostream number
-// formatting. On the H200 host (GCC 13 from /opt/gcc, 2026-11-21) a TORCH_CHECK
-// that streamed an integer crashed inside the .so's own instantiation of
-// ostream::_M_insert<long>; string insertion was fine. Every check with more
-// than a literal message therefore passes one std::string built here.
+// formatting. Built with GCC 13 (an H200 host's /opt/gcc), a TORCH_CHECK that
+// streams an integer crashes inside the .so's own instantiation of
+// ostream::_M_insert<long>, while string insertion works (seen:
+// docs/journal/code-comments.md). Every check with more than a literal message
+// therefore passes one std::string built here.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
 """Sequence parallelism (context parallelism) whose results are bitwise identical for every
-number of ranks. See docs/distributed.md.
+number of ranks. See docs/design/distributed.md.
 
 * :func:`context_parallel_attn` -- attention on local shards, differentiable (``attention.py``); its
   first call per group and arguments checks that every rank passes the same ones (``agreement.py``);

@@ -150,7 +150,7 @@ def resolve_algorithm(algorithm, deterministic: bool, heads_kv: int = 0, num_ran
 
     Defaults: deterministic, ``heads``. Otherwise ``heads`` on CUDA when every rank can hold whole
     KV heads (heads_kv >= P), else ``runs``: on GPUs the head-parallel algorithm through the shared
-    transport was the faster in both modes where it applies (benchmarks/RESULTS.md)."""
+    transport was the faster in both modes where it applies (docs/journal/results.md)."""
     if algorithm is None:
         if deterministic:
             return "heads"
@@ -209,7 +209,7 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
     else ``algorithm="runs"``: DistFlashAttn's helper-worker plan,
     the Hopper kernels on whole runs of query blocks (the reference on CPU); the output is bitwise a
     single-GPU call's, the gradients agree with one GPU to rounding (partial dK/dV summed in fp32).
-    Either algorithm can be named in either mode where it is allowed. See docs/distributed.md.
+    Either algorithm can be named in either mode where it is allowed. See docs/design/distributed.md.
 
     Every rank must pass the same dtype, local shape, ``causal``, scale, layout, algorithm and mode:
     the first call per (group, arguments) checks that with one small all-gather and raises the same

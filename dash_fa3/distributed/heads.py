@@ -46,7 +46,7 @@ CPU_BLOCK = 128
 
 
 # Chunks of each rank's heads in the transfer/compute pipeline (at most the smallest rank's KV-head
-# count). One by default: through NCCL more chunks were no faster (benchmarks/RESULTS.md), the
+# count). One by default: through NCCL more chunks were no faster (docs/journal/results.md), the
 # transfers not overlapping the persistent kernels. ``DASH_FA3_CP_CHUNKS`` sets the count, the same
 # on every rank.
 CHUNKS = 1
@@ -179,7 +179,7 @@ def validate(p: HeadPlan) -> None:
         raise ValueError(f"{p.num_blocks - len(owner)} token blocks are held by no rank")
 
 
-# beta: what the head-parallel transfers reached on two H200s over NVLink (benchmarks/RESULTS.md)
+# beta: what the head-parallel transfers reached on two H200s over NVLink (docs/journal/results.md)
 DEFAULT_COST = CPCostModel(beta_gbs=160.0)
 
 

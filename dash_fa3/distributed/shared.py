@@ -3,7 +3,7 @@ buffers that every rank of the group maps, moved by plain copies.
 
 Why: through NCCL a transfer is a kernel, which cannot start while a persistent attention kernel
 holds every SM, so cutting a rank's heads into chunks did not overlap transfers with compute (our
-reading, not profiled; the measurements are in benchmarks/RESULTS.md). A copy between two GPUs'
+reading, not profiled; the measurements are in docs/journal/results.md). A copy between two GPUs'
 mapped buffers (``cudaMemcpyAsync`` over NVLink, which ``Tensor.copy_`` issues for contiguous
 tensors of one dtype) runs on a copy engine and needs no SM. With it, chunk c+1's inputs arrive and
 chunk c-1's results leave while chunk c computes. On CUDA the buffers are PyTorch's symmetric memory

@@ -448,7 +448,7 @@ def cyc_stride_log2(width: int, units: int) -> int:
     R + (k i) % width. With k = 1 (the paper's shift) a rectangle tile takes its
     contributions from consecutive slots on consecutive steps, so each dQ hand-off
     (add, completion, release, the next writer's acquire: about one step of the
-    kernel at d = 128, benchmarks/RESULTS.md) must fit in one step. Where the
+    kernel at d = 128, docs/journal/results.md) must fit in one step. Where the
     rectangle has room (width >= 2 units, e.g. 64-row Q tiles against 128-row KV
     tiles) k, the largest power of two <= width // units, spaces consecutive
     contributions k steps apart; with zero hand-off cost both orders take the

@@ -12,9 +12,9 @@
 // copy engine has read it. (FA3's epilogue reuses its mainloop's shared
 // memory, so its next K/V load waits for the store.) Why shared memory: written
 // straight from the accumulators (one 4-byte store per register pair, half a
-// 32-byte sector per row and warp) the epilogue took about as long as 2.5 MMA
-// steps of the task on an H100 (Nsight Compute, hdim 128: 15% of the MMA
-// warps' stall samples at 1k tokens), while the tensor cores idled.
+// 32-byte sector per row and warp) the epilogue takes longer than two MMA
+// steps of the task, while the tensor cores idle (measured:
+// docs/journal/code-comments.md).
 // store_direct: tasks without steps (their KV tile sees no query; dK = dV = 0)
 // store from registers: their sK/sV may already hold the next task's K/V. So
 // do tasks whose KV tile reaches past its packed document's end (a TMA store

@@ -201,7 +201,7 @@ struct BwdMainloop {
   //   dQ -> sdQ, handed to the dQ writer (one part) while dK^T runs on into
   //   the next step's S and dP.
   // Each move of work off the path between a step's dP and its dQ GEMM was
-  // measured (docs/bwd_kernel.md).
+  // measured (docs/journal/bwd-kernel.md).
   CUTE_DEVICE static void run_task_three(Params const& p, SharedStorage& smem, PipelineQ& pipeline_q,
                                          PipelineDo& pipeline_do, PipelineStateQ& read_q, PipelineStateDo& read_do,
                                          int& dq_stage, int32_t const* row, int n_steps, int mma_tid,
@@ -436,8 +436,8 @@ struct BwdMainloop {
     // knows to be warp-uniform (broadcast from lane 0), their arithmetic stays
     // in uniform registers. Sliced by the thread index, each descriptor was
     // computed per thread and moved to a uniform register (R2UR) in front of
-    // every WGMMA: on the H100 that was 52M R2UR and 57M extra IMAD per call at
-    // hdim 128 causal 8k, where FA3's kernel issues 2M and 7M.
+    // every WGMMA, many times the R2UR and IMAD instructions FA3's kernel
+    // issues (measured: docs/journal/code-comments.md).
     int const wg = __shfl_sync(0xffffffff, mma_tid / Traits::kThreadsPerWarpgroup, 0);
     int const wg_first_tid = wg * Traits::kThreadsPerWarpgroup;
     auto wg_sdp = mma_sdp.get_slice(wg_first_tid);
@@ -555,7 +555,7 @@ struct BwdMainloop {
       // fp16 pairs, in the registers S^T held: an fp32 copy of 1 - t^2 next to
       // S^T and dP^T spilled (hdim 128: 96/204 bytes; fp16 1 - t^2 beside fp32
       // P^T: 28/40, hdim 64: 184/208), and computing the exp2 after the dP^T
-      // wait cost the overlap (nd backward 0.81x FA3's at hdim 128 causal 8k).
+      // wait loses the overlap (measured: docs/journal/code-comments.md).
       // Both are rounded to 16 bits for their GEMMs anyway (P^T for dV, dS^T).
       __half2 p_h[kSoftcap ? kSdPRegs / 2 : 1];
       __half2 dtanh[kSoftcap ? kSdPRegs / 2 : 1];
@@ -620,9 +620,9 @@ struct BwdMainloop {
         }
       }
       // kDkBeforeDq: the previous step's dQ goes to the writer only now. Handed
-      // over right after the dP^T issue, its fence waited for the 8 STS.128 to
-      // drain, in front of the exp2s (hdim 128 full: 181 cycles per step, H100
-      // profile); here 1.01-1.02x non-deterministic (H100, 2026-11-25).
+      // over right after the dP^T issue, its fence waits for the 8 STS.128 to
+      // drain, in front of the exp2s; here the wait is off that path (measured:
+      // docs/journal/code-comments.md).
       if (dq_pending >= 0) { hand_over_dq(dq_pending); }
       FragDq tQrDq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       if constexpr (!kSplitHeadDim) {

@@ -11,8 +11,8 @@
 // threadIdx.x is the thread's chunk for the whole launch, so the column part
 // of its accumulator offset is computed once, and a warp's stores cover whole
 // output rows. (A flat index split by 64-bit divisions, and the general
-// dq_frag_offset per element, made the kernel issue-bound: about 450
-// instructions per thread and 64 bytes read, Nsight Compute at d = 256.)
+// dq_frag_offset per element, make the kernel issue-bound; measured:
+// docs/journal/code-comments.md.)
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -28,9 +28,9 @@ constexpr int kThreads = 256;
 // kChunksPerLane chunks of O and of dO before it uses any: with one 16-byte
 // pair in flight per lane the kernel was bound by load latency, not by HBM.
 // Lanes per row: 2 up to hdim 64 (four chunks each), else 8. With 2 at hdim 64
-// instead of 8 the O/dO reads took 62 us instead of 80 (H100, 16384 tokens x
-// hidden 2048); 4 at hdim 128 read faster too, but the kernel, zeroing
-// included, ran 3% slower (half as many blocks zero the same span).
+// the O/dO reads are faster than with 8; 4 at hdim 128 read faster too, but the
+// kernel, zeroing included, is slower (half as many blocks zero the same span;
+// measured: docs/journal/code-comments.md).
 constexpr int kVec = 8;
 constexpr int kChunksPerLane = 4;
 constexpr int lanes_per_row(int headdim) { return headdim <= 2 * kChunksPerLane * kVec ? 2 : 8; }

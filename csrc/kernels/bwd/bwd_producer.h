@@ -150,9 +150,9 @@ struct BwdProducer {
         } else {
           // Fewer dO stages than Q stages (d = 192: one): Q first. Its stage
           // for step s is free a step ahead (step s - 2 has ended), while dO's
-          // waits for step s - 1's dV; behind that wait, Q's load came late
-          // (Nsight Compute, H100, d = 192 full 8k: 8% of the MMA warps'
-          // stall samples on the Q wait).
+          // waits for step s - 1's dV; behind that wait, Q's load comes late
+          // and the MMA warps stall on it (measured:
+          // docs/journal/code-comments.md).
           load_stage(pipeline_q, write_q, p.tma_q, tQgQ, tQsQ, p.lse_log2, smem.lse, q);
           load_stage(pipeline_do, write_do, p.tma_do, tdOgdO, tdOsdO, p.dpsum, smem.dpsum, q);
         }

@@ -3,8 +3,8 @@
 // types, the shared storage and the kernel parameter block. Everything the
 // role files need is derived here from (head dim, element type, mask kind).
 //
-// Two arrangements of the two MMA warpgroups (docs/bwd_kernel.md has the
-// longer argument):
+// Two arrangements of the two MMA warpgroups (docs/design/kernels-bwd.md has
+// the longer argument):
 //
 // Row split (head dims up to 128, kBlockN = 128):
 //  * S and dP are computed transposed, S^T = K Q^T and dP^T = V dO^T, with
@@ -271,33 +271,30 @@ struct BwdTraits {
   // kBlockM = 128 (hdim 64) the 32 registers fit only in the wide budget below
   // and not next to softcap's or the packed window's extra state (ptxas,
   // CUDA 13.0: 152/120 bytes of spills at 232 registers; 48/48 with softcap,
-  // 16/32 packed local at 240). Measured at hdim 64 (H100, 2026-11-24, against
-  // LSE reads after the wait): +3-4% non-deterministic at 8k, +3% full 1k.
+  // 16/32 packed local at 240). At hdim 64 it is faster than LSE reads after
+  // the wait (measured: docs/journal/code-comments.md).
   static constexpr bool kLseEarly = kRowSplit && (kBlockM == 64 || (!kSoftcap && !(kLocal && kPacked)));
   // The row split's GEMM order in a step (bwd_mainloop.h). hdim 128: dV, dK,
   // then sdS, kDsReady and dQ, and dQ's hand-off to the writer (fence,
   // dq_full) deferred until the next step has computed its dS^T. Other
   // head dims: dV, sdS, kDsReady, dQ, dK, dQ handed over while dK runs.
-  // Measured (H100, 2026-11-24, alternating builds, TFLOP/s against the
-  // second order): hdim 128 non-deterministic +1-4% (-1.5% at causal 1k),
-  // deterministic spt +2-3% from 2k on; hdim 64 -2 to -5%; hdim 96 (also
-  // kBlockM = 64; 2026-11-24, against kDsBeforeDv below) 0.98-1.01x.
+  // The first order is the faster at hdim 128 and the slower at hdim 64; at
+  // hdim 96 (also kBlockM = 64) it is level with kDsBeforeDv below (measured:
+  // docs/journal/code-comments.md).
   static constexpr bool kDkBeforeDq = kRowSplit && kHeadDim == 128;
   // Whether dS^T goes to sdS before the dV GEMM is issued (else under it).
-  // Measured (H100, 2026-11-24, C++ harness, alternating builds, 4 rounds,
-  // against the stores under dV): hdim 64 non-deterministic +1.6-5.8% (full
-  // 512 to causal 16k), deterministic spt +1-6.7%; hdim 96 +3-8% and +2-6%
-  // (-0.9% nd at causal 512); as FA3's hdim-64 order. At hdim 64 only in the
-  // kLseEarly (24/240) kernels: with softcap or the packed window (40/232)
-  // ptxas spills more (CUDA 13.0: softcap 8-32 -> 28-64 bytes, local packed
-  // 0 -> 16). hdim 128 stores after issuing dV and dK (kDkBeforeDq); storing
-  // first there measured 0.985-1.005x.
+  // Storing first is the faster at hdim 64 and 96, deterministic or not, as
+  // FA3's hdim-64 order (measured: docs/journal/code-comments.md). At hdim 64
+  // only in the kLseEarly (24/240) kernels: with softcap or the packed window
+  // (40/232) ptxas spills more (CUDA 13.0: softcap 8-32 -> 28-64 bytes, local
+  // packed 0 -> 16). hdim 128 stores after issuing dV and dK (kDkBeforeDq);
+  // storing first there gains nothing.
   static constexpr bool kDsBeforeDv = kRowSplit && !kDkBeforeDq && kLseEarly;
   // setmaxnreg budgets (they must fit the launch's allocation:
   // common/constants.h, setmaxnreg_budgets_fit). Wide (24/240) where the
   // early LSE values of a 128-row step need it; else 40/232 (24/240 alone
-  // moved the hdim-128 backward by -1.5% to +2%, H100, 2026-11-24, so it
-  // stays where it was measured best).
+  // gives the hdim-128 backward nothing, so it stays where it measures best;
+  // measured: docs/journal/code-comments.md).
   // Three warpgroups: 32/160, the whole register file (as the forward's).
   static constexpr bool kWideMmaRegisters = kLseEarly && kBlockM == 128;
   static constexpr int kProducerRegisters = kThreeWarpgroups ? 32 : kWideMmaRegisters ? 24 : 40;

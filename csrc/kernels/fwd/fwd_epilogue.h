@@ -7,14 +7,14 @@
 // straight from registers (a 4-byte store per register pair, the four threads
 // of a quad covering 16 contiguous bytes of a row) the epilogue cost about as
 // much as a key-block step per tile, which weighs most at short lengths where a
-// tile has few steps (docs/fwd_kernel.md).
+// tile has few steps (docs/journal/fwd-kernel.md).
 // Slot hand-offs: with a slot per warpgroup, the warpgroup's issuing thread
 // waits until the copy engine has read its previous store before the
 // warpgroup writes the slot again; with one slot for two warpgroups (hdim 128,
 // 128 x 176 tiles, and (192, 128)) they take turns on it in warpgroup order
 // (kOutputTurn0/1), the issuing warp passing the turn once its store has been
-// read. That wait sits on the second warpgroup's path and cost 2-3% from 4k
-// keys on (H100, 2026-11-23, docs/fwd_kernel.md), so run_fwd launches the
+// read. That wait sits on the second warpgroup's path and costs most at long
+// lengths (measured: docs/journal/code-comments.md), so run_fwd launches the
 // shared-slot kernel only below kSharedOutputSlotBelowKeys keys and one with
 // O in V's buffer (below) from there on.
 //

@@ -171,20 +171,17 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 }  // namespace fwd
 
 // Dense causal attention at hdim 64 runs three MMA warpgroups (192-row tiles)
-// from this many query rows on, two below: measured on an H100, three were
-// 1.04-1.12x two from 4k rows (2026-11-23) and, once their tiles came off the
-// counter (c9b7922), 1.04x at 2k but 0.88x at 1k rows (2026-11-25), where a
-// 192-row tile's two diagonal blocks weigh more (docs/fwd_kernel.md).
+// from this many query rows on, two below: three pay off only from 2k rows;
+// below, a 192-row tile's two diagonal blocks weigh more than the third
+// warpgroup's overlap gains (measured: docs/journal/code-comments.md).
 constexpr int kCausalThreeWarpgroupsFrom = 2048;
 
 // A kernel whose two MMA warpgroups share one O slot (FwdTraits::kOutputSlots
 // == 1: hdim 128 without a diagonal, and (192, 128)) runs below this many
 // keys, one that writes each warpgroup's O through V's buffer (kOutputInV_)
-// from here on. The shared slot's turn sits on the second warpgroup's path and
-// cost 2-3% from 4k keys against O stored from registers (H100, 2026-11-23);
-// O in V's buffer was 1.02x the register stores from 4k keys, and against the
-// shared slot 0.95x at 512 keys, 0.98-1.00x at 1k, 1.01x at 2k, 1.02x at 3k
-// (hdim 128, H100, 2026-11-25; docs/fwd_kernel.md). (192, 128) takes the same
+// from here on. The shared slot's turn sits on the second warpgroup's path, so
+// at hdim 128 O in V's buffer is the faster from 2k keys on, the shared slot
+// below (measured: docs/journal/code-comments.md). (192, 128) takes the same
 // switch, not measured there.
 constexpr int kSharedOutputSlotBelowKeys = 2048;
 

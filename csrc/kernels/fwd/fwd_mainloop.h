@@ -10,9 +10,8 @@
 // cores. O is rescaled after the PV GEMM has retired. In the SASS (CUDA 13.0)
 // only the row max of S_n sits between the two waits: ptxas moves the exp2s
 // after the PV wait, as P_n overwrites the registers that PV GEMM reads. A
-// second P fragment moves them before it, but measured 1.4-2.7% slower
-// (hdim 128 causal, kernel time) and does not fit next to kBlockN = 176; see
-// docs/fwd_kernel.md.
+// second P fragment moves them before it, but is slower (hdim 128 causal) and
+// does not fit next to kBlockN = 176 (measured: docs/journal/code-comments.md).
 //
 // Ping-pong: the warpgroups take turns, round robin, issuing their GEMMs of one
 // step (kMmaTurn0..2), so the tensor cores run one warpgroup's GEMMs while the
@@ -141,8 +140,8 @@ struct FwdMainloop {
     // kQPerWarpgroup: this warpgroup's Q rows are released as soon as its S GEMM
     // of the tile's last key block (block kv_blocks.begin) has retired, so the
     // producer can load its rows of the next tile during the last softmax and
-    // PV GEMM (1.01x at 1k-2k keys, level from 4k; H100, 2026-11-25,
-    // benchmarks/RESULTS.md).
+    // PV GEMM, a gain at 1k-2k keys and level from 4k (measured:
+    // docs/journal/code-comments.md).
     auto release_q_after_last_s = [&](int n) {
       if constexpr (Traits::kQPerWarpgroup) {
         if (n == kv_blocks.begin) { pipeline_q.consumer_release(q_state); }

@@ -44,10 +44,10 @@
 // unit major (query block: descending for dense causal masks, or block pair
 // j), (batch, head) minor. So a KV head's query tiles run side by side and its
 // K and V come from DRAM about once. Sections of several KV heads (as many as
-// filled 24 MiB of L2) made each round re-read every head's K and V: at hdim
-// 128 full 8k twice FA3's DRAM traffic, the MMA warps waiting on K and V (ncu,
-// H100, 2026-11-24); one KV head per section measured 1.00-1.08x at hdim
-// 64/128 full and 0.99-1.06x causal (benchmarks/RESULTS.md).
+// fill 24 MiB of L2) make each round re-read every head's K and V, with more
+// DRAM traffic than FA3's and the MMA warps waiting on K and V; one KV head
+// per section is the faster for full masks and at least level for causal
+// (measured: docs/journal/code-comments.md).
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -67,11 +67,10 @@ enum class FwdBarrier : uint32_t {
 // diagonal, three (192 rows, 160 registers each; FA3 uses 192 rows at hdim 64
 // for every mask): at d = 64 the softmax's exp2 (MUFU) work is as large as the
 // tensor-core work, and a third warpgroup gives the tensor cores another one
-// to run while two do their softmax. Full, H100, 2026-11-23 (d076657 against
-// two warpgroups, same session): 1.09-1.20x from 2k up, 0.99-1.02x at 512-1k.
-// Causal with three: 1.04-1.12x from 4k up but 0.81-0.95x at 512-2k (a
-// 192-row tile crosses the diagonal in two key blocks), and the local kernels
-// spill at 160 registers; the masks with a diagonal keep two, and dense causal
+// to run while two do their softmax. Full attention gains from 2k up and is
+// level below; causal gains only at long lengths, as a 192-row tile crosses
+// the diagonal in two key blocks (measured: docs/journal/code-comments.md),
+// and the local kernels spill at 160 registers; the masks with a diagonal keep two, and dense causal
 // switches to three from kCausalThreeWarpgroupsFrom query rows on (fwd_launch.cuh).
 // kBlockN is as large as registers (S accumulator
 // kBlockN/2 + P kBlockN/4 + O accumulator kHeadDimV/2 per thread, under the budget)
@@ -145,9 +144,9 @@ struct FwdTraits {
   // Dense causal masks: single query tiles handed out longest first off a
   // counter (fwd_tile_scheduler.h), except at hdim 64 on two MMA warpgroups
   // (seqlen_q < kCausalThreeWarpgroupsFrom), whose tiles are short enough that
-  // the hand-off per tile cost more than the balance gained (0.97-1.00x against
-  // static pairs; hdim 128 1.01-1.04x, hdim 64 on three 1.01-1.06x; H100,
-  // 2026-11-24, benchmarks/RESULTS.md). That kernel keeps static pairs.
+  // the hand-off per tile costs more than the balance gains, where the other
+  // dense causal kernels gain (measured: docs/journal/code-comments.md). That
+  // kernel keeps static pairs.
   static constexpr bool kDynamicCausalTiles =
       kCausal && !kPacked && !(kHeadDim == 64 && kNumMmaWarpgroups == 2);
 
@@ -208,10 +207,10 @@ struct FwdTraits {
   // Without slots, the warpgroups' O goes into V's buffer, both stages of
   // which are free between a tile's last PV GEMM and the next tile's first V
   // load: the producer holds that load until the copy engine has read O
-  // (SharedStorage::o_read; fwd_producer.h), which FA3 does too. Against O
-  // written from registers (H100, C++ harness, bench grid, 2026-11-25): hdim
-  // 192/256 1.06-1.23x at 512-2k tokens, 1.00-1.06x from 4k; hdim 128 full
-  // 1.02-1.04x from 4k keys (run_fwd's kSharedOutputSlotBelowKeys).
+  // (SharedStorage::o_read; fwd_producer.h), which FA3 does too. It is faster
+  // than O written from registers: at hdim 192/256 most at short lengths, at
+  // hdim 128 full from run_fwd's kSharedOutputSlotBelowKeys keys on (measured:
+  // docs/journal/code-comments.md).
   static constexpr bool kOutputInV =
       kOutputSlots == 0 &&
       kNumMmaWarpgroups * kOutputSlotBytes <= kStages * kBlockN * kHeadDimV * int(sizeof(Element));
@@ -228,10 +227,10 @@ struct FwdTraits {
   // The epilogue re-reads the thread index per tile (FwdEpilogue::
   // tile_thread_index) where the addressing hoisted out of the tile loop
   // spilled: dense hdim 256 with a diagonal, 20 bytes (the tile counter, the
-  // Q phase, an stmatrix offset) -> none, 1.01-1.04x (H100, C++ harness,
-  // 2026-11-25). Elsewhere it cost up to 5% (hdim 64, hdim 128 full), and in
-  // the packed kernels it moved their spills onto the document's per-tile
-  // values and grew them (hdim 256 causal, 20 -> 32 bytes).
+  // Q phase, an stmatrix offset) -> none, and faster. Elsewhere it is slower
+  // (hdim 64, hdim 128 full), and in the packed kernels it moves their spills
+  // onto the document's per-tile values and grows them (hdim 256 causal, 20 ->
+  // 32 bytes; measured: docs/journal/code-comments.md).
   static constexpr bool kEpilogueIndexPerTile = !kPacked && kHeadDim == 256 && (kCausal || kLocal);
   // One warpgroup's PV GEMM: the register layout of its 64 rows of O, which
   // the stmatrix copy into an O slot partitions.
@@ -243,10 +242,10 @@ struct FwdTraits {
   // pipeline stage of their own: a warpgroup releases its rows once its last
   // S GEMM of the tile retires and waits only for its own rows of the next
   // tile, so the first warpgroup of the ping-pong need not wait for the
-  // second one's last S GEMM before the producer reloads its rows. At hdim
-  // 128 full (one Q stage, 176-key blocks) 1.04x at 512 keys, 1.02x at 1k,
-  // level from 2k; at hdim 256 (80-key blocks) 0.95x at 512, 0.97x at 1k
-  // (H100, C++ harness, 3 alternating processes, 2026-11-25), so only there.
+  // second one's last S GEMM before the producer reloads its rows. It gains at
+  // hdim 128 full (one Q stage, 176-key blocks) at short lengths and costs at
+  // hdim 256 (80-key blocks), so only hdim 128 has it (measured:
+  // docs/journal/code-comments.md).
   static constexpr bool kQPerWarpgroup = kQStages == 1 && kHeadDim == 128;
   // TMA loads (Q pipeline stages) per tile's Q, their rows, and the
   // SmemLayoutQ stage that Q pipeline stage i fills: producer and MMA

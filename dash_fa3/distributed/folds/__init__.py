@@ -1,6 +1,6 @@
 """The fold algorithm (``algorithm="folds"``, deterministic, CPU only: its fold kernels do not exist
 on the GPU): every block's reduction in one fixed order on one rank, bitwise the same for every
-number of ranks and any heads_kv (MQA included). docs/distributed.md explains why summing per-rank
+number of ranks and any heads_kv (MQA included). docs/design/distributed.md explains why summing per-rank
 partials cannot be P-invariant and what the folds cost instead.
 
 * ``plan.py``: the schedule as data (:class:`DistSchedule` of :class:`Work` and :class:`Transfer`
