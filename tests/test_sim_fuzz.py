@@ -1,4 +1,4 @@
-"""tools/sim_fuzz.py runs (a few shapes; the tool's 10 000 are a measurement, RESULTS.md)."""
+"""tools/sim_fuzz.py runs (a few shapes; the tool's 10 000 are a measurement, docs/journal/results.md)."""
 
 import importlib.util
 from pathlib import Path
