@@ -42,6 +42,12 @@
 
 namespace dash_fa3::bwd {
 
+// Adds two consecutive floats into global memory (a reduction: nothing comes back, so no
+// registers wait for a result).
+CUTE_DEVICE void red_add_f32x2(float* gmem, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" : : "l"(gmem), "f"(a), "f"(b) : "memory");
+}
+
 template <class Traits>
 struct BwdEpilogue {
   using Element = typename Traits::Element;
@@ -173,56 +179,40 @@ struct BwdEpilogue {
       }
       return;
     }
-    if (p.dkv_accumulate) {
-      // Non-deterministic GQA: the group's query heads add into their KV head's
-      // accumulator, in whatever order their tasks end (a group's slabs would
-      // cost `group` times the bytes, written here and read by the postprocess).
-      int64_t const base = (int64_t(sl.tensor_batch) * p.heads_kv + h_kv) * p.partial_rows + sl.offset_k;
-      if constexpr (Traits::kThreeWarpgroups) {
-        store_elements<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
-          atomicAdd(p.dk_partial + (base + n) * kHeadDim + d, tdKrdK(i));
-        });
-        if (has_dv) {
-          store_elements<typename Traits::TiledMmaDv, kHeadDimV>(sl, n0, mma_tid, [&](int n, int d, int i) {
-            atomicAdd(p.dv_partial + (base + n) * kHeadDimV + d, tdVrdV(i));
-          });
-        }
-      } else {
-        store_kv_rows(
-            sl, n0, mma_tid,
-            [&](int n, int d, int i) {
-              atomicAdd(reinterpret_cast<float2*>(p.dk_partial + (base + n) * kHeadDim + d),
-                        make_float2(tdKrdK(i), tdKrdK(i + 1)));
-            },
-            [&](int n, int d, int i) {
-              atomicAdd(reinterpret_cast<float2*>(p.dv_partial + (base + n) * kHeadDimV + d),
-                        make_float2(tdVrdV(i), tdVrdV(i + 1)));
-            });
-      }
-      return;
-    }
-    // GQA: this query head's slab; every (batch, head, KV tile) has exactly one
-    // task, so plain stores suffice: no zeroing, no atomics, no turn-taking.
-    int64_t const base =
-        (int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead]) * p.partial_rows + sl.offset_k;
+    // GQA. Deterministic, or with long tasks: this query head's slab; every (batch,
+    // head, KV tile) has exactly one task, so plain stores suffice: no zeroing, no
+    // atomics, no turn-taking. Non-deterministic with short tasks
+    // (p.dkv_accumulate): the group's query heads add into their KV head's
+    // accumulator, in whatever order their tasks end (a slab each would cost
+    // `group` times the bytes, written here and read by the postprocess).
+    bool const accumulate = p.dkv_accumulate;
+    int64_t const slab = accumulate ? int64_t(sl.tensor_batch) * p.heads_kv + h_kv
+                                    : int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead];
+    int64_t const base = slab * p.partial_rows + sl.offset_k;
     if constexpr (Traits::kThreeWarpgroups) {
-      store_elements<typename Traits::TiledMmaDk, kHeadDim>(
-          sl, n0, mma_tid, [&](int n, int d, int i) { p.dk_partial[(base + n) * kHeadDim + d] = tdKrdK(i); });
+      store_elements<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
+        float* dst = p.dk_partial + (base + n) * kHeadDim + d;
+        if (accumulate) { atomicAdd(dst, tdKrdK(i)); } else { *dst = tdKrdK(i); }
+      });
       if (has_dv) {
-        store_elements<typename Traits::TiledMmaDv, kHeadDimV>(
-            sl, n0, mma_tid, [&](int n, int d, int i) { p.dv_partial[(base + n) * kHeadDimV + d] = tdVrdV(i); });
+        store_elements<typename Traits::TiledMmaDv, kHeadDimV>(sl, n0, mma_tid, [&](int n, int d, int i) {
+          float* dst = p.dv_partial + (base + n) * kHeadDimV + d;
+          if (accumulate) { atomicAdd(dst, tdVrdV(i)); } else { *dst = tdVrdV(i); }
+        });
       }
     } else {
+      // Registers i, i + 1: columns d, d + 1 of row n.
+      auto const put = [accumulate](float* dst, float a, float b) {
+        if (accumulate) {
+          red_add_f32x2(dst, a, b);
+        } else {
+          *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+        }
+      };
       store_kv_rows(
           sl, n0, mma_tid,
-          [&](int n, int d, int i) {
-            *reinterpret_cast<float2*>(p.dk_partial + (base + n) * kHeadDim + d) =
-                make_float2(tdKrdK(i), tdKrdK(i + 1));
-          },
-          [&](int n, int d, int i) {
-            *reinterpret_cast<float2*>(p.dv_partial + (base + n) * kHeadDimV + d) =
-                make_float2(tdVrdV(i), tdVrdV(i + 1));
-          });
+          [&](int n, int d, int i) { put(p.dk_partial + (base + n) * kHeadDim + d, tdKrdK(i), tdKrdK(i + 1)); },
+          [&](int n, int d, int i) { put(p.dv_partial + (base + n) * kHeadDimV + d, tdVrdV(i), tdVrdV(i + 1)); });
     }
   }
 
