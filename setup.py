@@ -109,7 +109,9 @@ FRAMEWORKS = {
     "megatron": ['megatron-core~=0.19.2; python_version >= "3.12"'],
 }
 EXTRAS = {
-    "test": ["pytest", "hypothesis", "matplotlib"],
+    "test": ["pytest", "hypothesis"],
+    # Charts (the schedule CLI's Gantt charts, bench --plot); their tests skip without it.
+    "plots": ["matplotlib"],
     **FRAMEWORKS,
     "frameworks": [req for reqs in FRAMEWORKS.values() for req in reqs],
 }

@@ -101,7 +101,7 @@ def test_plot_values_come_from_the_rows(tmp_path, monkeypatch):
                 seen.setdefault(name, []).append(args)
             return record
 
-    import matplotlib.pyplot as plt
+    plt = pytest.importorskip("matplotlib.pyplot", reason="charts need the plots extra (pip install -e .[plots])")
 
     monkeypatch.setattr(plt, "subplots", lambda *a, **k: (FakeAxes(), [FakeAxes(), FakeAxes(), FakeAxes()]))
     monkeypatch.setattr(plt, "close", lambda fig: None)

@@ -171,7 +171,7 @@ def test_test_extra_is_light_and_frameworks_are_their_own_extras():
     extras = _setup_kwargs()["extras_require"]
     names = {e: {req.split(";")[0].split("=")[0].split(">")[0].split("<")[0].split("~")[0].strip() for req in reqs}
              for e, reqs in extras.items()}
-    assert names["test"] == {"pytest", "hypothesis", "matplotlib"}
+    assert names["test"] == {"pytest", "hypothesis"} and names["plots"] == {"matplotlib"}
     for extra, package in (("transformers", "transformers"), ("torchtitan", "torchtitan"),
                            ("megatron", "megatron-core")):
         assert names[extra] == {package}

@@ -39,6 +39,7 @@ def test_model_all_json(capsys):
 
 
 def test_real_shape_table_and_gantt(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="Gantt charts need the plots extra (pip install -e .[plots])")
     rc = main(["--seqlen", "1024", "--headdim", "128", "--heads", "4", "--batch", "2", "--causal",
                "--schedule", "all", "--sms", "16", "--gantt-dir", str(tmp_path)])
     assert rc == 0
