@@ -8,7 +8,9 @@ clear error on every rank within the group's timeout, never a wrong answer or a 
   layout: a ValueError naming both layouts;
 * a killed rank, a stalled rank (in the attention's messages and before its first call): every other
   rank raises CommunicationError (CommunicationTimeout when it stalls) within about one timeout;
-* a repeated call does not check again (no collective beyond the attention's own).
+* a repeated call does not check again (no collective beyond the attention's own);
+* ``shard``/``unshard`` take a NumPy integer ``seq_dim`` (and mesh dim) as the int (issue 53), and
+  refuse a bool one.
 
 Select with ``-m distributed``; each launch is bounded (``test_distributed.launch``).
 """
@@ -119,7 +121,30 @@ def _job_fault(D, group, rank, P, job, outdir):
     return {"raised": r, "elapsed": time.monotonic() - t0}
 
 
-JOBS = {"misuse": _job_misuse, "fault": _job_fault}
+def _job_numpy_ints(D, group, rank, P, job, outdir):
+    """shard/unshard with NumPy integer dims against the same calls with Python ints."""
+    import numpy as np
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n = job["seqlen"]
+    x = torch.randn(2, 3, n, 4, generator=torch.Generator().manual_seed(53))   # tokens on dim 2
+    out = {}
+    for seq_dim in (np.int64(2), np.int32(-2), np.uint8(2)):
+        for layout in TD.LAYOUTS:
+            want = D.shard(x, group, seq_dim=int(seq_dim), layout=layout)
+            got = D.shard(x, group, seq_dim=seq_dim, layout=layout)
+            back = D.unshard(got, group, seq_dim=seq_dim, layout=layout)
+            out[f"{seq_dim!r}-{layout}"] = (list(got.shape) == [2, 3, n // P, 4] and torch.equal(got, want)
+                                            and torch.equal(back, D.unshard(want, group, seq_dim=2, layout=layout))
+                                            and torch.equal(back, x))
+    mesh = init_device_mesh("cpu", (P,))
+    out["mesh_dim"] = torch.equal(D.shard(x, (mesh, np.int64(0)), seq_dim=2), D.shard(x, group, seq_dim=2))
+    out["bool_shard"] = _record(lambda: D.shard(x, group, seq_dim=True))
+    out["bool_unshard"] = _record(lambda: D.unshard(x, group, seq_dim=np.True_))
+    return out
+
+
+JOBS = {"misuse": _job_misuse, "fault": _job_fault, "numpy_ints": _job_numpy_ints}
 
 
 def test_misuse_is_the_same_clear_error_on_every_rank(tmp_path):
@@ -145,6 +170,18 @@ def test_misuse_is_the_same_clear_error_on_every_rank(tmp_path):
         assert "\n" not in got[0]["message"], got[0]
     for r in range(2):
         assert results[r]["repeat"] == {"equal": True, "gathers": 0}, results[r]["repeat"]
+
+
+def test_numpy_integer_dims_are_the_ints(tmp_path):
+    P = 2
+    results, _ = TD.launch(P, {"kind": "numpy_ints", "seqlen": 2 * P * 128, "timeout_s": 60}, tmp_path,
+                           wait_s=240, script=HERE)
+    for r in range(P):
+        res = results[r]
+        for key in ("bool_shard", "bool_unshard"):
+            raised = res.pop(key)
+            assert raised is not None and raised["type"] == "ValueError" and "seq_dim=" in raised["message"], raised
+        assert len(res) == 3 * 2 + 1 and all(res.values()), (r, res)
 
 
 @pytest.mark.parametrize("algorithm,fault,at", [("heads", "kill", "compute"), ("runs", "kill", "compute"),

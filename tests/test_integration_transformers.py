@@ -398,6 +398,30 @@ def test_sliding_window_mask_is_recognised_and_other_overlays_are_refused():
             dt.attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=bad)
 
 
+def test_numpy_integer_sliding_window_is_the_int(recorder):
+    """A window that a config holds as a NumPy integer (issue 53): the mask hook recognises it
+    and the attention runs the window of the Python int, with the same output."""
+    import numpy as np
+
+    for w in (np.int64(4), np.int32(4)):
+        assert dt.mask_for_dash_fa3(1, 8, 8, mask_function=sliding_window_causal_mask_function(w)) is None
+        assert dt.mask_for_dash_fa3(1, 8, 8, mask_function=sliding_window_causal_mask_function(w),
+                                    local_size=np.int64(4)) is None
+        with pytest.raises(dt.UnsupportedAttention, match="local_size=5"):
+            dt.mask_for_dash_fa3(1, 8, 8, mask_function=sliding_window_causal_mask_function(w), local_size=5)
+    g = torch.Generator().manual_seed(53)
+    q, k, v = (torch.randn(1, 4, 16, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    want, _ = dt.attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=4)
+    for w in (np.int64(4), np.int32(4), np.uint8(4)):
+        got, _ = dt.attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=w)
+        assert torch.equal(got, want)
+    windows = [kw["window_size"] for _, _, _, kw in recorder.calls]
+    assert windows == [(3, 0)] * 4 and all(type(x) is int for x in windows[-1])
+    for bad in (np.int64(0), np.True_):
+        with pytest.raises(TypeError, match="sliding_window"):
+            dt.attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=bad)
+
+
 def test_static_cache_layout_is_refused():
     # Keys past the last query (a pre-allocated cache) cannot be bottom-right aligned.
     assert dt.mask_for_dash_fa3(1, 5, 12, q_offset=7, mask_function=causal_mask_function) is None

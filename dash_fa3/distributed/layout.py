@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import validation
 from . import comm
 
 G = 128  # block granularity in tokens; fixed so no algorithm's structure depends on P
@@ -104,7 +105,14 @@ def resolve_group(group):
             raise ValueError(f"a {group.ndim}-D DeviceMesh needs a dimension: pass (mesh, mesh_dim)")
         return group.get_group()
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
-        return group[0].get_group(group[1])
+        mesh_dim = group[1]
+        if mesh_dim is not None and not isinstance(mesh_dim, str):
+            # DeviceMesh takes only a Python int as an index (a NumPy integer fails its assertion)
+            mesh_dim = validation.as_int(mesh_dim)
+            if mesh_dim is None:
+                raise TypeError(f"the mesh_dim of (DeviceMesh, mesh_dim) must be an int or a dimension name, "
+                                f"got {group[1]!r}")
+        return group[0].get_group(mesh_dim)
     raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or (DeviceMesh, mesh_dim), "
                     f"got {type(group).__name__}")
 
@@ -145,10 +153,14 @@ def check_shard_layout(layout: str, *xs: torch.Tensor, group, seq_dim: int = 1) 
                                  f"on this group only with layout={sorted(used)[0]!r}: pass that layout here too")
 
 
-def _check_dim(x: torch.Tensor, seq_dim: int) -> int:
-    if not isinstance(seq_dim, int) or not -x.dim() <= seq_dim < x.dim():
-        raise ValueError(f"seq_dim={seq_dim!r} is not a dimension of a {x.dim()}-D tensor")
-    return seq_dim % x.dim()
+def _check_dim(x: torch.Tensor, seq_dim) -> int:
+    """``seq_dim`` (an int or NumPy integer, negative counting from the end; not a bool) as an
+    index into ``x.shape``."""
+    dim = validation.as_int(seq_dim)
+    if dim is None or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"seq_dim={seq_dim!r} is not a dimension of a {x.dim()}-D tensor: "
+                         f"pass an int in [{-x.dim()}, {x.dim() - 1}]")
+    return dim % x.dim()
 
 
 def shard(x: torch.Tensor, group, seq_dim: int = 1, layout=None) -> torch.Tensor:

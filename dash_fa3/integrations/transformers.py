@@ -82,6 +82,7 @@ from transformers import masking_utils
 from ..distributed import context_parallel_attn
 from ..interface import flash_attn_func, flash_attn_varlen_func
 from ..ops import remember_host_offsets
+from ..validation import as_int
 from . import UnsupportedAttention, check_options, resolve_deterministic
 
 __all__ = ["NAME", "UnsupportedAttention", "attention_forward", "context_parallel", "mask_for_dash_fa3", "register",
@@ -148,8 +149,8 @@ def _sliding_window_of(mask_function) -> int | None:
     overlay = parts[0]
     if getattr(overlay, "__qualname__", None) != sliding_window_overlay(1).__qualname__:
         return None
-    w = _closure(overlay).get("sliding_window")
-    return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
+    w = as_int(_closure(overlay).get("sliding_window"))
+    return w if w is not None and w > 0 else None
 
 
 def _packed_overlay(mask_function):
@@ -430,10 +431,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         )
     causal = _causal(module, kwargs)
     window = (-1, -1)  # no window beyond the causal flag
-    sliding_window = kwargs.get("sliding_window")
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise TypeError(f"sliding_window must be a positive int, got {sliding_window!r}")
+    given = kwargs.get("sliding_window")
+    if given is not None:
+        sliding_window = as_int(given)  # a model config may hold it as a NumPy integer
+        if sliding_window is None or sliding_window < 1:
+            raise TypeError(f"sliding_window must be a positive int, got {given!r}")
         if not causal:
             raise _refuse(f"a bidirectional sliding window (sliding_window={sliding_window}, is_causal=False)")
         window = (sliding_window - 1, 0)  # keys q - sliding_window < kv <= q
