@@ -13,6 +13,7 @@ Skips without megatron-core 0.19 (Python >= 3.12; CI's newest-torch leg has it).
 
 import contextlib
 import os
+import re
 import sys
 
 import pytest
@@ -44,7 +45,7 @@ def megatron_on_cpu():
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
 
-def tiny_gpt(P, deterministic, seed):
+def tiny_gpt(P, deterministic, seed, cp_comm_type=None):
     """2 layers, 4 query and 4 KV heads of dim 64 (num_query_groups >= CP for the deterministic
     default), learned absolute positions (Megatron's rotary embeddings are CUDA-only)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -53,7 +54,7 @@ def tiny_gpt(P, deterministic, seed):
     from dash_fa3.integrations import megatron as dm
 
     config = transformer_config(num_attention_heads=4, num_query_groups=4, kv_channels=64, bf16=True,
-                                context_parallel_size=P, deterministic_mode=deterministic)
+                                context_parallel_size=P, deterministic_mode=deterministic, cp_comm_type=cp_comm_type)
     spec = dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm", deterministic=deterministic)
     torch.manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQLEN,
@@ -72,7 +73,7 @@ def _worker(argv):
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=P)
     megatron_on_cpu()
     cp_group = parallel_state.get_context_parallel_group()
-    model = tiny_gpt(P, job["deterministic"], job["seed"])
+    model = tiny_gpt(P, job["deterministic"], job["seed"], job["cp_comm_type"])
     kinds = {type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers}
     assert kinds == {"DashFA3DotProductAttention"}, kinds
     assert all((layer.self_attention.core_attention.cp_group is not None) == (P > 1) for layer in model.decoder.layers)
@@ -110,13 +111,15 @@ def _worker(argv):
 def runs(tmp_path_factory):
     cache = {}
 
-    def get(P, deterministic, cp_path=True, seqlen=SEQLEN):
-        key = (P, deterministic, cp_path, seqlen)
+    def get(P, deterministic, cp_path=True, seqlen=SEQLEN, cp_comm_type=None):
+        key = (P, deterministic, cp_path, seqlen, cp_comm_type)
         if key not in cache:
-            mode = ("det" if deterministic else "nondet") + ("" if cp_path else "_plain") + f"_{seqlen}"
+            mode = (("det" if deterministic else "nondet") + ("" if cp_path else "_plain") + f"_{seqlen}"
+                    + ("" if cp_comm_type is None else f"_{cp_comm_type}"))
             out = tmp_path_factory.mktemp(f"mcore_cp{P}_{mode}")
             res = cpu.launch(os.path.abspath(__file__), P, {"seed": 7, "deterministic": deterministic,
                                                             "cp_path": cp_path, "seqlen": seqlen,
+                                                            "cp_comm_type": cp_comm_type,
                                                             "timeout_s": 120}, out, sys.executable)
             assert all(res[r] == res[0] for r in res), res   # every rank reports the same global numbers
             cache[key] = (res[0], torch.load(out / "params.pt"))
@@ -138,6 +141,48 @@ def test_deterministic_training_at_cp3_is_bitwise_cp1(runs):
     (ref, ref_params), (got, got_params) = runs(1, True, seqlen=768), runs(3, True, seqlen=768)
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert all(torch.equal(a, b) for a, b in zip(got_params, ref_params))
+
+
+def test_training_with_a_cp_comm_type_is_bitwise_the_default(runs):
+    """config.cp_comm_type names Transformer Engine's exchange; dash_fa3 runs its own over the same
+    group whatever it names (among the accepted values), so the bits are CP = 1's."""
+    (ref, ref_params), (got, got_params) = runs(1, True), runs(2, True, cp_comm_type="a2a")
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
+    assert all(torch.equal(a, b) for a, b in zip(got_params, ref_params))
+
+
+def test_cp_comm_type_is_checked_at_construction():
+    """Megatron hands each layer its entry of config.cp_comm_type. The accepted values construct;
+    "a2a+p2p" (hierarchical CP groups) is refused with UnsupportedAttention, an unknown value or a
+    non-string with ValueError / TypeError, each naming the value, the layer and what is accepted.
+    Through GPTModel (a per-layer list: the layer gets its entry) the refusal comes before any CP
+    group is looked up (here a world of one rank with context_parallel_size=2 in the config)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron_utils import transformer_config, world_of_one
+
+    from dash_fa3.integrations import megatron as dm
+
+    accepted = re.escape("None, 'p2p', 'all_gather', 'a2a'")
+    for value in (None, "p2p", "all_gather", "a2a"):
+        dm.DashFA3DotProductAttention(transformer_config(bf16=True), 1, AttnMaskType.causal, "self",
+                                      cp_comm_type=value)
+    cases = [("a2a+p2p", dm.UnsupportedAttention, re.escape("cp_comm_type='a2a+p2p' (layer 3)") + f".*{accepted}"),
+             ("allgather", ValueError, f"unknown cp_comm_type 'allgather' in layer 3.*accepts {accepted}"),
+             (["p2p"], TypeError, f"cp_comm_type must be .*{accepted}.*got " + re.escape("['p2p'] in layer 3"))]
+    for value, kind, text in cases:
+        with pytest.raises(kind, match=text):
+            dm.DashFA3DotProductAttention(transformer_config(bf16=True), 3, AttnMaskType.causal, "self",
+                                          cp_comm_type=value)
+    spec = dm.get_gpt_layer_dash_fa3_spec(normalization="RMSNorm")
+    with world_of_one():
+        for value, kind, text in (
+                (["a2a+p2p", "p2p"], dm.UnsupportedAttention, re.escape("cp_comm_type='a2a+p2p' (layer 1)")),
+                ("ring", ValueError, "unknown cp_comm_type 'ring' in layer 1")):
+            config = transformer_config(bf16=True, context_parallel_size=2, cp_comm_type=value)
+            with pytest.raises(kind, match=text):
+                GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQLEN,
+                         position_embedding_type="learned_absolute")
 
 
 @pytest.mark.parametrize("P", CP_SIZES[1:])

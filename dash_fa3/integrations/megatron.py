@@ -44,9 +44,19 @@ balancing (``get_batch_on_this_cp_rank``: rank r holds chunks r and 2·CP−1−
 (the deterministic algorithm needs ``num_query_groups`` per tensor-parallel rank
 >= CP). The global sequence length must be a multiple of 2·CP·128. The mask
 must be None, all False, or the CP-sharded causal mask (rows of this rank's
-tokens, columns of the whole sequence). dash_fa3 moves the data with its own
-exchange, whatever ``cp_comm_type`` names; ``schedule`` applies to single-GPU
+tokens, columns of the whole sequence). ``schedule`` applies to single-GPU
 calls only.
+
+``cp_comm_type`` (Megatron's ``config.cp_comm_type``, one layer's value) names how
+Transformer Engine's context parallelism moves data across the CP group. dash_fa3's
+context parallelism chooses its own exchange (whole heads per rank, or DistFlashAttn's
+run plan) and computes the same attention over the same group, so ``None``,
+``"p2p"``, ``"all_gather"`` and ``"a2a"`` all run it; the bits do not depend on which.
+``"a2a+p2p"`` is refused at construction: it names Megatron's hierarchical CP
+groups (``hierarchical_context_parallel_sizes``: all-to-all inside the inner groups,
+a ring across them), a split of the CP group that ``context_parallel_attn`` has no
+way to take; running over the flat group instead would silently drop that
+configuration. Any other value is a ``ValueError`` naming the accepted ones.
 
 Refused with ``UnsupportedAttention`` (a ``ValueError``), never run another way:
 packed sequences (``qkv_format="thd"``) with context parallelism,
@@ -55,7 +65,7 @@ attention dropout > 0 while training (``config.attention_dropout = 0.0``;
 Megatron's default is 0.1), any other mask (padding, documents, an
 ``arbitrary`` mask type), sliding windows (``config.window_size``), softmax
 offsets / sinks (``config.softmax_type`` other than "vanilla"), ``qk_clip``,
-extra core-attention
+``cp_comm_type="a2a+p2p"``, extra core-attention
 keywords, and fp32 inputs (dash_fa3 computes in bf16/fp16: ``bf16=True``).
 """
 
@@ -90,6 +100,9 @@ if _version < (0, 19):
 # Megatron's CP load balancing (get_batch_on_this_cp_rank) gives rank r chunks r and 2*CP-1-r of
 # 2*CP: dash_fa3's zigzag layout.
 CP_LAYOUT = "zigzag"
+# The cp_comm_type values whose exchange dash_fa3's context parallelism stands in for (the
+# module docstring says why "a2a+p2p" is not one of them).
+CP_COMM_TYPES = (None, "p2p", "all_gather", "a2a")
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _FULL_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 
@@ -103,6 +116,23 @@ def _refuse(what: str) -> UnsupportedAttention:
 
 
 _checked_masks: dict = {}  # id(mask) -> (weak reference, version, verdict): "causal", "none" or None
+
+
+def _check_cp_comm_type(cp_comm_type, layer_number: int) -> None:
+    accepted = ", ".join(repr(t) for t in CP_COMM_TYPES)
+    if cp_comm_type is not None and not isinstance(cp_comm_type, str):
+        raise TypeError(f"cp_comm_type must be one layer's communication type ({accepted}), got {cp_comm_type!r} "
+                        f"in layer {layer_number}")
+    if cp_comm_type == "a2a+p2p":
+        raise UnsupportedAttention(
+            f"DashFA3DotProductAttention cannot run cp_comm_type='a2a+p2p' (layer {layer_number}): dash_fa3's "
+            f"context parallelism runs its own exchange over the whole CP group, not over Megatron's hierarchical "
+            f"CP groups (hierarchical_context_parallel_sizes). Use cp_comm_type {accepted} (all run dash_fa3's "
+            f"exchange), or the Transformer Engine spec for hierarchical context parallelism"
+        )
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"unknown cp_comm_type {cp_comm_type!r} in layer {layer_number}; DashFA3DotProductAttention "
+                         f"accepts {accepted} ('a2a+p2p' is refused)")
 
 
 def _zigzag_rows(seqlen_k: int, cp_rank: int, cp_size: int) -> torch.Tensor:
@@ -142,13 +172,18 @@ def _mask_kind(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, cp=(0, 1)):
 class DashFA3DotProductAttention(MegatronModule):
     """Megatron core attention running ``dash_fa3.flash_attn_func``: a drop-in for
     ``DotProductAttention`` (same constructor arguments, plus ``deterministic`` and
-    ``schedule``); forward takes (seq, batch, heads, dim) and returns (seq, batch, heads * dim)."""
+    ``schedule``); forward takes (seq, batch, heads, dim) and returns (seq, batch, heads * dim).
+
+    ``cp_comm_type``: None, ``"p2p"``, ``"all_gather"`` or ``"a2a"`` (each runs dash_fa3's own
+    context-parallel exchange over the CP group); ``"a2a+p2p"`` (hierarchical CP groups) raises
+    ``UnsupportedAttention``, anything else ``ValueError``."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, *, deterministic: bool | None = None,
                  schedule: str = "auto"):
         super().__init__(config=config)
+        _check_cp_comm_type(cp_comm_type, layer_number)
         self.cp_group = None
         if config.context_parallel_size > 1:
             cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
