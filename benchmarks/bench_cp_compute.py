@@ -1,5 +1,12 @@
-"""One GPU: what the kernels of a head-parallel context-parallel rank cost, against the whole
-problem's (issues 16, 21).
+"""One GPU: what the kernels of a context-parallel rank cost, against the whole problem's (issues 16,
+21, 50).
+
+``--algorithm superblocks`` (issue 50): a rank of the superblock algorithm
+(dash_fa3/distributed/superblocks.py) runs, per superblock it computes, the forward and the
+deterministic backward with fp32 dK/dV over the superblock's key prefix, adds them along its
+subtrees, and sums the tree's top for its own keys (the other ranks' subtree values stand in as
+buffers of their sizes). T1 is one GPU's deterministic ``flash_attn_func`` forward + backward on
+the whole problem. Every call of a rank runs here, on the whole GPU, one rank at a time.
 
 A rank of the head-parallel algorithm (dash_fa3/distributed/heads.py, one chunk) runs the
 single-GPU kernels on its KV heads and their query heads over the whole sequence: the forward, and
@@ -14,6 +21,7 @@ kernels decide. ``steps balance`` is the busiest CTA's steps over the mean (stat
 wave quantization a rank's share of the units leaves.
 
     python benchmarks/bench_cp_compute.py --P 2,4,8 --tokens 128k --heads 32/8 --modes det,nd
+    python benchmarks/bench_cp_compute.py --algorithm superblocks --P 2,4,8 --tokens 128k,256k --heads 32/8,32/1
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ sys.path.insert(0, HERE)
 from bench_distributed import parse_heads, parse_size, size_label  # noqa: E402
 
 from dash_fa3.distributed import heads as cp_heads  # noqa: E402
+from dash_fa3.distributed import superblocks as cp_sb  # noqa: E402
 
 HEADDIM = 128
 MODES = ("det", "nd")
+ALGORITHMS = ("heads", "superblocks")
 
 
 def parse_args(argv=None):
@@ -43,7 +53,10 @@ def parse_args(argv=None):
     ap.add_argument("--P", default="2,4,8", help="rank counts, comma list")
     ap.add_argument("--tokens", default="128k", help="whole sequence lengths, comma list (k = 1024, m = 1024**2)")
     ap.add_argument("--heads", default="32/8", help="heads/heads_kv, comma list")
-    ap.add_argument("--modes", default="det,nd", help="det, nd or both")
+    ap.add_argument("--modes", default="det,nd", help="det, nd or both (superblocks: det only)")
+    ap.add_argument("--algorithm", default="heads", choices=ALGORITHMS)
+    ap.add_argument("--layouts", default="contiguous,zigzag", help="superblocks: token layouts, comma list")
+    ap.add_argument("--superblock", type=int, default=cp_sb.SUPERBLOCK, help="superblocks: S in tokens")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=2, help="timed calls per item and round (median)")
     ap.add_argument("--out", default=None, help="directory for results.json and results.md")
@@ -53,9 +66,23 @@ def parse_args(argv=None):
     args.tokens = [parse_size(t) for t in args.tokens.split(",") if t.strip()]
     args.heads = [parse_heads(h) for h in args.heads.split(",") if h.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     for m in args.modes:
         if m not in MODES:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    if args.algorithm == "superblocks":
+        args.modes = ["det"]
+        try:
+            cp_sb.check_superblock(args.superblock)
+            for P in args.P:
+                for n in args.tokens:
+                    for layout in args.layouts:
+                        cp_sb.plan(P, n, True, layout, args.superblock)
+        except ValueError as e:
+            ap.error(str(e))
+        if args.rounds < 1 or args.iters < 1:
+            ap.error("--rounds and --iters must be >= 1")
+        return args
     for P in args.P:
         if P < 1:
             ap.error(f"P must be >= 1, got {P}")
@@ -106,6 +133,137 @@ def steps_balance(heads: int, heads_kv: int, n: int, det: bool, lo: int, hi: int
     return float(steps.max() / steps.mean())
 
 
+def superblock_rank(sp, rank, t, scale, stand_ins):
+    """One rank's calls of the superblock algorithm on the global tensors ``t`` = (q, k, v, dout):
+    per superblock the forward and the backward with fp32 dK/dV, its subtrees' adds, then the top
+    of the tree for its own keys (``stand_ins``: the other ranks' node values, buffers of their
+    sizes). Returns its dk, dv."""
+    import torch
+
+    from dash_fa3 import ops
+    from dash_fa3.distributed import runs
+    from dash_fa3.distributed.layout import G
+
+    q, k, v, dout = t
+
+    def leaf(s):
+        lo, hi = sp.blocks(s, s + 1)
+        a, b, e = lo * G, hi * G, sp.runs.kv_end(lo, hi) * G
+        out, lse = ops.fwd(q[:, a:b], k[:, :e], v[:, :e], scale, True, 0)
+        _, dk, dv = ops.bwd_dkv_fp32(dout[:, a:b], q[:, a:b], k[:, :e], v[:, :e], out, lse.contiguous(), scale, True)
+        return dk, dv
+
+    def evaluate(lo, hi):
+        if hi - lo == 1:
+            return leaf(lo)
+        mid = cp_sb.split(lo, hi)
+        return cp_sb._combine(evaluate(lo, mid), evaluate(mid, hi))
+
+    parts = dict(stand_ins)
+    for node in sp.nodes(rank):
+        val = evaluate(*node)
+        parts[node] = [(lo, hi, tuple(x[:, lo * G:hi * G] for x in val)) for lo, hi in sp.kv_pieces(node, rank)]
+    n_local = len(sp.runs.local(rank)) * G
+    dk = torch.empty((1, n_local) + tuple(k.shape[2:]), dtype=k.dtype, device=k.device)
+    dv = torch.empty_like(dk)
+    cp_sb._reduce(sp, rank, runs._Blocks(sp.runs, rank), parts, dk, dv)
+    return dk, dv
+
+
+def stand_in_parts(sp, rank, hk, device):
+    """Buffers of the sizes the other ranks' node values have over this rank's keys."""
+    import torch
+
+    from dash_fa3.distributed.layout import G
+
+    out = {}
+    for peer in range(sp.runs.num_ranks):
+        if peer == rank:
+            continue
+        for node in sp.nodes(peer):
+            out[node] = [(lo, hi, tuple(torch.ones((1, (hi - lo) * G, hk, HEADDIM), dtype=torch.float32,
+                                                   device=device) for _ in range(2)))
+                         for lo, hi in sp.kv_pieces(node, rank)]
+    return out
+
+
+def main_superblocks(args, meta) -> int:
+    import torch
+
+    from dash_fa3 import ops
+
+    dev = torch.device("cuda")
+    records = []
+    for n in args.tokens:
+        for h, hk in args.heads:
+            g = torch.Generator(device=dev).manual_seed(n + h)
+            q, dout = (torch.randn((1, n, h, HEADDIM), device=dev, generator=g, dtype=torch.bfloat16)
+                       for _ in range(2))
+            k, v = (torch.randn((1, n, hk, HEADDIM), device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
+            scale = 1.0 / math.sqrt(HEADDIM)
+            t = (q, k, v, dout)
+
+            def whole():
+                out, lse = ops.fwd(q, k, v, scale, True, 0)
+                return ops.bwd(dout, q, k, v, out, lse, scale, True, True, "auto", 0)
+
+            work = [("T1", "", 0)] + [(P, layout, r) for P in args.P for layout in args.layouts for r in range(P)]
+            # (set-up, timed call): the stand-ins are made outside the timed region
+            calls = {("T1", "", 0): (lambda: None, lambda _: whole())}
+            for P, layout, r in work[1:]:
+                sp = cp_sb.plan(P, n, True, layout, args.superblock)
+                calls[(P, layout, r)] = (lambda sp=sp, r=r: stand_in_parts(sp, r, hk, dev),
+                                         lambda stand, sp=sp, r=r: superblock_rank(sp, r, t, scale, stand))
+            first, times = {}, {key: [] for key in work}
+            for rnd in range(args.rounds):
+                order = work[rnd % len(work):] + work[:rnd % len(work)]
+                for key in order:
+                    prep, run = calls[key]
+                    stand = prep()
+                    if key not in first:
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        run(stand)
+                        torch.cuda.synchronize()
+                        first[key] = time.perf_counter() - t0
+                    for _ in range(args.iters):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        run(stand)
+                        b.record()
+                        torch.cuda.synchronize()
+                        times[key].append(a.elapsed_time(b))
+                    del stand
+                    torch.cuda.empty_cache()
+            med = {key: statistics.median(ts) for key, ts in times.items()}
+            t1 = med[("T1", "", 0)]
+            print(f"\n## superblocks (S = {args.superblock}), {size_label(n)} tokens, heads {h}/{hk}, det: "
+                  f"T1 {t1:.1f} ms", flush=True)
+            print("| P | layout | max_r T_r (ms) | min_r T_r (ms) | T1 / (P max_r T_r) | predicted (model) |")
+            print("|---|---|---|---|---|---|")
+            rec = {"algorithm": "superblocks", "superblock": args.superblock, "tokens": n, "heads": h,
+                   "heads_kv": hk, "mode": "det", "t1_ms": t1, "ranks": [], "bound": {}}
+            for P in args.P:
+                for layout in args.layouts:
+                    ms = [med[(P, layout, r)] for r in range(P)]
+                    bound = t1 / (P * max(ms))
+                    est = cp_sb.simulate(P, n, causal=True, layout=layout, heads=h, heads_kv=hk, headdim=HEADDIM,
+                                         superblock=args.superblock)
+                    rec["ranks"] += [{"P": P, "layout": layout, "rank": r, "ms": m} for r, m in enumerate(ms)]
+                    rec["bound"][f"{P} {layout}"] = {"max_ms": max(ms), "min_ms": min(ms), "bound": bound,
+                                                     "predicted_efficiency": est.efficiency}
+                    print(f"| {P} | {layout} | {max(ms):.1f} | {min(ms):.1f} | {bound:.3f} | {est.efficiency:.3f} |",
+                          flush=True)
+            records.append(rec)
+            del q, k, v, dout, t
+            torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -119,6 +277,8 @@ def main(argv=None) -> int:
     print(f"# bench_cp_compute: {meta['device']}, {meta['date']}, commit {args.commit}, torch {meta['torch']}; "
           f"causal, hdim {HEADDIM}, bf16, batch 1; fwd + bwd per call; CUDA-event medians, "
           f"{args.rounds} interleaved rounds x {args.iters} calls", flush=True)
+    if args.algorithm == "superblocks":
+        return main_superblocks(args, meta)
     records = []
     for n in args.tokens:
         for h, hk in args.heads:

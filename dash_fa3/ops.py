@@ -145,6 +145,23 @@ def bwd_heads_part(dout, q, k, v, out, lse, softmax_scale, causal, deterministic
                bool(deterministic))
 
 
+def bwd_dkv_fp32(dout, q, k, v, out, lse, softmax_scale, causal):
+    """The deterministic backward (schedule "auto") with dK and dV in fp32, not rounded: (dq in q's
+    dtype, dk, dv fp32 shaped like k, v). A partial that context parallelism adds to other calls'
+    before rounding once (``distributed/superblocks.py``); its bits depend only on the call's
+    shapes and values. CUDA: the Hopper kernels (dK/dV are each KV head's group sum of the fp32
+    per-head slabs, the values the plain call rounds); CPU: the fp32 reference on one intra-op
+    thread, so the bits do not depend on the thread count."""
+    if q.device.type == "cuda":
+        flat, header, _ = _bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, 0 if causal else -1, False, True,
+                                    "auto", 0, q.device, v.shape[-1])
+        return _ext.ops().bwd_dkv_fp32.default(dout, q, k, v, out, lse, flat, header, softmax_scale, -1,
+                                                0 if causal else -1)
+    with reference.one_thread():
+        dq, dk, dv = reference.attention_bwd_ref(dout, q, k, v, out, softmax_scale, causal)
+    return dq.to(q.dtype).contiguous(), dk.float().contiguous(), dv.float().contiguous()
+
+
 def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, deterministic,
                      schedule, sm_margin):
     """The backward kernels for a window (full and causal included) and a softcap (0: none)."""

@@ -1,6 +1,9 @@
 """dash_fa3.distributed on CPU with gloo, in spawned processes (this file is also the worker).
 
-* deterministic, algorithm "heads" (the default): output and dq/dk/dv bitwise those of one
+* deterministic, algorithm "superblocks" (the default): output and dq/dk/dv bitwise identical for
+  P = 1, 2, 3, 4, 8 and both layouts (balanced plans and the near-equal-work fallback), MHA, GQA
+  and MQA, and within bounds of fp64 attention; the same through the shared transport;
+* deterministic, algorithm "heads": output and dq/dk/dv bitwise those of one
   process's call on the whole tensors (the same per-group compute), for P = 1, 2, 3, 4, 8 and both
   layouts, and within bounds of fp64 attention;
 * deterministic, algorithm "folds": output and dq/dk/dv match fp64 attention (dash_fa3.reference)
@@ -46,6 +49,9 @@ HEADS_CONFIGS = {
     "heads_full_mha_fp16_b2": (False, 2, 9, 9, 16, "fp16"),
 }
 LAYOUTS = ("contiguous", "zigzag")
+# The superblock algorithm's S in these runs: 8 superblocks of 2048 tokens (balanced for P = 1, 2, 4;
+# at P = 8 the 2P * S rule fails and the near-equal-work cut takes over), 9 of 2304 (P = 3: the same).
+SUPERBLOCK = 256
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -58,11 +64,11 @@ def make_inputs(seed, seqlen, cfg):
     return [torch.randn(s, generator=g).to(DTYPES[dt]) for s in shapes]
 
 
-def _attention_run(D, group, seed, seqlen, cfg, layout, deterministic=True, algorithm="folds"):
+def _attention_run(D, group, seed, seqlen, cfg, layout, deterministic=True, algorithm="folds", **kw):
     q, k, v, dout = make_inputs(seed, seqlen, cfg)
     ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
     out = D.context_parallel_attn(ql, kl, vl, group, causal=cfg[0], layout=layout, deterministic=deterministic,
-                                  algorithm=algorithm)
+                                  algorithm=algorithm, **kw)
     out.backward(D.shard(dout, group, layout=layout))
     return [D.unshard(x, group, layout=layout) for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
 
@@ -74,13 +80,16 @@ def _job_attention(D, group, rank, P, job, outdir):
                 res = _attention_run(D, group, job["seed"], n, cfg, layout)
                 if rank == 0:
                     torch.save(res, os.path.join(outdir, f"{name}-{layout}-N{n}-P{P}.pt"))
+                res = _attention_run(D, group, job["seed"], n, cfg, layout, algorithm=None, superblock=SUPERBLOCK)
+                if rank == 0:
+                    torch.save(res, os.path.join(outdir, f"sb-{name}-{layout}-N{n}-P{P}.pt"))
                 if n == NONDET_LENGTHS.get(P):
                     res = _attention_run(D, group, job["seed"], n, cfg, layout, deterministic=False, algorithm=None)
                     if rank == 0:
                         torch.save(res, os.path.join(outdir, f"nondet-{name}-{layout}-N{n}-P{P}.pt"))
     for name, cfg in HEADS_CONFIGS.items():
         for layout in LAYOUTS:
-            res = _attention_run(D, group, job["seed"], LENGTHS[P][0], cfg, layout, algorithm=None)
+            res = _attention_run(D, group, job["seed"], LENGTHS[P][0], cfg, layout, algorithm="heads")
             if rank == 0:
                 torch.save(res, os.path.join(outdir, f"{name}-{layout}-N{LENGTHS[P][0]}-P{P}.pt"))
     return {}
@@ -88,16 +97,24 @@ def _job_attention(D, group, rank, P, job, outdir):
 
 def _job_shared(D, group, rank, P, job, outdir):
     """The head-parallel algorithm through the shared transport, heads in job['chunks'] chunks,
-    twice per config (the second pass reuses the buffers the first one grew); then once more in a
-    new process group of the same name whose ranks are the old ones shifted by one (the old group's
-    buffers must not be reused)."""
+    twice per config (the second pass reuses the buffers the first one grew); the superblock
+    algorithm through both transports; then once more in a new process group of the same name whose
+    ranks are the old ones shifted by one (the old group's buffers must not be reused)."""
+    n = LENGTHS[P][0]
+    for transport in ("p2p", "shared"):
+        os.environ["DASH_FA3_CP_TRANSPORT"] = transport
+        for name in ("causal_gqa_fp16_b2", "full_mqa_bf16"):
+            for layout in LAYOUTS:
+                res = _attention_run(D, group, job["seed"], n, CONFIGS[name], layout, algorithm=None,
+                                     superblock=SUPERBLOCK)
+                if rank == 0:
+                    torch.save(res, os.path.join(outdir, f"sb-{transport}-{name}-{layout}.pt"))
     os.environ["DASH_FA3_CP_TRANSPORT"] = "shared"
     os.environ["DASH_FA3_CP_CHUNKS"] = str(job["chunks"])
-    n = LENGTHS[P][0]
     for name, cfg in HEADS_CONFIGS.items():
         for layout in LAYOUTS:
             for rep in range(2):
-                res = _attention_run(D, group, job["seed"] + rep, n, cfg, layout, algorithm=None)
+                res = _attention_run(D, group, job["seed"] + rep, n, cfg, layout, algorithm="heads")
                 if rank == 0:
                     torch.save(res, os.path.join(outdir, f"{name}-{layout}-{rep}.pt"))
     import datetime
@@ -111,7 +128,8 @@ def _job_shared(D, group, rank, P, job, outdir):
                             timeout=datetime.timedelta(seconds=job["timeout_s"]))
     assert dist.group.WORLD.group_name == name
     cfg_name = next(iter(HEADS_CONFIGS))
-    res = _attention_run(D, dist.group.WORLD, job["seed"] + 2, n, HEADS_CONFIGS[cfg_name], "contiguous", algorithm=None)
+    res = _attention_run(D, dist.group.WORLD, job["seed"] + 2, n, HEADS_CONFIGS[cfg_name], "contiguous",
+                         algorithm="heads")
     if rank == 0:
         torch.save(res, os.path.join(outdir, "again.pt"))
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("dash_fa3-cp-")] if os.path.isdir("/dev/shm") else []
@@ -185,7 +203,7 @@ def _job_checkpoint(D, group, rank, P, job, outdir):
     def block(x, i):
         b, n, _ = x.shape
         q, k, v = qkv[i](x).view(b, n, 3, heads, dim // heads).unbind(2)
-        o = D.context_parallel_attn(q, k, v, group, causal=True, deterministic=True)
+        o = D.context_parallel_attn(q, k, v, group, causal=True, deterministic=True, algorithm="heads")
         return x + proj[i](torch.nn.functional.gelu(o.reshape(b, n, dim)))
 
     x_full = torch.randn(1, job["seqlen"], dim)
@@ -401,6 +419,32 @@ def test_invariance_is_not_vacuous(attention_runs):
         assert not torch.equal(a, b.to(a.dtype)), f"{name}: the reference's fp32 order gave the same bits"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_superblocks_bitwise_invariant_to_number_of_ranks(attention_runs, name, layout):
+    seed, load = attention_runs
+    for P, lengths in LENGTHS.items():
+        for n in lengths:
+            base = load("sb-" + name, "contiguous", n, 1)
+            for what, a, b in zip(("out", "dq", "dk", "dv"), load("sb-" + name, layout, n, P), base):
+                assert torch.equal(a, b), (f"superblocks {name}, {n} tokens: {what} with P={P} ({layout}) differs "
+                                           f"from P=1 in {(a != b).sum().item()} elements (seed {seed})")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_superblocks_match_fp64_reference(attention_runs, name):
+    seed, load = attention_runs
+    check_vs_reference(load("sb-" + name, "zigzag", 2304, 3), seed, 2304, CONFIGS[name], f"superblocks {name} P=3")
+
+
+def test_superblock_tree_is_not_vacuous(attention_runs):
+    """The tree's sums are real: the superblock dK/dV differ from the fold algorithm's (one fp32
+    chain per key), so equal bits across P come from the fixed tree, not from coarse rounding."""
+    _, load = attention_runs
+    sb, folded = load("sb-full_mha_fp32", "contiguous", 2048, 1), load("full_mha_fp32", "contiguous", 2048, 1)
+    assert not torch.equal(sb[2], folded[2]) and not torch.equal(sb[3], folded[3])
+
+
 def one_process_heads(seed, seqlen, cfg):
     """What the head-parallel algorithm must reproduce bit for bit: its per-group compute on the
     whole tensors in one process (on a GPU: flash_attn_func)."""
@@ -447,7 +491,7 @@ def test_transport_and_chunk_settings_are_checked(monkeypatch):
 def test_defaults_by_device_and_heads(monkeypatch):
     """Unset, the transport is p2p off CUDA (shared for a CUDA group on one host: the GPU tests'
     default rows); nd runs the head-parallel algorithm on CUDA when every rank holds whole KV heads,
-    the run plan otherwise and on CPU; det always the head-parallel one unless named."""
+    the run plan otherwise and on CPU; det always the superblock one unless named."""
     from dash_fa3.distributed import attention, transport
 
     monkeypatch.delenv("DASH_FA3_CP_TRANSPORT", raising=False)
@@ -457,7 +501,7 @@ def test_defaults_by_device_and_heads(monkeypatch):
     r = attention.resolve_algorithm
     assert r(None, False, 8, 2, "cuda") == "heads" and r(None, False, 2, 2, "cuda") == "heads"
     assert r(None, False, 1, 2, "cuda") == "runs" and r(None, False, 8, 2, "cpu") == "runs"
-    assert r(None, True, 8, 2, "cuda") == "heads" and r(None, True, 1, 2, "cpu") == "heads"
+    assert r(None, True, 8, 2, "cuda") == "superblocks" and r(None, True, 1, 2, "cpu") == "superblocks"
     assert r("runs", False, 8, 2, "cuda") == "runs"
     with pytest.raises(ValueError, match="not deterministic"):
         r("runs", True, 8, 2, "cuda")
@@ -486,6 +530,11 @@ def test_heads_shared_transport_bitwise_one_process(tmp_path, P, chunks):
                           one_process_heads(seed + 2, n, HEADS_CONFIGS[name])):
         assert torch.equal(a, b), f"{name} in a new group of the same name: {what} differs (seed {seed})"
     assert all(not r["leftovers"] for r in results.values()), results
+    for name in ("causal_gqa_fp16_b2", "full_mqa_bf16"):
+        for layout in LAYOUTS:
+            a, b = (torch.load(tmp_path / f"sb-{t}-{name}-{layout}.pt") for t in ("p2p", "shared"))
+            for what, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+                assert torch.equal(x, y), f"superblocks {name} {layout} P={P}: {what} differs between transports"
 
 
 @pytest.mark.parametrize("name", list(HEADS_CONFIGS))

@@ -283,13 +283,14 @@ def test_cli_table_and_json(capsys):
 
 
 def test_cli_models_every_algorithm_with_its_own_cost_defaults(capsys):
-    """One CLI for the three plans; a cost left unset takes each algorithm's default, so the rows
+    """One CLI for the four plans; a cost left unset takes each algorithm's default, so the rows
     equal the algorithms' own simulate()."""
     assert cli.main(["plan", "--P", "2", "--seqlen", "64k", "--layout", "contiguous", "--schedule",
                      "helper_worker", "--json"]) == 0
     rows = {r["algorithm"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert set(rows) == {"heads", "runs", "folds"}
-    from dash_fa3.distributed import heads, runs
+    assert set(rows) == {"heads", "runs", "folds", "superblocks"}
+    from dash_fa3.distributed import heads, runs, superblocks
+    assert rows["superblocks"]["efficiency"] == superblocks.simulate(2, 65536).efficiency
     assert rows["heads"]["efficiency"] == heads.simulate(2, 65536).efficiency
     assert rows["runs"]["efficiency"] == runs.simulate(2, 65536).efficiency
     assert rows["folds"]["efficiency"] == S.simulate(2, 65536).efficiency

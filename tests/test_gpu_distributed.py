@@ -11,7 +11,11 @@
   bitwise one GPU's through both transports (issue 21), so the same for every P;
 * on any machine with a GPU: 2 and 3 ranks sharing that GPU (gloo for the group's collectives,
   symmetric memory between the processes) run the shared transport's CUDA path, its copies,
-  barriers and slot offsets as on several GPUs, and give one GPU's bits.
+  barriers and slot offsets as on several GPUs, and give one GPU's bits;
+* the superblock algorithm (the deterministic default, issue 50) with 1, 2, 3 and 4 ranks sharing
+  one GPU, MQA (heads_kv = 1) and GQA (heads_kv = 8), causal and full: output and gradients
+  bitwise the same for every P, the output bitwise flash_attn_func's, the gradients within 2x a
+  plain bf16 implementation's error of the fp32 reference.
 """
 
 import json
@@ -49,12 +53,23 @@ MANY_CASES = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (deterministic, algorithm, (DASH_FA3_CP_TRANSPORT, DASH_FA3_CP_CHUNKS)) per run, named by RUNS below;
 # the last moves the head-parallel algorithm's data on copy engines, heads in two chunks.
-RUN_ARGS = ((False, None, ("p2p", "1")), (True, None, ("p2p", "1")), (False, "heads", ("p2p", "1")),
-            (True, None, ("shared", "2")))
-MANY_RUN_ARGS = ((True, None, ("p2p", "1")), (True, None, ("shared", "2")))
+RUN_ARGS = ((False, None, ("p2p", "1")), (True, "heads", ("p2p", "1")), (False, "heads", ("p2p", "1")),
+            (True, "heads", ("shared", "2")))
+MANY_RUN_ARGS = ((True, "heads", ("p2p", "1")), (True, "heads", ("shared", "2")))
 # Ranks sharing one GPU: only the shared transport (NCCL refuses two ranks on one device).
 ONE_GPU = (2, 3)
-ONE_GPU_RUN_ARGS = ((True, None, ("shared", "2")), (True, None, ("shared", "1")))
+ONE_GPU_RUN_ARGS = ((True, "heads", ("shared", "2")), (True, "heads", ("shared", "1")))
+# The superblock algorithm on ranks sharing one GPU: 12 (6) superblocks of 1024 tokens, so P = 1, 2, 3
+# take the balanced plan and P = 4 (causal) the near-equal-work cut; lengths every P splits.
+SB_WORLDS = (1, 2, 3, 4)
+SB_SUPERBLOCK = 1024
+SB_CASES = {
+    "sb_causal_mqa_bf16_h128_contig": (True, 1, 8, 1, 128, "bf16", 12288, "contiguous"),
+    "sb_causal_gqa_bf16_h128_zigzag": (True, 1, 16, 8, 128, "bf16", 12288, "zigzag"),
+    "sb_full_mqa_bf16_h64_b2_zigzag": (False, 2, 4, 1, 64, "bf16", 6144, "zigzag"),
+    "sb_full_gqa_bf16_h64_contig": (False, 1, 16, 8, 64, "bf16", 6144, "contiguous"),
+}
+SB_RUN_ARGS = ((True, "superblocks", ("shared", "1")),)
 
 
 def make_inputs(seed, case):
@@ -66,9 +81,9 @@ def make_inputs(seed, case):
 
 def _worker(argv):
     rank, store, outdir, seed, world = int(argv[0]), argv[1], argv[2], int(argv[3]), int(argv[4])
-    one_gpu = argv[5] == "one-gpu"
-    cases, run_args = ((MANY_CASES, ONE_GPU_RUN_ARGS) if one_gpu else (CASES, RUN_ARGS) if world == P
-                       else (MANY_CASES, MANY_RUN_ARGS))
+    one_gpu = argv[5] in ("one-gpu", "sb-one-gpu")
+    cases, run_args = ((SB_CASES, SB_RUN_ARGS) if argv[5] == "sb-one-gpu" else (MANY_CASES, ONE_GPU_RUN_ARGS)
+                       if one_gpu else (CASES, RUN_ARGS) if world == P else (MANY_CASES, MANY_RUN_ARGS))
     sys.path.insert(0, ROOT)
     for var, val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -102,8 +117,9 @@ def _worker(argv):
         for det, algorithm, transport in run_args:
             ql, kl, vl = (D.shard(x, group, layout=layout).detach().clone().requires_grad_() for x in (q, k, v))
             os.environ["DASH_FA3_CP_TRANSPORT"], os.environ["DASH_FA3_CP_CHUNKS"] = transport
+            kw = {"superblock": SB_SUPERBLOCK} if algorithm == "superblocks" else {}
             out = D.context_parallel_attn(ql, kl, vl, group, causal=causal, layout=layout, deterministic=det,
-                                          algorithm=algorithm)
+                                          algorithm=algorithm, **kw)
             out.backward(D.shard(dout, group, layout=layout))
             # (gloo gathers host tensors)
             full.append([D.unshard(x.cpu() if one_gpu else x, group, layout=layout).cpu()
@@ -124,9 +140,9 @@ def _worker(argv):
     dist.destroy_process_group()
 
 
-def _launch(world, cases, out, one_gpu=False):
-    """Run this file as ``world`` NCCL ranks on ``cases`` (``one_gpu``: gloo ranks sharing GPU 0);
-    returns the seed (fails, never hangs)."""
+def _launch(world, cases, out, one_gpu=False, mode=None, seed=None):
+    """Run this file as ``world`` NCCL ranks on ``cases`` (``one_gpu``: gloo ranks sharing GPU 0;
+    ``mode``: the worker's mode, by default from ``one_gpu``); returns the seed (fails, never hangs)."""
     if torch.cuda.device_count() < (1 if one_gpu else world):
         pytest.skip(f"needs {1 if one_gpu else world} GPUs, found {torch.cuda.device_count()}")
     from attn_utils import require_built
@@ -135,10 +151,10 @@ def _launch(world, cases, out, one_gpu=False):
         v = variants.Variant(case[4], case[5], "causal" if case[0] else "full")
         require_built(v, "fwd")
         require_built(v, "bwd")
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     env = dict(os.environ, PYTHONPATH=ROOT)
     procs = [subprocess.Popen([sys.executable, HERE, str(r), str(out / "store"), str(out), str(seed), str(world),
-                               "one-gpu" if one_gpu else "gpus"],
+                               mode or ("one-gpu" if one_gpu else "gpus")],
                               env=env, stdout=open(out / f"rank{r}.log", "w"), stderr=subprocess.STDOUT)
              for r in range(world)]
     deadline = time.monotonic() + 600
@@ -173,6 +189,51 @@ def runs_many(request, tmp_path_factory):
 def runs_one_gpu(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"gpu_dist_one_gpu_P{request.param}")
     return request.param, _launch(request.param, MANY_CASES, out, one_gpu=True), out
+
+
+@pytest.fixture(scope="module")
+def runs_sb(tmp_path_factory):
+    """The superblock cases at every P of SB_WORLDS, ranks sharing the GPU, one seed: {P: dir}."""
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a GPU")
+    seed, outs = None, {}
+    for world in SB_WORLDS:
+        outs[world] = tmp_path_factory.mktemp(f"gpu_dist_sb_P{world}")
+        seed = _launch(world, SB_CASES, outs[world], one_gpu=True, mode="sb-one-gpu", seed=seed)
+    return seed, outs
+
+
+@pytest.mark.parametrize("name", list(SB_CASES))
+def test_superblocks_same_bits_for_every_number_of_ranks(runs_sb, name):
+    """Issue 50: the superblock algorithm's output and gradients at P = 1, 2, 3, 4 (ranks sharing the
+    GPU) are bitwise equal; the output is bitwise flash_attn_func's; the gradients are within 2x a
+    plain bf16 implementation's error of the fp64 reference."""
+    import dash_fa3
+    from attn_utils import assert_close_to_ref, attention_lowp
+    from dash_fa3 import reference
+
+    seed, outs = runs_sb
+    case = SB_CASES[name]
+    causal = case[0]
+    results = {world: torch.load(out / f"{name}.pt")[0] for world, out in outs.items()}
+    base = results[SB_WORLDS[0]]
+    for world, got in results.items():
+        for what, a, b in zip(("out", "dq", "dk", "dv"), got, base):
+            assert torch.equal(a, b), (f"{name}: {what} at P={world} differs from P={SB_WORLDS[0]} in "
+                                       f"{(a != b).sum().item()} elements (seed {seed})")
+    q, k, v, dout = (t.cuda() for t in make_inputs(seed, case))
+    single = dash_fa3.flash_attn_func(q, k, v, causal=causal)
+    single = (single[0] if isinstance(single, tuple) else single).cpu()
+    assert torch.equal(base[0], single), (f"{name}: output differs from flash_attn_func in "
+                                          f"{(base[0] != single).sum().item()} elements (seed {seed})")
+    scale = 1.0 / math.sqrt(case[4])
+    ref = reference.attention_bwd_ref(dout, q, k, v, base[0].cuda(), scale, causal, torch.float64)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    lowp_out, _ = attention_lowp(qq, kk, vv, scale, causal)
+    lowp = torch.autograd.grad(lowp_out, (qq, kk, vv), dout)
+    for what, ours, want, base_ in zip(("dq", "dk", "dv"), base[1:4], ref, lowp):
+        assert ours.dtype == q.dtype
+        assert_close_to_ref(f"{name} superblocks {what}", ours.cuda(), base_, want)
 
 
 RUNS = ("runs", "heads det", "heads nd", "heads det shared")
@@ -276,7 +337,7 @@ def test_folds_are_refused_on_cuda(runs):
     for r in range(P):
         res = json.loads((out / f"rank{r}.json").read_text())
         for name, msg in res.items():
-            assert msg is not None and "algorithm='heads'" in msg, (r, name, msg)
+            assert msg is not None and "algorithm='superblocks'" in msg, (r, name, msg)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const
                                                    double softmax_scale, int64_t window_left, int64_t window_right,
                                                    double softcap, bool deterministic);
 
+// The deterministic backward with dK and dV in fp32, not rounded (dQ in q's
+// dtype): one call's partials that context parallelism adds to other calls'
+// before rounding once (dash_fa3/distributed/superblocks.py). No softcap.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dkv_fp32(const at::Tensor& dout, const at::Tensor& q,
+                                                            const at::Tensor& k, const at::Tensor& v,
+                                                            const at::Tensor& out, const at::Tensor& lse,
+                                                            const at::Tensor& schedule,
+                                                            const at::Tensor& schedule_header, double softmax_scale,
+                                                            int64_t window_left, int64_t window_right);
+
 // The backward over packed documents: dout, q, out (total_q, heads, d), k, v
 // (total_k, heads_kv, d), lse (heads, total_q); the schedule built for the
 // documents (dash_fa3.schedule.varlen). (dq, dk, dv) shaped like q, k, v.
@@ -114,6 +124,7 @@ struct DkvCast {
   const float* dv_partial;
   bool accumulated;  // BwdParams::dkv_accumulate
   at::Tensor dk, dv;  // (batch, seqlen_k, heads_kv, headdim)
+  bool fp32 = false;  // dk, dv are fp32: the group sums, not rounded
 };
 // dq_accum: as the main kernel leaves it (fragment order, bwd_block_m(hdim)-row tiles).
 // Packed (docs != nullptr): batch is 1, seqlen_q total_q, seqlen_q_rounded the padded

@@ -24,6 +24,12 @@ TORCH_LIBRARY(dash_fa3_C, m) {
       " Tensor schedule_header, float softmax_scale, int window_left, int window_right, float softcap,"
       " bool deterministic)"
       " -> (Tensor, Tensor, Tensor)");
+  // The deterministic backward with fp32 dK/dV (the group sums, not rounded):
+  // context parallelism's partials (dash_fa3/distributed/superblocks.py).
+  m.def(
+      "bwd_dkv_fp32(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor schedule,"
+      " Tensor schedule_header, float softmax_scale, int window_left, int window_right)"
+      " -> (Tensor, Tensor, Tensor)");
   // The backward over packed documents; dash_fa3::bwd_general runs it.
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q,"
@@ -44,6 +50,7 @@ TORCH_LIBRARY_IMPL(dash_fa3_C, CUDA, m) {
   m.impl("fwd_window", &dash_fa3::fwd_window);
   m.impl("fwd_varlen", &dash_fa3::fwd_varlen);
   m.impl("bwd", &dash_fa3::bwd);
+  m.impl("bwd_dkv_fp32", &dash_fa3::bwd_dkv_fp32);
   m.impl("bwd_varlen", &dash_fa3::bwd_varlen);
   m.impl("bwd_preprocess", &dash_fa3::bwd_preprocess);
   m.impl("bwd_postprocess", &dash_fa3::bwd_postprocess);

@@ -46,12 +46,15 @@ namespace {
 // entries (or all of it) as a CPU int32 tensor, checked against this call
 // before launch. The window (left, right; -1 unbounded) picks the mask kind
 // (mask_kind_of: full, causal or local). Packed calls pass (1, total, heads,
-// d) views and lse as (1, heads, total_q). Returns (dq, dk, dv) in q's dtype.
+// d) views and lse as (1, heads, total_q). Returns (dq, dk, dv) in q's dtype, or
+// with dkv_fp32 dK and dV in fp32: each KV head's group sum of the per-head fp32
+// slabs (MHA too), not rounded, so that context parallelism can add such
+// partials of several calls before the one rounding (distributed/superblocks.py).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& schedule, const at::Tensor& schedule_header,
     double softmax_scale, int64_t window_left, int64_t window_right, double softcap, bool deterministic,
-    const PackedDocs* packed) {
+    const PackedDocs* packed, bool dkv_fp32 = false) {
   const at::Tensor q = kernel_view(q_in), k = kernel_view(k_in), v = kernel_view(v_in);
   const at::Tensor dout = kernel_view(dout_in), out = kernel_view(out_in);
   const QkvShape sh = check_qkv(q, k, v);
@@ -101,16 +104,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   // move `group` times the bytes. With longer tasks the slabs' plain stores are faster than
   // adds into a shared accumulator (docs/journal/results.md, GQA dK/dV without ordered adds).
   const bool dkv_accumulate = gqa && !deterministic && 2 * seqlen_q <= seqlen_k;
+  TORCH_CHECK(!dkv_fp32 || (deterministic && packed == nullptr),
+              "dash_fa3: fp32 dK/dV partials come from dense deterministic calls only");
+  // The main kernel writes fp32 slabs whenever it has them (BwdParams::dk_partial), MHA included.
+  const bool slabs = gqa || dkv_fp32;
   const int64_t dq_splits = hdr[schedule::kHNumSplits];
   TORCH_CHECK(dq_splits >= 1 && (dq_splits == 1 || packed == nullptr),
               msg("dash_fa3: schedule has ", dq_splits, " dQ splits (dense calls only, at least 1)"));
   const BwdWorkspace ws = make_bwd_workspace(
-      {sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, gqa, dq_splits,
+      {sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, slabs, dq_splits,
        dkv_accumulate ? heads_kv : heads}, dev);
   launch_bwd_preprocess(out, dout, lse, ws, rounded, stream, packed, block_m);
 
-  at::Tensor dk = at::empty_like(k, k.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dv = at::empty_like(v, v.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto kv_options = [&](const at::Tensor& t) {
+    auto o = t.options().memory_format(at::MemoryFormat::Contiguous);
+    return dkv_fp32 ? o.dtype(at::kFloat) : o;
+  };
+  at::Tensor dk = at::empty_like(k, kv_options(k));
+  at::Tensor dv = at::empty_like(v, kv_options(v));
   BwdParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -162,9 +173,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
-  const DkvCast dkv{ws.dk_partial, ws.dv_partial, dkv_accumulate, dk, dv};
+  const DkvCast dkv{ws.dk_partial, ws.dv_partial, dkv_accumulate, dk, dv, dkv_fp32};
   at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, sh.batch, heads, seqlen_q, rounded, hdim, softmax_scale,
-                                         q.scalar_type(), dev, stream, gqa ? &dkv : nullptr, packed,
+                                         q.scalar_type(), dev, stream, slabs ? &dkv : nullptr, packed,
                                          dq_splits, ws.dq_split_floats);
   return {dq, dk, dv};
 }
@@ -178,6 +189,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(const at::Tensor& dout, const
                                                    double softcap, bool deterministic) {
   return bwd_dispatch(dout, q, k, v, out, lse, schedule, schedule_header, softmax_scale, window_left, window_right,
                       softcap, deterministic, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dkv_fp32(const at::Tensor& dout, const at::Tensor& q,
+                                                            const at::Tensor& k, const at::Tensor& v,
+                                                            const at::Tensor& out, const at::Tensor& lse,
+                                                            const at::Tensor& schedule,
+                                                            const at::Tensor& schedule_header, double softmax_scale,
+                                                            int64_t window_left, int64_t window_right) {
+  return bwd_dispatch(dout, q, k, v, out, lse, schedule, schedule_header, softmax_scale, window_left, window_right,
+                      0.0, true, nullptr, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(

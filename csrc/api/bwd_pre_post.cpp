@@ -86,6 +86,7 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
     p.dv_stride = bshd_strides(dkv->dv, "dv");
     p.heads_kv = static_cast<int>(dkv->dk.size(2));
     p.dkv_partial_group = dkv->accumulated ? 1 : static_cast<int>(heads / p.heads_kv);
+    p.dkv_fp32 = dkv->fp32;
     p.headdim_v = static_cast<int>(dkv->dv.size(3));
     p.seqlen_k = static_cast<int>(dkv->dk.size(1));
   }

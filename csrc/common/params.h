@@ -160,6 +160,7 @@ struct BwdPostprocessParams {
   const float* dk_partial;
   const float* dv_partial;
   int dkv_partial_group;  // slabs per KV head: heads / heads_kv, or 1 (BwdParams::dkv_accumulate)
+  bool dkv_fp32;          // dk, dv are fp32 (the sums as they are), else the input dtype
   void* dk;
   void* dv;
   TensorStrides dk_stride, dv_stride;

@@ -62,10 +62,11 @@ FIELDS = (
     ("algorithm", lambda c: repr(ALGORITHMS[c]) if 0 <= c < len(ALGORITHMS) else "invalid"),
     ("deterministic", lambda c: str(bool(c)) if c >= 0 else "not a bool"),
     ("device type", lambda c: DEVICES[c] if 0 <= c < len(DEVICES) else "invalid"),
+    ("superblock", lambda c: str(c) if c > 0 else "none" if c == 0 else "invalid"),
 )
 
 
-def signature(q, k, causal, softmax_scale, layout, algorithm, deterministic) -> tuple[int, ...]:
+def signature(q, k, causal, softmax_scale, layout, algorithm, deterministic, superblock=0) -> tuple[int, ...]:
     """The call's arguments as int64s, one per :data:`FIELDS` entry (the algorithm and scale as this
     rank resolved them); INVALID where an argument is not of its type or not resolved (the rank's own
     check reports that)."""
@@ -74,8 +75,9 @@ def signature(q, k, causal, softmax_scale, layout, algorithm, deterministic) -> 
     dtype = _code(q.dtype, DTYPES) if isinstance(q, torch.Tensor) else INVALID
     device = _code(q.device.type, DEVICES) if isinstance(q, torch.Tensor) else INVALID
     algo = _code(algorithm, ALGORITHMS)   # None (not resolved: this rank's checks failed) is INVALID
+    sb = validation.as_int(superblock if superblock is not None else 0)
     return (dtype, b, n, h, hk, d, _flag(causal), _scale_bits(softmax_scale, d), _code(layout, LAYOUTS), algo,
-            _flag(deterministic), device)
+            _flag(deterministic), device, INVALID if sb is None else sb)
 
 
 _agreed: dict[tuple[str, int], set] = {}

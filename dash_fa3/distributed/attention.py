@@ -1,8 +1,11 @@
 """``context_parallel_attn`` and its custom ops ``dash_fa3::cp_fwd`` / ``dash_fa3::cp_bwd``.
 
-Three algorithms (``algorithm=``; the default follows the mode):
+Four algorithms (``algorithm=``; the default follows the mode):
 
-* ``"heads"`` (default with ``deterministic=True``; ``heads.py``): each rank computes whole heads
+* ``"superblocks"`` (default with ``deterministic=True``; ``superblocks.py``): one kernel call per
+  fixed superblock of query rows, fp32 dK/dV partials summed along one fixed tree: the same bits for
+  every number of ranks and both layouts, any heads_kv (MQA included).
+* ``"heads"`` (``heads.py``): each rank computes whole heads
   over the whole sequence with the single-GPU kernels (on CPU, the reference): output and gradients
   bitwise those of one GPU, for every number of ranks and both layouts. Needs heads_kv >= P.
 * ``"runs"`` (default with ``deterministic=False`` on CPU and where heads_kv < P; ``runs.py``): DistFlashAttn's
@@ -24,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from .. import validation
-from . import agreement, folds, heads, runs
+from . import agreement, folds, heads, runs, superblocks
+from . import transport as tr
 from .layout import DEFAULT_LAYOUT, check_seqlen, check_shard_layout, mark_layout, resolve_group, resolve_layout
 from .model import ALGORITHMS
 
@@ -37,12 +41,16 @@ def _group(name: str):
 
 @torch.library.custom_op("dash_fa3::cp_fwd", mutates_args=())
 def cp_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
-           softmax_scale: float, deterministic: bool, layout: str,
-           algorithm: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+           softmax_scale: float, deterministic: bool, layout: str, algorithm: str,
+           superblock: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Context-parallel attention forward on local shards: (out, lse (b, h, n) fp32, saved). saved:
     with algorithm "heads", this rank's heads' q, k, v, out, lse over the whole sequence, which its
-    backward uses instead of gathering them again; else empty."""
+    backward uses instead of gathering them again; else empty. ``superblock``: the superblock
+    algorithm's S in tokens (the others ignore it)."""
     group = _group(group_name)
+    if algorithm == "superblocks":
+        return *superblocks.forward(q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                                    superblock=superblock, transport=tr.choose(group, q.device)), []
     if algorithm == "heads":
         return heads.forward(q, k, v, group=group, causal=causal, layout=layout, softmax_scale=softmax_scale)
     if algorithm == "folds":
@@ -53,7 +61,7 @@ def cp_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, c
 
 
 @cp_fwd.register_fake
-def _cp_fwd_fake(q, k, v, group_name, causal, softmax_scale, deterministic, layout, algorithm):
+def _cp_fwd_fake(q, k, v, group_name, causal, softmax_scale, deterministic, layout, algorithm, superblock):
     b, n, h, _ = q.shape
     saved = []
     if algorithm == "heads":
@@ -67,9 +75,14 @@ def _cp_fwd_fake(q, k, v, group_name, causal, softmax_scale, deterministic, layo
 @torch.library.custom_op("dash_fa3::cp_bwd", mutates_args=())
 def cp_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, group_name: str, causal: bool, softmax_scale: float, deterministic: bool,
-           layout: str, algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Context-parallel attention backward on local shards ("runs", "folds"): (dq, dk, dv) like q, k, v."""
+           layout: str, algorithm: str, superblock: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Context-parallel attention backward on local shards ("superblocks", "runs", "folds"): (dq, dk,
+    dv) like q, k, v."""
     group = _group(group_name)
+    if algorithm == "superblocks":
+        return superblocks.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
+                                    softmax_scale=softmax_scale, superblock=superblock,
+                                    transport=tr.choose(group, q.device))
     if algorithm == "folds":
         backend = folds.get_backend(q.device, q.shape[2], k.shape[2], softmax_scale)
         return folds.backward(dout, q, k, v, out, lse, group=group, causal=causal, layout=layout,
@@ -79,7 +92,8 @@ def cp_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 @cp_bwd.register_fake
-def _cp_bwd_fake(dout, q, k, v, out, lse, group_name, causal, softmax_scale, deterministic, layout, algorithm):
+def _cp_bwd_fake(dout, q, k, v, out, lse, group_name, causal, softmax_scale, deterministic, layout, algorithm,
+                 superblock):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -99,23 +113,23 @@ def _cp_heads_bwd_fake(dout, saved, heads_kv, group_name, causal, softmax_scale,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, group_name, causal, softmax_scale, deterministic, layout, algorithm = inputs
+    q, k, v, group_name, causal, softmax_scale, deterministic, layout, algorithm, superblock = inputs
     out, lse, saved = output
     ctx.heads_kv = k.shape[2]
     ctx.save_for_backward(*(saved if algorithm == "heads" else (q, k, v, out, lse)))
-    ctx.args = (group_name, causal, softmax_scale, deterministic, layout, algorithm)
+    ctx.args = (group_name, causal, softmax_scale, deterministic, layout, algorithm, superblock)
     ctx.mark_non_differentiable(lse, *saved)
 
 
 def _backward(ctx, dout, dlse, dsaved):
-    group_name, causal, softmax_scale, deterministic, layout, algorithm = ctx.args
+    group_name, causal, softmax_scale, deterministic, layout, algorithm, _ = ctx.args
     if algorithm == "heads":
         dq, dk, dv = cp_heads_bwd(dout.contiguous(), list(ctx.saved_tensors), ctx.heads_kv, group_name, causal,
                                   softmax_scale, deterministic, layout)
     else:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = cp_bwd(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 cp_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -148,26 +162,28 @@ def resolve_algorithm(algorithm, deterministic: bool, heads_kv: int = 0, num_ran
                       device_type: str = "cpu") -> str:
     """The algorithm a call runs: ``algorithm`` checked against the mode, or the mode's default.
 
-    Defaults: deterministic, ``heads``. Otherwise ``heads`` on CUDA when every rank can hold whole
-    KV heads (heads_kv >= P), else ``runs``: on GPUs the head-parallel algorithm through the shared
-    transport was the faster in both modes where it applies (docs/journal/results.md)."""
+    Defaults: deterministic, ``superblocks`` (the same bits at every P, any heads_kv). Otherwise
+    ``heads`` on CUDA when every rank can hold whole KV heads (heads_kv >= P), else ``runs``: on GPUs
+    the head-parallel algorithm through the shared transport was the faster non-deterministic one
+    where it applies (docs/journal/results.md)."""
     if algorithm is None:
         if deterministic:
-            return "heads"
+            return "superblocks"
         return "heads" if device_type == "cuda" and heads_kv >= num_ranks else "runs"
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)} "
-                         f"(None: 'heads' when deterministic or on CUDA with heads_kv >= P, else 'runs')")
+                         f"(None: 'superblocks' when deterministic, else 'heads' on CUDA with heads_kv >= P, "
+                         f"else 'runs')")
     if deterministic and algorithm == "runs":
         raise ValueError("algorithm='runs' sums partial dK/dV, whose grouping changes with the number of ranks: "
-                         "it is not deterministic; use algorithm='heads' (the default) or 'folds'")
-    if not deterministic and algorithm == "folds":
-        raise ValueError("algorithm='folds' is the deterministic fold schedule: pass deterministic=True")
+                         "it is not deterministic; use algorithm='superblocks' (the default), 'heads' or 'folds'")
+    if not deterministic and algorithm in ("folds", "superblocks"):
+        raise ValueError(f"algorithm={algorithm!r} is deterministic only: pass deterministic=True")
     return algorithm
 
 
-def _validate(q, k, v, pg, causal, softmax_scale, deterministic, layout, algorithm):
-    """This rank's own checks: (layout, algorithm, softmax scale) resolved, or the error."""
+def _validate(q, k, v, pg, causal, softmax_scale, deterministic, layout, algorithm, superblock):
+    """This rank's own checks: (layout, algorithm, softmax scale, superblock) resolved, or the error."""
     for name, flag in (("causal", causal), ("deterministic", deterministic)):
         if not isinstance(flag, bool):   # as flash_attn_func: "no" is not True
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -182,16 +198,21 @@ def _validate(q, k, v, pg, causal, softmax_scale, deterministic, layout, algorit
         if algorithm == "folds":
             raise NotImplementedError(
                 "dash_fa3.distributed: algorithm='folds' needs fold kernels that do not exist on the GPU; "
-                "use algorithm='heads' (the deterministic default: bitwise one GPU's result)")
+                "use algorithm='superblocks' (the deterministic default: the same bits at every P, any "
+                "heads_kv) or 'heads' (bitwise one GPU's result, heads_kv >= P)")
     elif q.device.type != "cpu":
         raise ValueError(f"dash_fa3.distributed runs on CUDA or CPU tensors, got {q.device.type}")
     if algorithm == "heads":
         heads.kv_ranges(k.shape[2], P)   # raises for heads_kv < P
-    return layout, algorithm, validation.check_softmax_scale(softmax_scale, q.shape[-1])
+    if superblock is not None and algorithm != "superblocks":
+        raise ValueError(f"superblock={superblock!r} is the superblock algorithm's; algorithm={algorithm!r} "
+                         f"takes none")
+    sb = superblocks.check_superblock(superblock) if algorithm == "superblocks" else 0
+    return layout, algorithm, validation.check_softmax_scale(softmax_scale, q.shape[-1]), sb
 
 
 def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, deterministic=False, layout=None,
-                          algorithm=None):
+                          algorithm=None, superblock=None):
     """Attention over a sequence split across the ranks of ``group``; returns this rank's output.
 
     q: (batch, local_seqlen, heads, headdim); k, v: (batch, local_seqlen, heads_kv, headdim),
@@ -201,17 +222,22 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
     required. ``layout``: "contiguous" (default, helper-worker load balancing) or "zigzag".
     Differentiable.
 
-    ``deterministic=True`` (``algorithm="heads"``): each rank computes whole heads over the whole
-    sequence with the single-GPU deterministic kernels, so output and gradients are bitwise those
-    of ``flash_attn_func(..., deterministic=True)`` on one GPU, for every number of ranks and both
-    layouts; needs heads_kv >= P. ``algorithm="folds"`` (CPU only) gives P-invariant bits for any
-    heads_kv. ``deterministic=False``: on CUDA with heads_kv >= P, ``heads`` (the faster there),
+    ``deterministic=True`` (``algorithm="superblocks"``): one kernel call per superblock of
+    ``superblock`` tokens (default 8192; the bits depend on it, so keep it fixed) and fp32 dK/dV
+    partials summed along one fixed tree, so output and gradients are bitwise the same for every
+    number of ranks and both layouts, any heads_kv; the output and LSE are bitwise
+    ``flash_attn_func``'s on the GPU, the gradients those of this algorithm on one rank. Balanced
+    when the length is a multiple of 2 * P * superblock. ``algorithm="heads"``: each rank computes
+    whole heads over the whole sequence, so output and gradients are bitwise those of
+    ``flash_attn_func(..., deterministic=True)`` on one GPU; needs heads_kv >= P.
+    ``algorithm="folds"`` (CPU only): the fold schedules, P-invariant at 128-token granularity.
+    ``deterministic=False``: on CUDA with heads_kv >= P, ``heads`` (the faster there),
     else ``algorithm="runs"``: DistFlashAttn's helper-worker plan,
     the Hopper kernels on whole runs of query blocks (the reference on CPU); the output is bitwise a
     single-GPU call's, the gradients agree with one GPU to rounding (partial dK/dV summed in fp32).
     Either algorithm can be named in either mode where it is allowed. See docs/design/distributed.md.
 
-    Every rank must pass the same dtype, local shape, ``causal``, scale, layout, algorithm and mode:
+    Every rank must pass the same dtype, local shape, ``causal``, scale, layout, algorithm, superblock and mode:
     the first call per (group, arguments) checks that with one small all-gather and raises the same
     one-line error on every rank otherwise (as it does when one rank's own arguments are wrong). A
     peer that fails or stalls makes every other rank raise :class:`CommunicationError` /
@@ -219,7 +245,7 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
     """
     pg = resolve_group(group)
     try:
-        args = _validate(q, k, v, pg, causal, softmax_scale, deterministic, layout, algorithm)
+        args = _validate(q, k, v, pg, causal, softmax_scale, deterministic, layout, algorithm, superblock)
         error = None
     except (TypeError, ValueError, NotImplementedError) as e:   # every rank learns of it (agreement.check)
         args, error = None, e
@@ -230,8 +256,8 @@ def context_parallel_attn(q, k, v, group, causal=False, softmax_scale=None, dete
         # the resolved values where this rank's checks passed: ranks that resolve alike agree
         sig = agreement.signature(q, k, causal, args[2] if args else softmax_scale,
                                   args[0] if args else (DEFAULT_LAYOUT if layout is None else layout),
-                                  args[1] if args else algorithm, deterministic)
+                                  args[1] if args else algorithm, deterministic, args[3] if args else superblock)
         agreement.check(pg, sig, error)
-    layout, algorithm, softmax_scale = args
-    out, _, _ = cp_fwd(q, k, v, pg.group_name, causal, softmax_scale, deterministic, layout, algorithm)
+    layout, algorithm, softmax_scale, superblock = args
+    out, _, _ = cp_fwd(q, k, v, pg.group_name, causal, softmax_scale, deterministic, layout, algorithm, superblock)
     return out if torch.compiler.is_compiling() else mark_layout(out, layout)

@@ -1,10 +1,10 @@
 """``python -m dash_fa3.distributed plan``: the plan model of every algorithm in one CLI.
 
-For each algorithm named (``--algorithm heads,runs,folds``), each rank count and each global length,
+For each algorithm named (``--algorithm heads,runs,folds,superblocks``), each rank count and each global length,
 it builds and validates the plan, then prints the model's forward + backward time, one GPU's time
 for the same kernels and the efficiency T1 / (P * TP): a table, or one JSON object per line. Cost
 parameters left unset take each algorithm's defaults (``heads.DEFAULT_COST``, ``runs.DEFAULT_COST``,
-``folds.DEFAULT_COST``). Every argument is checked first: a bad one ends with exit status 2 and one
+``folds.DEFAULT_COST``, ``superblocks.DEFAULT_COST``). Every argument is checked first: a bad one ends with exit status 2 and one
 line.
 """
 
@@ -15,8 +15,8 @@ import json
 import sys
 
 from .._cli import OneLineParser, bounded_float, bounded_int, headdim
-from . import folds, heads, runs
-from .layout import LAYOUTS, check_seqlen
+from . import folds, heads, runs, superblocks
+from .layout import LAYOUTS, G, check_seqlen
 from .model import ALGORITHMS, COST_FIELDS
 
 # Sizes the models take: beyond them the plans' tables grow past what a CLI should allocate.
@@ -71,8 +71,8 @@ def _parser() -> OneLineParser:
     a = sub.add_parser("plan", help="build, validate and model the plans of the algorithms",
                        description="Predicted forward + backward time and efficiency T1/(P*TP) of each "
                                    "algorithm's plan (a model, not a measurement).")
-    a.add_argument("--algorithm", default="heads,runs,folds",
-                   help="comma list of heads, runs, folds (default: all three)")
+    a.add_argument("--algorithm", default=",".join(ALGORITHMS),
+                   help=f"comma list of {', '.join(ALGORITHMS)} (default: all)")
     a.add_argument("--P", type=int_list, default=[2, 4, 8], help=f"rank counts, comma list, at most {MAX_RANKS}")
     a.add_argument("--seqlen", type=int_list, default=[65536, 131072, 1048576],
                    help=f"global lengths, comma list; 64k = 65536, 1m = 1048576; at most {MAX_SEQLEN}")
@@ -88,6 +88,8 @@ def _parser() -> OneLineParser:
     a.add_argument("--batch", type=bounded_int(1, MAX_BATCH), default=1)
     a.add_argument("--dtype-bytes", type=bounded_int(1, 8), default=2)
     a.add_argument("--chunks", type=bounded_int(1, 1024), default=1, help="heads: chunks of each rank's heads")
+    a.add_argument("--superblock", type=bounded_int(G, MAX_SEQLEN), default=superblocks.SUPERBLOCK,
+                   help=f"superblocks: S in tokens, a multiple of {G} (default {superblocks.SUPERBLOCK})")
     a.add_argument("--fanout", type=bounded_int(0, MAX_RANKS), default=folds.DEFAULT_FANOUT,
                    help="folds: copies one holder sends per step before relays take over; 0: the owner sends all")
     for f in COST_FIELDS:
@@ -120,6 +122,8 @@ def _check(p: OneLineParser, args) -> list[str]:
                 check_seqlen(n, P)
             except ValueError as e:
                 p.error(str(e))
+    if args.superblock % G:
+        p.error(f"--superblock {args.superblock}: a multiple of {G} tokens")
     if "heads" in names and args.heads[1] < max(args.P):
         p.error(f"--heads {args.heads[0]}/{args.heads[1]}: the head-parallel algorithm needs heads_kv >= P "
                 f"(P up to {max(args.P)})")
@@ -139,6 +143,8 @@ def _rows(name: str, args, P: int, n: int, costs: dict):
         if name == "heads":
             yield heads.simulate(P, n, layout=layout, chunks=args.chunks, elem_bytes=args.dtype_bytes, **shape,
                                  **costs)
+        elif name == "superblocks":
+            yield superblocks.simulate(P, n, layout=layout, superblock=args.superblock, **shape, **costs)
         else:
             yield runs.simulate(P, n, layout=layout, **shape, **costs)
 

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-ALGORITHMS = ("heads", "runs", "folds")
+ALGORITHMS = ("heads", "runs", "folds", "superblocks")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .transport import ENV, Exchange
+from .transport import ENV, Exchange, P2PExchange
 
 ALIGN = 16    # bytes: every message starts at a multiple (any dtype's view; 16-byte copies)
 
@@ -300,3 +300,86 @@ class _Side(Exchange):
             self.recv_into = recv_into
         if recv_buffer is not None:
             self.recv_buffer = recv_buffer
+
+
+_slots: dict[tuple, int] = {}
+
+
+def agreed_slot(group, rank: int, device, key: tuple, need: int) -> int:
+    """The slot size of an exchange: the most bytes any rank sends any other in it. Every rank knows
+    only its own messages, so the first exchange under ``key`` (a call's global signature, the same
+    on every rank) takes the maximum over the group with one all-reduce; later ones reuse it."""
+    full = (group.group_name, id(group), *key)
+    if full not in _slots:
+        t = torch.tensor([need], dtype=torch.int64,
+                         device=device if comm.is_nccl(group) else "cpu")
+        with comm.guard(group, rank, "sizing the shared buffers"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        _slots[full] = max(ALIGN, int(t.item()))
+    return _slots[full]
+
+
+class SharedExchange(Exchange):
+    """One exchange of arbitrary messages through the shared buffers, with the p2p exchange's
+    interface (``send``, ``recv_into``, ``recv_buffer``, then :meth:`post` and :meth:`wait`): the
+    run plan and the superblock algorithm move their data this way.
+
+    :meth:`post` packs every send into this rank's outbox (compute stream), passes barrier A and
+    issues the pulls from the peers' outboxes on the copy stream; :meth:`wait` passes barrier B on
+    the copy stream once the pulls are issued (no outbox is packed again before every peer has
+    pulled from it) and orders the compute stream after it. ``key`` names the exchange for
+    :func:`agreed_slot`."""
+
+    def __init__(self, group, rank: int, what: str, device, key: tuple):
+        self.group, self.rank, self.what, self.device, self.key = group, rank, what, device, key
+        self.P = dist.get_world_size(group)
+        self.sends: list[tuple[int, torch.Tensor]] = []
+        self.recvs: list[tuple[int, torch.Tensor]] = []
+        self._pass = None
+
+    def send(self, peer: int, x: torch.Tensor) -> None:
+        self.sends.append((peer, x))
+
+    def recv_into(self, peer: int, dst: torch.Tensor) -> None:
+        self.recvs.append((peer, dst))
+
+    def recv_buffer(self, peer: int, shape, dtype) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        self.recvs.append((peer, buf))
+        return buf
+
+    def _need(self) -> int:
+        per_peer = [0] * self.P
+        for peer, t in self.sends + self.recvs:
+            per_peer[peer] += message_bytes(t.shape, t.dtype)
+        return max(per_peer, default=0)
+
+    def post(self) -> "SharedExchange":
+        if self.P == 1:
+            return self
+        slot = agreed_slot(self.group, self.rank, self.device, (self.what, *self.key), self._need())
+        p = self._pass = Pass(self.group, self.rank, self.P, slot, self.device, self.what)
+        for peer, x in self.sends:
+            p.send_input(peer, x)
+        for peer, dst in self.recvs:
+            p.recv_input(peer, dst)
+        p.publish()
+        self._event = p.pull(p.registered())
+        return self
+
+    def wait(self) -> None:
+        if self._pass is None:
+            return
+        bufs = self._pass.bufs
+        with bufs.copy_context():
+            bufs.barrier(f"{self.what}, pulled")
+        bufs.compute_after_copy()
+        self._pass = None
+
+
+def exchange(name: str, group, rank: int, what: str, device, key: tuple) -> Exchange:
+    """A new exchange of the transport ``name`` (``transport.choose``): a :class:`SharedExchange`
+    (``key``, the call's global signature, sizes its slots) or a ``P2PExchange``."""
+    if name == "shared":
+        return SharedExchange(group, rank, what, device, key)
+    return P2PExchange(group, rank, what, device)

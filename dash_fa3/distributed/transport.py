@@ -12,7 +12,9 @@ so no sizes or offsets travel.
   algorithm where the shared transport is not chosen.
 * ``shared`` (``shared.py``): buffers every rank of the group maps, moved between by plain copies
   (copy engines on CUDA, shared-memory files on CPU); the head-parallel algorithm's input and result
-  exchanges through ``shared.Pass``.
+  exchanges through ``shared.Pass``, the run plan's and the superblocks' through
+  ``shared.SharedExchange``. It is also the one transport for ranks that share a GPU (NCCL refuses
+  them).
 
 :func:`choose` picks the head-parallel algorithm's transport: ``DASH_FA3_CP_TRANSPORT`` (the same on
 every rank) when set, else ``shared`` for a CUDA group whose ranks are on one host, each on a GPU of

@@ -20,6 +20,8 @@
 //   - GQA (heads != heads_kv): dk_partial, dv_partial given; the kernel
 //     leaves each query head's dK/dV there in fp32 and the postprocess
 //     (run_bwd_postprocess) sums each group's heads and casts into dk/dv.
+//     MHA takes the same path when they are given (fp32 dK/dV, bwd_dkv_fp32);
+//     dk, dv then only back the unused TMA store descriptors.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -142,8 +144,8 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.dv_row_stride = a.dv_stride.row;
   p.dv_head_stride = a.dv_stride.head;
   bool const gqa = a.heads != a.heads_kv;
-  p.dk_partial = gqa ? a.dk_partial : nullptr;
-  p.dv_partial = gqa ? a.dv_partial : nullptr;
+  p.dk_partial = a.dk_partial;
+  p.dv_partial = a.dv_partial;
   p.partial_rows = packed ? a.total_k : a.seqlen_k;
   p.dkv_accumulate = gqa && a.dkv_accumulate ? 1 : 0;
   p.cu_seqlens_q = a.cu_seqlens_q;

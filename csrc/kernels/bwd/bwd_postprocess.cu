@@ -39,6 +39,18 @@ __device__ void store_vec(void* dst, const float (&vals)[kVec], float scale) {
   *reinterpret_cast<uint4*>(dst) = packed;
 }
 
+// dK/dV rows: in the input dtype, or with p.dkv_fp32 as they are (two 16-byte stores).
+template <class Elem>
+__device__ void store_kv_vec(BwdPostprocessParams const& p, void* base, int64_t offset, const float (&vals)[kVec]) {
+  if (p.dkv_fp32) {
+    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(base) + offset);
+    dst[0] = make_float4(vals[0], vals[1], vals[2], vals[3]);
+    dst[1] = make_float4(vals[4], vals[5], vals[6], vals[7]);
+  } else {
+    store_vec<Elem>(static_cast<Elem*>(base) + offset, vals, 1.f);
+  }
+}
+
 __device__ void load_vec(float (&vals)[kVec], const float* src) {
   const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
   vals[0] = lo.x, vals[1] = lo.y, vals[2] = lo.z, vals[3] = lo.w;
@@ -136,16 +148,16 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
       for (int s = blockIdx.x * blockDim.y + threadIdx.y; s < p.seqlen_k; s += row_step) {
         float vals[kVec];
         if (c * kVec < p.headdim) {
-          Elem* dk = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head;
           group_sum(vals, p.dk_partial + (first_row + s) * p.headdim + c * kVec, group,
                     int64_t(p.seqlen_k) * p.headdim);
-          store_vec<Elem>(dk + c * kVec, vals, 1.f);
+          store_kv_vec<Elem>(p, p.dk, b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head + c * kVec,
+                             vals);
         }
         if (c * kVec < p.headdim_v) {
-          Elem* dv = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head;
           group_sum(vals, p.dv_partial + (first_row + s) * p.headdim_v + c * kVec, group,
                     int64_t(p.seqlen_k) * p.headdim_v);
-          store_vec<Elem>(dv + c * kVec, vals, 1.f);
+          store_kv_vec<Elem>(p, p.dv, b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head + c * kVec,
+                             vals);
         }
       }
     }
