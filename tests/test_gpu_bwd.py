@@ -170,3 +170,25 @@ def test_deterministic_across_processes():
         for _ in range(2)
     }
     assert len(digests) == 1
+
+
+@pytest.mark.parametrize("shape", [(1, 1024, 4096, 4, 4), (2, 768, 768, 8, 2), (1, 512, 2048, 8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_dkv_partials_are_the_deterministic_calls_before_rounding(shape, causal):
+    """ops.bwd_dkv_fp32 (context parallelism's partials): its dQ is the deterministic call's, bit for
+    bit, and its fp32 dK/dV round to that call's dK/dV exactly, for MHA (the fp32 slabs instead of
+    the TMA store), GQA and MQA; the fp32 values are not already rounded."""
+    from dash_fa3 import ops
+
+    v = variants.Variant(128, "bf16", "causal" if causal else "full")
+    require_built(v, "fwd")
+    require_built(v, "bwd")
+    q, k, vv, dout = make_inputs(v, shape, 17)
+    scale = 1.0 / math.sqrt(v.hdim)
+    out, lse = ops.fwd(q, k, vv, scale, causal, 0)
+    dq, dk, dv = ops.bwd(dout, q, k, vv, out, lse, scale, causal, True, "auto", 0)
+    dq32, dk32, dv32 = ops.bwd_dkv_fp32(dout, q, k, vv, out, lse, scale, causal)
+    assert dk32.dtype == dv32.dtype == torch.float32 and dk32.shape == k.shape and dv32.shape == vv.shape
+    assert torch.equal(dq32, dq)
+    assert torch.equal(dk32.to(k.dtype), dk) and torch.equal(dv32.to(vv.dtype), dv)
+    assert not torch.equal(dk32, dk.float())
