@@ -46,8 +46,8 @@ def megatron_on_cpu():
 
 
 def tiny_gpt(P, deterministic, seed, cp_comm_type=None):
-    """2 layers, 4 query and 4 KV heads of dim 64 (num_query_groups >= CP for the deterministic
-    default), learned absolute positions (Megatron's rotary embeddings are CUDA-only)."""
+    """2 layers, 4 query and 4 KV heads of dim 64, learned absolute positions (Megatron's rotary
+    embeddings are CUDA-only)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron_utils import transformer_config
 

@@ -41,16 +41,16 @@ group (``pg_collection.cp``, else ``parallel_state.get_context_parallel_group()`
 with the ``zigzag`` layout, which is the token order of Megatron's own load
 balancing (``get_batch_on_this_cp_rank``: rank r holds chunks r and 2·CP−1−r of
 2·CP); GQA heads unrepeated, causal or full as above, ``deterministic`` as above
-(the deterministic algorithm needs ``num_query_groups`` per tensor-parallel rank
->= CP). The global sequence length must be a multiple of 2·CP·128. The mask
+(the deterministic default, ``algorithm="superblocks"``, takes any
+``num_query_groups``). The global sequence length must be a multiple of 2·CP·128. The mask
 must be None, all False, or the CP-sharded causal mask (rows of this rank's
 tokens, columns of the whole sequence). ``schedule`` applies to single-GPU
 calls only.
 
 ``cp_comm_type`` (Megatron's ``config.cp_comm_type``, one layer's value) names how
 Transformer Engine's context parallelism moves data across the CP group. dash_fa3's
-context parallelism chooses its own exchange (whole heads per rank, or DistFlashAttn's
-run plan) and computes the same attention over the same group, so ``None``,
+context parallelism chooses its own exchange (that of its algorithm: superblocks,
+whole heads per rank or DistFlashAttn's run plan) and computes the same attention over the same group, so ``None``,
 ``"p2p"``, ``"all_gather"`` and ``"a2a"`` all run it; the bits do not depend on which.
 ``"a2a+p2p"`` is refused at construction: it names Megatron's hierarchical CP
 groups (``hierarchical_context_parallel_sizes``: all-to-all inside the inner groups,
