@@ -220,6 +220,8 @@ def main_superblocks(args, meta) -> int:
                 for key in order:
                     prep, run = calls[key]
                     stand = prep()
+                    if key[0] == "T1" and key in first:
+                        run(stand)   # its schedule was dropped below: rebuilt outside the timed calls
                     if key not in first:
                         torch.cuda.synchronize()
                         t0 = time.perf_counter()
@@ -234,6 +236,10 @@ def main_superblocks(args, meta) -> int:
                         torch.cuda.synchronize()
                         times[key].append(a.elapsed_time(b))
                     del stand
+                    if key[0] == "T1":
+                        # the whole problem's schedule would stay cached beside the superblocks'
+                        # (hundreds of MB each at 256k tokens); the ranks' calls share theirs
+                        ops._bwd_plan.cache_clear()
                     torch.cuda.empty_cache()
             med = {key: statistics.median(ts) for key, ts in times.items()}
             t1 = med[("T1", "", 0)]
