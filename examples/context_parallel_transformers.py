@@ -14,8 +14,8 @@ else in a decoder works token by token, so the rest of the model needs nothing. 
 sum of the ranks' per-token losses over the global token count; the parameter gradients,
 partial sums over each rank's tokens, are all-reduced over the group as data parallelism does.
 
-``--deterministic`` (the default) runs the deterministic algorithm (each rank computes whole KV
-heads: needs num_key_value_heads >= ranks). ``--check`` also runs the first step's forward on the
+``--deterministic`` (the default) runs the deterministic algorithm (superblocks: the same bits
+for every number of ranks, any num_key_value_heads). ``--check`` also runs the first step's forward on the
 whole sequence in one process (no context parallelism) and compares the losses.
 """
 

@@ -54,7 +54,7 @@ load_balancer_type="headtail")`` (or ``dash_fa3.distributed.shard(x, group,
 layout="zigzag")``, the same tokens); the global length must be a multiple of
 2·CP·128. ``deterministic`` is passed through (``None`` follows
 ``torch.are_deterministic_algorithms_enabled()``, i.e. ``debug.deterministic``);
-the deterministic algorithm needs n_kv_heads >= CP. Under CP the masks must be
+the deterministic algorithm (superblocks) gives the same bits at every CP size, any n_kv_heads. Under CP the masks must be
 None or one document per row of the whole sequence; packed documents are
 refused.
 
