@@ -187,6 +187,22 @@ def stand_in_parts(sp, rank, hk, device):
     return out
 
 
+def report_memory(key) -> None:
+    """What the device holds when ``key``'s calls ran out of memory: the allocator's totals and the
+    largest live CUDA tensors (to stderr)."""
+    import gc
+
+    import torch
+
+    print(f"out of memory at {key}: allocated {torch.cuda.memory_allocated() / 1e9:.1f} GB, reserved "
+          f"{torch.cuda.memory_reserved() / 1e9:.1f} GB, peak {torch.cuda.max_memory_allocated() / 1e9:.1f} GB",
+          file=sys.stderr)
+    live = sorted((o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda),
+                  key=lambda t: t.untyped_storage().nbytes(), reverse=True)
+    for t in live[:20]:
+        print(f"  {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 1e9:.2f} GB", file=sys.stderr)
+
+
 def main_superblocks(args, meta) -> int:
     import torch
 
@@ -214,28 +230,34 @@ def main_superblocks(args, meta) -> int:
                 sp = cp_sb.plan(P, n, True, layout, args.superblock)
                 calls[(P, layout, r)] = (lambda sp=sp, r=r: stand_in_parts(sp, r, hk, dev),
                                          lambda stand, sp=sp, r=r: superblock_rank(sp, r, t, scale, stand))
-            first, times = {}, {key: [] for key in work}
+            first, times, peak = {}, {key: [] for key in work}, {}
             for rnd in range(args.rounds):
                 order = work[rnd % len(work):] + work[:rnd % len(work)]
                 for key in order:
                     prep, run = calls[key]
-                    stand = prep()
-                    if key[0] == "T1" and key in first:
-                        run(stand)   # its schedule was dropped below: rebuilt outside the timed calls
-                    if key not in first:
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        run(stand)
-                        torch.cuda.synchronize()
-                        first[key] = time.perf_counter() - t0
-                    for _ in range(args.iters):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        run(stand)
-                        b.record()
-                        torch.cuda.synchronize()
-                        times[key].append(a.elapsed_time(b))
+                    torch.cuda.reset_peak_memory_stats()
+                    try:
+                        stand = prep()
+                        if key[0] == "T1" and key in first:
+                            run(stand)   # its schedule was dropped below: rebuilt outside the timed calls
+                        if key not in first:
+                            torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            run(stand)
+                            torch.cuda.synchronize()
+                            first[key] = time.perf_counter() - t0
+                        for _ in range(args.iters):
+                            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            a.record()
+                            run(stand)
+                            b.record()
+                            torch.cuda.synchronize()
+                            times[key].append(a.elapsed_time(b))
+                    except torch.OutOfMemoryError:
+                        report_memory(key)
+                        raise
                     del stand
+                    peak[key] = max(peak.get(key, 0), torch.cuda.max_memory_allocated())
                     if key[0] == "T1":
                         # the whole problem's schedule would stay cached beside the superblocks'
                         # (hundreds of MB each at 256k tokens); the ranks' calls share theirs
@@ -243,19 +265,23 @@ def main_superblocks(args, meta) -> int:
                     torch.cuda.empty_cache()
             med = {key: statistics.median(ts) for key, ts in times.items()}
             t1 = med[("T1", "", 0)]
+            rec_peak = max(v for key, v in peak.items() if key[0] != "T1") / 1e9
             print(f"\n## superblocks (S = {args.superblock}), {size_label(n)} tokens, heads {h}/{hk}, det: "
                   f"T1 {t1:.1f} ms", flush=True)
+            print(f"(peak memory: T1 {peak[('T1', '', 0)] / 1e9:.1f} GB, a rank's calls up to {rec_peak:.1f} GB)")
             print("| P | layout | max_r T_r (ms) | min_r T_r (ms) | T1 / (P max_r T_r) | predicted (model) |")
             print("|---|---|---|---|---|---|")
             rec = {"algorithm": "superblocks", "superblock": args.superblock, "tokens": n, "heads": h,
-                   "heads_kv": hk, "mode": "det", "t1_ms": t1, "ranks": [], "bound": {}}
+                   "heads_kv": hk, "mode": "det", "t1_ms": t1, "t1_peak_gb": peak[("T1", "", 0)] / 1e9,
+                   "rank_peak_gb": rec_peak, "ranks": [], "bound": {}}
             for P in args.P:
                 for layout in args.layouts:
                     ms = [med[(P, layout, r)] for r in range(P)]
                     bound = t1 / (P * max(ms))
                     est = cp_sb.simulate(P, n, causal=True, layout=layout, heads=h, heads_kv=hk, headdim=HEADDIM,
                                          superblock=args.superblock)
-                    rec["ranks"] += [{"P": P, "layout": layout, "rank": r, "ms": m} for r, m in enumerate(ms)]
+                    rec["ranks"] += [{"P": P, "layout": layout, "rank": r, "ms": m, "peak_gb": peak[(P, layout, r)] / 1e9}
+                                     for r, m in enumerate(ms)]
                     rec["bound"][f"{P} {layout}"] = {"max_ms": max(ms), "min_ms": min(ms), "bound": bound,
                                                      "predicted_efficiency": est.efficiency}
                     print(f"| {P} | {layout} | {max(ms):.1f} | {min(ms):.1f} | {bound:.3f} | {est.efficiency:.3f} |",
