@@ -1,4 +1,4 @@
-"""dash_fa3 side by side with upstream FlashAttention-3 and cuDNN SDPA on the
+"""dash_fa3 side by side with upstream FlashAttention-3, FlashAttention-4 and cuDNN SDPA on the
 paper's grid (dash_fa3/schedule/bench_grid.json), interleaved in rounds in one process.
 
     python benchmarks/bench_peers.py [--direction fwd|bwd|both] [--hdims 64 128] [--seqlens 512 1024 ...]
@@ -6,7 +6,7 @@ paper's grid (dash_fa3/schedule/bench_grid.json), interleaved in rounds in one p
 
 Per grid point (bf16 random normal inputs, seeded per point):
   1. a check, before any timing, that our forward output and backward gradients
-     agree with FA3's (and cuDNN's) within bf16 tolerance, so the harness is
+     agree with FA3's (FA4's, cuDNN's) within bf16 tolerance, so the harness is
      known to time the same computation (a failure is a warning column);
   2. `--rounds` rounds; each times every implementation once, the order rotated
      by one per round, each timing the median of `--iters` CUDA-event samples
@@ -14,19 +14,25 @@ Per grid point (bf16 random normal inputs, seeded per point):
      hide_host=True): GPU time per call.
 Implementations: ours forward, non-deterministic backward, deterministic backward
 with every schedule and with `auto`; FA3's forward and backward (non-deterministic
-and deterministic), the ops FA3's autograd calls (benchmarks/peers/fa3.py); cuDNN
-SDPA forward (no grad) and backward (torch.autograd.grad on a retained graph).
+and deterministic), the ops FA3's autograd calls (benchmarks/peers/fa3.py); the
+same of FA4 (the `flash-attn-4` package, benchmarks/peers/fa4.py); cuDNN SDPA
+forward (no grad) and backward (torch.autograd.grad on a retained graph).
 Each backward timing is what that library's backward costs: for ours the whole
-dash_fa3::bwd op, for FA3 its bwd op with pre- and postprocess.
+dash_fa3::bwd op, for FA3 and FA4 their backward with pre- and postprocess.
 
 Reported: TFLOP/s (fwd = 4*b*h*s^2*d, halved when causal; bwd = 2.5x fwd), the
 median over rounds, and the ratios
   nd/FA3 nd          ours non-deterministic bwd / FA3 non-deterministic bwd
+  nd/FA4 nd          the same against FA4
   best det/FA3 det   our best deterministic schedule / FA3 deterministic bwd
-  auto/max nd        ours deterministic `auto` / max(ours nd, FA3 nd, cuDNN bwd)
-  fwd/max fwd        ours fwd / max(FA3 fwd, cuDNN fwd)
-with min/median/max rows. A missing peer (FA3 not built: benchmarks/peers/build_fa3.py)
-is `n/a` with its reason, unless --require-fa3. DASH_FA3_COMMIT overrides the
+  best det/FA4 det   the same against FA4
+  best det/max nd    our best deterministic schedule / max nd
+  auto/max nd        ours deterministic `auto` / max nd
+  fwd/max fwd        ours fwd / max(FA3 fwd, FA4 fwd, cuDNN fwd)
+where max nd = max(ours nd, FA3 nd, FA4 nd, cuDNN bwd), each over the peers
+present, with min/median/max rows. A missing peer (FA3 not built:
+benchmarks/peers/build_fa3.py; FA4 not installed) is `n/a` with its reason,
+unless --require-fa3 / --require-fa4. DASH_FA3_COMMIT overrides the
 commit read from git.
 """
 
@@ -49,16 +55,19 @@ import torch  # noqa: E402
 
 from dash_fa3._timing import attention_flops, commit_label, median_ms  # noqa: E402
 from peers import fa3 as fa3_peer  # noqa: E402
+from peers import fa4 as fa4_peer  # noqa: E402
 
 GRID = os.path.join(REPO, "dash_fa3", "schedule", "bench_grid.json")
 SCHEDULES = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
-PEERS = ("fa3", "cudnn")
+PEERS = ("fa3", "fa4", "cudnn")
 MASKS = ("full", "causal")
 
-FWD_IMPLS = ("FA3 fwd", "cuDNN fwd", "ours fwd")
-RATIOS = ("nd/FA3 nd", "best det/FA3 det", "auto/max nd", "fwd/max fwd")
-BWD_RATIOS = RATIOS[:3]
-FWD_RATIOS = RATIOS[3:]
+FWD_IMPLS = ("FA3 fwd", "FA4 fwd", "cuDNN fwd", "ours fwd")
+RATIOS = ("nd/FA3 nd", "nd/FA4 nd", "best det/FA3 det", "best det/FA4 det", "best det/max nd", "auto/max nd",
+          "fwd/max fwd")
+BWD_RATIOS = RATIOS[:6]
+FWD_RATIOS = RATIOS[6:]
+PEER_DET = ("FA3 det", "FA4 det")
 
 
 def det_name(schedule: str) -> str:
@@ -66,12 +75,13 @@ def det_name(schedule: str) -> str:
 
 
 def bwd_impls(schedules) -> tuple[str, ...]:
-    return ("FA3 nd", "FA3 det", "cuDNN bwd", "ours nd", *(det_name(s) for s in schedules), "ours auto")
+    return ("FA3 nd", "FA3 det", "FA4 nd", "FA4 det", "cuDNN bwd", "ours nd", *(det_name(s) for s in schedules),
+            "ours auto")
 
 
 def nondeterministic(names) -> list[str]:
     """names without the deterministic backwards (--nd-only)."""
-    return [n for n in names if n not in ("FA3 det", "ours auto") and not n.startswith("ours det ")]
+    return [n for n in names if n not in (*PEER_DET, "ours auto") and not n.startswith("ours det ")]
 
 
 def impl_names(direction: str, schedules) -> tuple[str, ...]:
@@ -84,7 +94,10 @@ def impl_direction(name: str) -> str:
 
 
 def impl_peer(name: str) -> str:
-    return "fa3" if name.startswith("FA3") else "cudnn" if name.startswith("cuDNN") else "ours"
+    for prefix, peer in (("FA3", "fa3"), ("FA4", "fa4"), ("cuDNN", "cudnn")):
+        if name.startswith(prefix):
+            return peer
+    return "ours"
 
 
 def rotated(names, round_index: int) -> list:
@@ -122,12 +135,13 @@ def parse_args(argv=None, grid=None):
     ap.add_argument("--masks", nargs="+", default=grid["masks"], help="full, causal")
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
                     help="our deterministic schedules to time (auto is always timed too)")
-    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of fa3, cudnn, or ''")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of fa3, fa4, cudnn, or ''")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (median over rounds)")
     ap.add_argument("--iters", type=int, default=10, help="CUDA-event samples per timing (median)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls before each timing")
     ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR), help="FA3 build folder (build_fa3.py)")
     ap.add_argument("--require-fa3", action="store_true", help="fail instead of reporting FA3 as n/a")
+    ap.add_argument("--require-fa4", action="store_true", help="fail instead of reporting FA4 as n/a")
     ap.add_argument("--fa3-prealloc", action="store_true",
                     help="time FA3's backward into preallocated dq/dk/dv (default: fresh ones, as its autograd)")
     ap.add_argument("--check-tol", type=float, default=0.02,
@@ -137,7 +151,7 @@ def parse_args(argv=None, grid=None):
                     help="time only the non-deterministic backwards (ours nd, FA3 nd, cuDNN) and forwards, e.g. "
                          "for a DASH_FA3_BWD_FIXED_STEPS=1 measurement build, which has no deterministic mode")
     ap.add_argument("--skip", default="",
-                    help="comma list of implementations not to time, e.g. 'FA3 det' where FA3 has no such mode")
+                    help="comma list of implementations not to time, e.g. 'FA4 det' where a peer has no such mode")
     ap.add_argument("--seed", type=int, default=0, help="base seed; each point adds its own offset")
     ap.add_argument("--json", help="write every raw sample and the table's figures here")
     ap.add_argument("--png", help="draw the ratios per grid point here (matplotlib)")
@@ -235,16 +249,20 @@ def best_det(tf: dict, schedules) -> tuple[float | None, str | None]:
 
 
 def point_ratios(tf: dict, schedules) -> dict:
-    """The four ratios for one point (None where a side is missing). The maxima
-    run over the implementations present, so without FA3 "auto/max nd" compares
+    """The ratios of one point (None where a side is missing). The maxima run over
+    the implementations present, so without FA3 and FA4 "auto/max nd" compares
     against ours and cuDNN only."""
     best, _ = best_det(tf, schedules)
+    max_nd = _max_present([tf.get(n) for n in ("ours nd", "FA3 nd", "FA4 nd", "cuDNN bwd")])
     return {
         "nd/FA3 nd": _ratio(tf.get("ours nd"), tf.get("FA3 nd")),
+        "nd/FA4 nd": _ratio(tf.get("ours nd"), tf.get("FA4 nd")),
         "best det/FA3 det": _ratio(best, tf.get("FA3 det")),
-        "auto/max nd": _ratio(tf.get("ours auto"), _max_present([tf.get("ours nd"), tf.get("FA3 nd"),
-                                                                  tf.get("cuDNN bwd")])),
-        "fwd/max fwd": _ratio(tf.get("ours fwd"), _max_present([tf.get("FA3 fwd"), tf.get("cuDNN fwd")])),
+        "best det/FA4 det": _ratio(best, tf.get("FA4 det")),
+        "best det/max nd": _ratio(best, max_nd),
+        "auto/max nd": _ratio(tf.get("ours auto"), max_nd),
+        "fwd/max fwd": _ratio(tf.get("ours fwd"), _max_present([tf.get(n) for n in ("FA3 fwd", "FA4 fwd",
+                                                                                    "cuDNN fwd")])),
     }
 
 
@@ -261,8 +279,7 @@ def summarize(ratio_rows: list[dict]) -> dict:
 def columns(direction: str, schedules) -> list[str]:
     cols = list(FWD_IMPLS) if direction != "bwd" else []
     if direction != "fwd":
-        cols += ["FA3 nd", "FA3 det", "cuDNN bwd", "ours nd", *(det_name(s) for s in schedules), "ours auto",
-                 "best det"]
+        cols += [*bwd_impls(schedules), "best det"]
     cols += [r for r in RATIOS if (r in BWD_RATIOS and direction != "fwd") or (r in FWD_RATIOS and direction != "bwd")]
     return cols + ["check"]
 
@@ -314,7 +331,7 @@ def draw_png(path: str, points: list[dict], ratio_rows: list[dict], title: str) 
 
     fig, ax = plt.subplots(figsize=(max(8.0, 0.45 * len(points) + 3), 5))
     xs = list(range(len(points)))
-    for key, marker in zip(RATIOS, "osD^"):
+    for key, marker in zip(RATIOS, "osD^vx*"):
         ys = [r.get(key) if r.get(key) is not None else float("nan") for r in ratio_rows]
         if any(not math.isnan(y) for y in ys):
             ax.plot(xs, ys, marker=marker, linewidth=1, label=key)
@@ -371,7 +388,7 @@ def _cudnn_bwd(q, k, v, dout, causal):
     return lambda: torch.autograd.grad(out, leaves, dout_t, retain_graph=True)
 
 
-def make_impls(names, q, k, v, dout, causal, fa3, prealloc) -> tuple[dict, dict]:
+def make_impls(names, q, k, v, dout, causal, fa3, prealloc, fa4=None) -> tuple[dict, dict]:
     """(name -> no-argument callable, name -> error) for the implementations asked for."""
     from dash_fa3 import ops
 
@@ -395,6 +412,9 @@ def make_impls(names, q, k, v, dout, causal, fa3, prealloc) -> tuple[dict, dict]
         "FA3 fwd": lambda: fa3_peer.forward_fn(fa3, q, k, v, causal),
         "FA3 nd": lambda: fa3_peer.backward_fn(fa3, q, k, v, dout, causal, False, prealloc),
         "FA3 det": lambda: fa3_peer.backward_fn(fa3, q, k, v, dout, causal, True, prealloc),
+        "FA4 fwd": lambda: fa4_peer.forward_fn(fa4, q, k, v, causal),
+        "FA4 nd": lambda: fa4_peer.backward_fn(fa4, q, k, v, dout, causal, False),
+        "FA4 det": lambda: fa4_peer.backward_fn(fa4, q, k, v, dout, causal, True),
         "cuDNN fwd": lambda: _cudnn_fwd(q, k, v, causal, False)[0],
         "cuDNN bwd": lambda: _cudnn_bwd(q, k, v, dout, causal),
     }
@@ -413,7 +433,7 @@ def rel_diff(x, ref) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def check_point(q, k, v, dout, causal, fa3, use_cudnn, direction) -> tuple[dict, dict]:
+def check_point(q, k, v, dout, causal, fa3, use_cudnn, direction, fa4=None) -> tuple[dict, dict]:
     """(peer -> {tensor: relative difference from ours}, peer -> error) on the same
     inputs; each library runs its own forward and, unless direction is fwd, its
     own backward."""
@@ -432,6 +452,13 @@ def check_point(q, k, v, dout, causal, fa3, use_cudnn, direction) -> tuple[dict,
             theirs.update(zip(("dq", "dk", "dv"), fa3_peer.backward(fa3, dout, q, k, v, f_out, f_lse, causal, False)))
         return theirs
 
+    def fa4_outputs():
+        f_out, f_lse = fa4_peer.forward(fa4, q, k, v, causal)
+        theirs = {"out": f_out}
+        if direction != "fwd":
+            theirs.update(zip(("dq", "dk", "dv"), fa4_peer.backward(fa4, dout, q, k, v, f_out, f_lse, causal, False)))
+        return theirs
+
     def cudnn_outputs():
         fwd, leaves = _cudnn_fwd(q, k, v, causal, direction != "fwd")
         c_out = fwd()
@@ -443,6 +470,7 @@ def check_point(q, k, v, dout, causal, fa3, use_cudnn, direction) -> tuple[dict,
 
     diffs, errors = {}, {}
     for peer, run in (("FA3", fa3_outputs if fa3 is not None else None),
+                      ("FA4", fa4_outputs if fa4 is not None else None),
                       ("cuDNN", cudnn_outputs if use_cudnn else None)):
         if run is None:
             continue
@@ -542,6 +570,16 @@ def load_peer(args):
         return None, str(exc)
 
 
+def load_fa4_peer(args):
+    """(FA4 or None, reason it is missing or None)."""
+    if "fa4" not in args.peers:
+        return None, "not requested (--peers)"
+    try:
+        return fa4_peer.load_fa4(), None
+    except fa4_peer.FA4NotInstalled as exc:
+        return None, str(exc)
+
+
 def main(argv=None) -> int:
     grid = json.load(open(GRID))
     args = parse_args(argv, grid)
@@ -552,29 +590,36 @@ def main(argv=None) -> int:
     if fa3 is None and args.require_fa3:
         print(f"error: FA3 is required (--require-fa3): {fa3_missing}", file=sys.stderr)
         return 2
+    fa4, fa4_missing = load_fa4_peer(args)
+    if fa4 is None and args.require_fa4:
+        print(f"error: FA4 is required (--require-fa4): {fa4_missing}", file=sys.stderr)
+        return 2
 
     device, date, commit = torch.cuda.get_device_name(), datetime.date.today().isoformat(), commit_label()
     fa3_commit = fa3.commit if fa3 is not None else None
     names = [n for n in impl_names(args.direction, args.schedules)
              if impl_peer(n) == "ours" or (impl_peer(n) == "fa3" and fa3 is not None)
-             or (impl_peer(n) == "cudnn" and "cudnn" in args.peers)]
+             or (impl_peer(n) == "fa4" and fa4 is not None) or (impl_peer(n) == "cudnn" and "cudnn" in args.peers)]
     if args.nd_only:
         names = nondeterministic(names)
     names = [n for n in names if n not in args.skip]
     cols = columns(args.direction, args.schedules)
     fa3_desc = (f"FA3 {fa3_commit[:12]}" + ("" if fa3_peer.build_fa3.is_pinned(fa3_commit) else " (not the pinned commit)")
                 + f" (hdims {','.join(map(str, fa3.info.get('hdims', [])))})") if fa3 is not None else "FA3 n/a"
-    title = (f"{device}, {date}, dash_fa3 {commit}, {fa3_desc}, cuDNN {torch.backends.cudnn.version()}, "
+    fa4_desc = f"FA4 {fa4.version}" if fa4 is not None else "FA4 n/a"
+    title = (f"{device}, {date}, dash_fa3 {commit}, {fa3_desc}, {fa4_desc}, cuDNN {torch.backends.cudnn.version()}, "
              f"torch {torch.__version__}")
     print(f"# Peer grid ({args.direction}), TFLOP/s: {title}")
     print(f"# bf16; {args.rounds} rounds per point, implementations in rotated order, each a median of "
           f"{args.iters} CUDA-event samples after {args.warmup} warm-ups with a queued device wait hiding host "
           f"time; figures are medians over rounds")
     print("# nd = non-deterministic; det X = ours deterministic with schedule X; auto = ours deterministic, "
-          "schedule auto; max nd = max(ours nd, FA3 nd, cuDNN bwd) and max fwd = max(FA3 fwd, cuDNN fwd) over "
-          f"the peers present; check = agreement with ours (relative difference <= {args.check_tol})")
+          "schedule auto; max nd = max(ours nd, FA3 nd, FA4 nd, cuDNN bwd) and max fwd = max(FA3 fwd, FA4 fwd, "
+          f"cuDNN fwd) over the peers present; check = agreement with ours (relative difference <= {args.check_tol})")
     if fa3 is None:
         print(f"# FA3: n/a ({fa3_missing})")
+    if fa4 is None:
+        print(f"# FA4: n/a ({fa4_missing})")
     print(table_header(cols), flush=True)
 
     points = grid_points(grid, args.hdims, args.seqlens, args.masks)
@@ -587,12 +632,13 @@ def main(argv=None) -> int:
         check = "skipped"
         if not args.no_check:
             try:
-                diffs, check_errors = check_point(q, k, v, dout, causal, fa3, "cudnn" in args.peers, args.direction)
+                diffs, check_errors = check_point(q, k, v, dout, causal, fa3, "cudnn" in args.peers, args.direction,
+                                                  fa4)
                 check = check_text(diffs, args.check_tol, check_errors)
                 record.update(check=diffs, check_errors=check_errors)
             except Exception as exc:  # our own side failed
                 check = f"WARN check failed: {_first_line(exc)}"
-        fns, errors = make_impls(names, q, k, v, dout, causal, fa3, args.fa3_prealloc)
+        fns, errors = make_impls(names, q, k, v, dout, causal, fa3, args.fa3_prealloc, fa4)
         round_ms, samples = time_point(fns, errors, args.rounds, args.warmup, args.iters)
         tf = tflops_from_rounds(round_ms, flops)
         for name in errors:
@@ -618,6 +664,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"device": device, "date": date, "commit": commit, "fa3_commit": fa3_commit,
                        "fa3_missing": fa3_missing, "fa3_build": fa3.info if fa3 is not None else None,
+                       "fa4_version": fa4.version if fa4 is not None else None, "fa4_missing": fa4_missing,
                        "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
                        "args": {k: v for k, v in vars(args).items()}, "points": records, "summary": summary},
                       f, indent=1)

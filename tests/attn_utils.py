@@ -35,14 +35,47 @@ def max_abs_err(x, ref):
     return (x.double() - ref.double()).abs().max().item()
 
 
-def assert_close_to_ref(name, ours, lowp, ref):
-    """ours vs the fp32 reference, within ERR_FACTOR of the low-precision baseline's error."""
-    assert not torch.isnan(ours).any(), f"{name}: NaN in output (unwritten or wrong)"
+#: Below this many nonzero reference values the maximum error is one draw of a rounding
+#: pattern, not a measure of precision. With causal masks and one to three visible keys (65
+#: queries against 2 keys: two nonzero dQ rows) a dQ element is the 16-bit-rounded dS of
+#: one or two keys times K; ours and the baseline round the same products, and the largest
+#: of about 128 such errors exceeds twice the baseline's largest in a few percent of seeds,
+#: in the deterministic and the non-deterministic mode alike (their bits are equal there).
+#: ``test_gpu_bwd.py::test_dq_error_at_few_keys_is_rounding_noise`` measures this. There the
+#: root-mean-square errors are compared instead, which such a draw does not dominate.
+FEW_VALUES = 1024
+
+
+def rms_err(x, ref):
+    return (x.double() - ref.double()).pow(2).mean().sqrt().item()
+
+
+def error_problem(ours, lowp, ref):
+    """None if ``ours`` is within ERR_FACTOR of the low-precision baseline's error against the
+    reference (the maximum error; the RMS error where fewer than FEW_VALUES reference values are
+    nonzero), else what is wrong."""
+    if torch.isnan(ours).any():
+        return "NaN in output (unwritten or wrong)"
     finite = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(ours), finite), f"{name}: infinities differ from the reference"
-    e_ours = max_abs_err(ours[finite], ref[finite])
-    e_lowp = max_abs_err(lowp[finite], ref[finite])
-    assert e_ours <= ERR_FACTOR * e_lowp + ERR_FLOOR, f"{name}: error {e_ours:.3g} > {ERR_FACTOR} x baseline {e_lowp:.3g}"
+    if not torch.equal(torch.isfinite(ours), finite):
+        return "infinities differ from the reference"
+    ours, lowp, ref = ours[finite], lowp[finite], ref[finite]
+    e_ours, e_lowp = max_abs_err(ours, ref), max_abs_err(lowp, ref)
+    if e_ours <= ERR_FACTOR * e_lowp + ERR_FLOOR:
+        return None
+    if int(torch.count_nonzero(ref)) < FEW_VALUES:
+        r_ours, r_lowp = rms_err(ours, ref), rms_err(lowp, ref)
+        if r_ours <= ERR_FACTOR * r_lowp + ERR_FLOOR:
+            return None
+        return f"RMS error {r_ours:.3g} > {ERR_FACTOR} x baseline {r_lowp:.3g} (few values)"
+    return f"error {e_ours:.3g} > {ERR_FACTOR} x baseline {e_lowp:.3g}"
+
+
+def assert_close_to_ref(name, ours, lowp, ref):
+    """ours vs the fp32 reference, within ERR_FACTOR of the low-precision baseline's error
+    (:func:`error_problem`)."""
+    problem = error_problem(ours, lowp, ref)
+    assert problem is None, f"{name}: {problem}"
 
 
 def assert_bitwise_repeatable(run, repeats):

@@ -71,11 +71,13 @@ def test_bad_arguments_exit(argv, capsys):
 def test_implementations_per_direction():
     sched = list(bp.SCHEDULES)
     fwd, bwd, both = (bp.impl_names(d, sched) for d in ("fwd", "bwd", "both"))
-    assert fwd == ("FA3 fwd", "cuDNN fwd", "ours fwd")
-    assert set(bwd) == {"FA3 nd", "FA3 det", "cuDNN bwd", "ours nd", "ours auto"} | {f"ours det {s}" for s in sched}
-    assert len(bwd) == 11 and set(both) == set(fwd) | set(bwd)
+    assert fwd == ("FA3 fwd", "FA4 fwd", "cuDNN fwd", "ours fwd")
+    assert set(bwd) == ({"FA3 nd", "FA3 det", "FA4 nd", "FA4 det", "cuDNN bwd", "ours nd", "ours auto"}
+                        | {f"ours det {s}" for s in sched})
+    assert len(bwd) == 13 and set(both) == set(fwd) | set(bwd)
     assert {bp.impl_direction(n) for n in fwd} == {"fwd"} and {bp.impl_direction(n) for n in bwd} == {"bwd"}
-    assert [bp.impl_peer(n) for n in ("FA3 det", "cuDNN fwd", "ours det lpt")] == ["fa3", "cudnn", "ours"]
+    assert ([bp.impl_peer(n) for n in ("FA3 det", "FA4 nd", "cuDNN fwd", "ours det lpt")]
+            == ["fa3", "fa4", "cudnn", "ours"])
 
 
 def test_rounds_rotate_the_order():
@@ -139,6 +141,30 @@ def test_ratios_on_synthetic_figures():
     assert bp.point_ratios(_tf(**{"cuDNN bwd": 800.0}), bp.SCHEDULES)["auto/max nd"] == pytest.approx(0.6)
     # Only a subset of schedules counts toward best det.
     assert bp.point_ratios(_tf(), ["fa3", "spt"])["best det/FA3 det"] == pytest.approx(401 / 520)
+
+
+def test_ratios_with_fa4():
+    tf = _tf(**{"FA4 nd": 650.0, "FA4 det": 450.0, "FA4 fwd": 800.0})
+    r = bp.point_ratios(tf, bp.SCHEDULES)
+    assert r["nd/FA4 nd"] == pytest.approx(500 / 650)
+    assert r["best det/FA4 det"] == pytest.approx(405 / 450)
+    # FA4 is now the fastest non-deterministic backward and the fastest forward
+    assert r["best det/max nd"] == pytest.approx(405 / 650)
+    assert r["auto/max nd"] == pytest.approx(480 / 650)
+    assert r["fwd/max fwd"] == pytest.approx(700 / 800)
+    assert r["nd/FA3 nd"] == pytest.approx(500 / 600)  # the FA3 ratios are unchanged
+
+
+def test_missing_fa4_is_reported_not_raised(monkeypatch):
+    import importlib.metadata
+
+    def not_found(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_found)
+    fa4, reason = bp.load_fa4_peer(bp.parse_args([]))
+    assert fa4 is None and "flash-attn-4 is not installed" in reason and "pip install" in reason
+    assert bp.load_fa4_peer(bp.parse_args(["--peers", "fa3,cudnn"])) == (None, "not requested (--peers)")
 
 
 def test_ratios_without_fa3():
@@ -529,7 +555,8 @@ def test_main_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
 def test_nd_only_drops_every_deterministic_backward():
     names = bp.impl_names("both", bp.SCHEDULES)
     kept = bp.nondeterministic(names)
-    assert set(kept) == {"FA3 fwd", "cuDNN fwd", "ours fwd", "FA3 nd", "cuDNN bwd", "ours nd"} & set(names)
+    assert set(kept) == {"FA3 fwd", "FA4 fwd", "cuDNN fwd", "ours fwd", "FA3 nd", "FA4 nd", "cuDNN bwd",
+                         "ours nd"}
     assert "ours nd" in kept and "FA3 nd" in kept
 
 
