@@ -161,9 +161,9 @@ def test_dq_error_at_few_keys_is_rounding_noise(hdim):
             assert error_problem(dq, lowp, ref) is None, (sq, sk, seed, error_problem(dq, lowp, ref))
             e, e_lowp = max_abs_err(dq, ref), max_abs_err(lowp, ref)
             if sk == 1:
-                # P = 1 on the one visible key: the baseline's dS is exactly 0 (its D sums its own
-                # dP); ours takes D from dO . O in the preprocess, an fp32 residue far below bf16's step
-                assert e_lowp == 0.0 and e <= ERR_FLOOR, (seed, e)
+                # P = 1 on the one visible key: dS = dP - D vanishes in exact arithmetic, and both
+                # implementations leave only an fp32 residue of it, far below bf16's step
+                assert e <= ERR_FLOOR and e_lowp <= ERR_FLOOR, (seed, e, e_lowp)
             else:
                 ratios.append(e / e_lowp)
         if ratios:
