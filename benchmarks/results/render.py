@@ -36,9 +36,8 @@ CHART = ROOT / "docs" / "img" / "headline.png"
 
 REQUIRED = ("id", "title", "device", "date", "commit", "command", "unit", "journal", "columns", "rows")
 
-#: The README chart: the latest backward and forward grids beside the peers.
-CHART_BWD = "bwd_peers_h100_2026-11-25_cfb0121"
-CHART_FWD = "fwd_peers_h100_2026-11-25_734e06c"
+#: The README chart and figures: the latest grid beside the peers, both directions.
+CHART_TABLE = "peers_fa4_h100_2026-12-06_0984fe6"
 CHART_HDIM = 128
 
 
@@ -157,7 +156,7 @@ def by_id(tables: list[dict], ident: str) -> dict:
 
 def points(table: dict, hdim: int, mask: str, names: list[str]) -> dict:
     keep = [i for i, (h, m) in enumerate(zip(column(table, "hdim"), column(table, "mask")))
-            if h == hdim and m == mask]
+            if str(h) == str(hdim) and m == mask]
     seqlens = column(table, "seqlen")
     out = {"seqlen": [seqlens[i] for i in keep]}
     for name in names:
@@ -167,28 +166,30 @@ def points(table: dict, hdim: int, mask: str, names: list[str]) -> dict:
 
 
 def headline_lines(tables: list[dict]) -> list[str]:
-    """The README's figures under the chart: the chart's sources and their ratio ranges."""
-    bwd, fwd = by_id(tables, CHART_BWD), by_id(tables, CHART_FWD)
+    """The README's figures under the chart: the chart's source and its ratio ranges."""
+    t = by_id(tables, CHART_TABLE)
     lines = [
-        f"{bwd['device']}, bf16, hdim {CHART_HDIM}, the paper's grid (16k tokens, hidden 2048):",
-        f"backward {bwd['date']} at {bwd['commit']}, forward {fwd['date']} at {fwd['commit']};",
-        f"peers in the same process: {bwd['peers']}. FA4 is not measured yet.",
-        f"Ratios over the whole grid of each table (`{Path(bwd['command'].split()[1]).name}`):",
+        f"{t['device']}, bf16, the paper's grid (16k tokens, hidden 2048), {t['date']} at {t['commit']};",
+        f"peers in the same process: {t['peers']}.",
+        f"Ratios over the 24 points of hdim 64 and 128 (`{Path(t['command'].split()[1]).name}`):",
         "",
-        f"| ratio ({bwd['device']}, {bwd['date']}) | min | median | max |",
+        f"| ratio ({t['device']}, {t['date']}) | min | median | max |",
         "|---|---|---|---|",
     ]
     rows = [
-        (bwd, "nd/FA3 nd", "backward non-deterministic / FA3's, hdim 64/128"),
-        (bwd, "best det/FA3 det", "best deterministic schedule / FA3 deterministic"),
-        (bwd, "auto/max nd", "deterministic `auto` / best non-deterministic of the three"),
-        (fwd, "fwd/max fwd", "forward / max(FA3, cuDNN), hdim 64/128/256"),
+        ("nd / max(FA3, FA4) nd", "backward non-deterministic / the faster of FA3's and FA4's"),
+        ("best det / max nd", "best deterministic schedule / fastest non-deterministic of the four"),
+        ("auto / best det", "deterministic `auto` / best deterministic schedule"),
+        ("fwd / max fwd", "forward / max(FA3, FA4, cuDNN)"),
     ]
-    for table, name, label in rows:
-        col = next(c for c in table["columns"] if c["name"] == name)
-        vals = column(table, name)
-        cells = [fmt(col, f(vals)) for f in (min, statistics.median, max)]
+    for name, label in rows:
+        vals = column(t, name)
+        cells = [f"{f(vals):.2f}" for f in (min, statistics.median, max)]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    best = column(t, "best det (schedule)")
+    det = [float(b.split()[0]) / max(f3, f4) for b, f3, f4 in zip(best, column(t, "FA3 det"), column(t, "FA4 det"))]
+    lines.append(f"| best deterministic schedule / the faster of FA3's and FA4's deterministic | {min(det):.2f} | "
+                 f"{statistics.median(det):.2f} | {max(det):.2f} |")
     return lines
 
 
@@ -207,14 +208,16 @@ def render_chart(tables: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bwd, fwd = by_id(tables, CHART_BWD), by_id(tables, CHART_FWD)
+    t = by_id(tables, CHART_TABLE)
     series = [
-        (fwd, "forward", {"ours fwd": "ours", "FA3 fwd": "FA3", "cuDNN fwd": "cuDNN"}),
-        (bwd, "backward", {"ours nd": "ours", "ours auto": "ours deterministic (auto)",
-                           "FA3 nd": "FA3", "FA3 det": "FA3 deterministic", "cuDNN bwd": "cuDNN"}),
+        (t, "forward", {"ours fwd": "ours", "FA3 fwd": "FA3", "FA4 fwd": "FA4", "cuDNN fwd": "cuDNN"}),
+        (t, "backward", {"ours nd": "ours", "ours auto": "ours deterministic (auto)", "FA3 nd": "FA3",
+                         "FA3 det": "FA3 deterministic", "FA4 nd": "FA4", "FA4 det": "FA4 deterministic",
+                         "cuDNN bwd": "cuDNN"}),
     ]
     style = {"ours": ("C0", "-"), "ours deterministic (auto)": ("C0", "--"), "FA3": ("C1", "-"),
-             "FA3 deterministic": ("C1", "--"), "cuDNN": ("C2", "-")}
+             "FA3 deterministic": ("C1", "--"), "FA4": ("C3", "-"), "FA4 deterministic": ("C3", "--"),
+             "cuDNN": ("C2", "-")}
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex=True)
     for r, (table, direction, names) in enumerate(series):
         for c, mask in enumerate(("causal", "full")):
@@ -232,8 +235,7 @@ def render_chart(tables: list[dict], path: Path) -> None:
                 ax.legend(fontsize=7, loc="lower right")
     for ax in axes[1]:
         ax.set_xlabel("sequence length (16k tokens per batch)")
-    fig.suptitle(f"{bwd['device']}: backward {bwd['date']} ({bwd['commit']}), "
-                 f"forward {fwd['date']} ({fwd['commit']})", fontsize=10)
+    fig.suptitle(f"{t['device']}, {t['date']} ({t['commit']})", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
