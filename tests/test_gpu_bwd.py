@@ -136,6 +136,40 @@ def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:], 99)
 
 
+@pytest.mark.parametrize("shape", [(2, 512, 2048, 8, 2), (1, 700, 1300, 6, 3), (2, 256, 4096, 16, 2),
+                                   (1, 1000, 1000, 4, 1)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_dkv_in_turns_is_the_slabs_bits(shape, causal):
+    """Deterministic GQA: with the schedule's header dkv_ordered the query heads of a group add
+    their dK/dV into one accumulator per KV head in turns; cleared, each writes its own slab and
+    the postprocess sums them. Same additions in the same order: the same bits, for queue and
+    static schedules, and repeatable."""
+    from dash_fa3 import ops
+    from dash_fa3.schedule import metadata as M
+
+    v = variants.Variant(128, "bf16", "causal" if causal else "full")
+    require_built(v, "bwd")
+    q, k, vv, dout = make_inputs(v, shape, sum(shape) + causal)
+    scale = 1.0 / math.sqrt(v.hdim)
+    right = 0 if causal else -1
+    out, lse = ops.fwd(q, k, vv, scale, causal, 0)
+    for schedule in ("auto", "fa3", "symmetric_shift", "split"):
+        flat, header, run = ops._bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, right, False, True, schedule,
+                                          0, q.device, vv.shape[-1])
+        assert int(header[M.H_DKV_ORDERED]) == 1, schedule
+        slab_flat, slab_header = flat.clone(), header.clone()
+        slab_flat[M.H_DKV_ORDERED] = 0
+        slab_header[M.H_DKV_ORDERED] = 0
+        poison_cuda_allocator(1 << 28)
+        turns = run(dout, q, k, vv, out, lse, flat, header, scale, -1, right, 0.0, True)
+        slabs = run(dout, q, k, vv, out, lse, slab_flat, slab_header, scale, -1, right, 0.0, True)
+        for name, a, b in zip(("dq", "dk", "dv"), turns, slabs):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (schedule, name)
+        for _ in range(3):
+            again = run(dout, q, k, vv, out, lse, flat, header, scale, -1, right, 0.0, True)
+            assert all(torch.equal(a, b) for a, b in zip(again, turns)), schedule
+
+
 @pytest.mark.parametrize("hdim", [64, 128])
 def test_dq_error_at_few_keys_is_rounding_noise(hdim):
     """Causal, bottom-right: 65 queries against 1-3 keys leave one or two nonzero dQ rows.

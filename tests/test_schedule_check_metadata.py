@@ -135,3 +135,33 @@ def test_heads_alike_are_decoded_once(monkeypatch):
     monkeypatch.setattr(M, "decode_all", lambda h, t: (calls.append(len(t)), real(h, t))[1])
     check_metadata(build_metadata("spt", G_CAUSAL, 132), G_CAUSAL, 132)
     assert sum(calls) == G_CAUSAL.n_kv
+
+
+def test_dkv_turns_where_the_order_lets_them_come():
+    """GQA under full and causal masks: the kernel metadata lets a group's query heads add dK/dV
+    in turns (header dkv_ordered) for every schedule; never for MHA or windows; a table whose
+    head h + 1 would finish a KV tile before head h is refused when flagged and left unflagged."""
+    from dash_fa3.schedule.validate import dkv_order_ok, with_dkv_order
+
+    for name in SCHEDULES:
+        meta = get_kernel_metadata(name, G_CAUSAL, 132, "dynamic")
+        assert int(meta.header[M.H_DKV_ORDERED]) == 1, name
+        check_metadata(meta, G_CAUSAL, 132)
+    mha = Geometry(1, 4, 4, 4096, 4096, 64, 128, "causal")
+    local = Geometry(1, 4, 2, 4096, 4096, 64, 128, "local", 256, 0)
+    for g in (mha, local):
+        assert int(get_kernel_metadata("spt", g, 132).header[M.H_DKV_ORDERED]) == 0
+    meta = get_kernel_metadata("fa3", G_CAUSAL, 132, "dynamic")
+    t = meta.tasks.copy()
+    first = lambda h: int(np.flatnonzero((t[:, M.C_HEAD] == h) & (t[:, M.C_KV] == 3))[0])  # noqa: E731
+    a, b = first(0), first(1)                     # head 1 of KV head 0 claimed before head 0, at KV tile 3
+    t[[a, b]] = t[[b, a]]
+    bad = mutated(meta, tasks=t)
+    assert not dkv_order_ok(bad, G_CAUSAL, 132)
+    with pytest.raises(ScheduleError, match="dkv_ordered"):
+        check_metadata(bad, G_CAUSAL, 132)
+    assert int(with_dkv_order(bad, G_CAUSAL, 132).header[M.H_DKV_ORDERED]) == 0
+    h = meta.header.copy()
+    h[M.H_DKV_ORDERED] = 2
+    with pytest.raises(ScheduleError, match="dkv_ordered"):
+        check_metadata(mutated(meta, header=h), G_CAUSAL, 132)

@@ -122,7 +122,7 @@ void launch_bwd_preprocess(const at::Tensor& out, const at::Tensor& dout, const 
 struct DkvCast {
   const float* dk_partial;  // (batch, heads, seqlen_k, headdim); accumulated: (batch, heads_kv, ...)
   const float* dv_partial;
-  bool accumulated;  // BwdParams::dkv_accumulate
+  bool accumulated;  // BwdParams::dkv_accumulate or dkv_ordered: one accumulator per KV head
   at::Tensor dk, dv;  // (batch, seqlen_k, heads_kv, headdim)
   bool fp32 = false;  // dk, dv are fp32: the group sums, not rounded
 };

@@ -108,12 +108,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
               "dash_fa3: fp32 dK/dV partials come from dense deterministic calls only");
   // The main kernel writes fp32 slabs whenever it has them (BwdParams::dk_partial), MHA included.
   const bool slabs = gqa || dkv_fp32;
+  // Deterministic dense GQA whose schedule orders the turns: one accumulator per KV head that
+  // the group's query heads add into in ascending order (the slabs' bits, 1/group of their bytes).
+  const bool dkv_ordered = gqa && deterministic && packed == nullptr && hdr[schedule::kHDkvOrdered] == 1;
+  const int64_t n_kv = (seqlen_k + bwd_block_n(static_cast<int>(hdim)) - 1) / bwd_block_n(static_cast<int>(hdim));
   const int64_t dq_splits = hdr[schedule::kHNumSplits];
   TORCH_CHECK(dq_splits >= 1 && (dq_splits == 1 || packed == nullptr),
               msg("dash_fa3: schedule has ", dq_splits, " dQ splits (dense calls only, at least 1)"));
   const BwdWorkspace ws = make_bwd_workspace(
       {sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, slabs, dq_splits,
-       dkv_accumulate ? heads_kv : heads}, dev);
+       dkv_accumulate || dkv_ordered ? heads_kv : heads, dkv_ordered, dkv_ordered ? sh.batch * heads_kv * n_kv : 0},
+      dev);
   launch_bwd_preprocess(out, dout, lse, ws, rounded, stream, packed, block_m);
 
   const auto kv_options = [&](const at::Tensor& t) {
@@ -145,6 +150,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   p.dk_partial = ws.dk_partial;
   p.dv_partial = ws.dv_partial;
   p.dkv_accumulate = dkv_accumulate;
+  p.dkv_ordered = dkv_ordered;
+  p.dkv_semaphore = ws.dkv_semaphore;
   p.schedule = schedule.data_ptr<int32_t>();
   p.schedule_header_host = hdr;
   p.batch = static_cast<int>(docs);
@@ -173,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
-  const DkvCast dkv{ws.dk_partial, ws.dv_partial, dkv_accumulate, dk, dv, dkv_fp32};
+  const DkvCast dkv{ws.dk_partial, ws.dv_partial, dkv_accumulate || dkv_ordered, dk, dv, dkv_fp32};
   at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, sh.batch, heads, seqlen_q, rounded, hdim, softmax_scale,
                                          q.scalar_type(), dev, stream, slabs ? &dkv : nullptr, packed,
                                          dq_splits, ws.dq_split_floats);

@@ -17,7 +17,7 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   const int64_t slabs = s.dkv_slabs > 0 ? s.dkv_slabs : s.heads;
   const int64_t partial_k = s.gqa ? s.batch * slabs * s.seqlen_k * s.headdim : 0;
   const int64_t partial_v = s.gqa ? s.batch * slabs * s.seqlen_k * s.headdim_v : 0;
-  const bool accumulate = s.gqa && slabs != s.heads;  // added into: zeroed with the rest
+  const bool accumulate = s.gqa && slabs != s.heads && !s.dkv_ordered;  // added into: zeroed with the rest
   BwdWorkspace w{};
   int64_t off = 0;
   w.dpsum_offset = off;
@@ -36,6 +36,8 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   off = round_up(off + s.dq_splits * w.dq_split_floats * int64_t(sizeof(float)));
   w.dq_semaphore_offset = off;
   off = round_up(off + s.dq_splits * w.dq_split_sems * int64_t(sizeof(int)));
+  const int64_t dkv_sem_offset = off;
+  off = round_up(off + s.dkv_sems * int64_t(sizeof(int)));
   const int64_t counter_offset = off;
   off = round_up(off + int64_t(sizeof(int)));
 
@@ -47,6 +49,7 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   w.dv_partial = s.gqa ? reinterpret_cast<float*>(base + dv_offset) : nullptr;
   w.dq_accum = reinterpret_cast<float*>(base + w.dq_accum_offset);
   w.dq_semaphore = reinterpret_cast<int*>(base + w.dq_semaphore_offset);
+  w.dkv_semaphore = s.dkv_sems > 0 ? reinterpret_cast<int*>(base + dkv_sem_offset) : nullptr;
   w.task_counter = reinterpret_cast<int*>(base + counter_offset);
   w.zero_begin = base + zero_begin;
   w.zero_bytes = off - zero_begin;

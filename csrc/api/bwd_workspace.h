@@ -28,6 +28,7 @@ struct BwdWorkspace {
   float* dv_partial;  // nullptr without GQA
   float* dq_accum;
   int* dq_semaphore;
+  int* dkv_semaphore;  // BwdWorkspaceShape::dkv_sems turn counters, or nullptr
   int* task_counter;  // dynamic dispatch's claim counter (one int)
   void* zero_begin;
   int64_t zero_bytes;  // a multiple of 16
@@ -43,8 +44,12 @@ struct BwdWorkspaceShape {
   bool gqa;
   int64_t dq_splits = 1;  // fp32 dQ accumulators (and semaphore sets), the schedule's num_splits
   // GQA: dK/dV partial slabs per batch: heads (one per query head, written whole), or heads_kv
-  // (one accumulator per KV head, added into: then zeroed with the rest). 0: heads.
+  // (one accumulator per KV head, added into: then zeroed with the rest, unless ordered). 0: heads.
   int64_t dkv_slabs = 0;
+  // Deterministic GQA in turns (BwdParams::dkv_ordered): the accumulators are stored before
+  // they are added into (not zeroed), and dkv_sems turn counters (batch * heads_kv * n_kv) are.
+  bool dkv_ordered = false;
+  int64_t dkv_sems = 0;
 };
 
 BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& device);

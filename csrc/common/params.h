@@ -221,6 +221,13 @@ struct BwdParams {
   // headdim) fp32 accumulators, zeroed, that each query head's task adds its
   // tile into (in any order); the postprocess only casts them.
   bool dkv_accumulate;
+  // Deterministic dense GQA whose schedule's header says dkv_ordered: the partials are
+  // (batch, heads_kv, seqlen_k, headdim) accumulators, not zeroed; at each KV tile the group's
+  // query heads take turns in ascending order (dkv_semaphore: (batch, heads_kv, n_kv) turn
+  // counters, zeroed): the first stores, the others add. The sum has the slabs' order, so
+  // the bits are those of the slab path.
+  bool dkv_ordered;
+  int* dkv_semaphore;
 
   // Packed documents (common/seqlen_info.h), as in FwdParams: nullptr for a
   // dense batch. Packed: batch counts documents, seqlen_q / seqlen_k are the

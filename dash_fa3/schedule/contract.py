@@ -26,8 +26,9 @@ MAGIC = 0x44415348  # 'DASH'
 # Bumped with every layout change (2: the GQA dK/dV turn column removed;
 # 3: the mask kind and the window instead of the causal flag; 4: the cyclic
 # legs' stride, as its log2, in the former reserved field; 5: dQ splits, each
-# its own fp32 dQ accumulator, with the per-row rectangle of the SPLIT rank kind).
-METADATA_VERSION = 5
+# its own fp32 dQ accumulator, with the per-row rectangle of the SPLIT rank kind;
+# 6: dkv_ordered, a GQA group's dK/dV added in head order into one accumulator).
+METADATA_VERSION = 6
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -51,11 +52,13 @@ HEADER_FIELDS = (
     "offsets_len",     # num_ctas + 1 (static) or 0 (dynamic)
     "cyc_stride_log2", # slot i of a wave's segment starts its cyclic leg i << cyc_stride_log2 tiles on (SHIFT)
     "num_splits",      # dQ splits: fp32 dQ accumulators (and semaphore sets) the postprocess sums in order
+    "dkv_ordered",     # 1: deterministic GQA adds each KV tile's dK/dV into one accumulator per KV head,
+                       # the group's query heads in ascending order (a turn counter per KV tile)
 )
 (H_MAGIC, H_VERSION, H_SCHEDULE, H_DISPATCH, H_RANK_KIND, H_NUM_CTAS, H_NUM_TASKS, H_NUM_COLS,
  H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_MASK, H_WINDOW_LEFT,
  H_WINDOW_RIGHT, H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
- H_CYC_STRIDE_LOG2, H_NUM_SPLITS) = range(len(HEADER_FIELDS))
+ H_CYC_STRIDE_LOG2, H_NUM_SPLITS, H_DKV_ORDERED) = range(len(HEADER_FIELDS))
 HEADER_LEN = len(HEADER_FIELDS)
 
 # Task-table columns, by index; one row per task (batch, q head, KV tile).

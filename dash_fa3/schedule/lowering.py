@@ -24,7 +24,7 @@ from . import metadata as M
 from .geometry import Geometry
 from .schedules import (DYNAMIC_SCHEDULES, Schedule, _check_num_sms, _concrete, _i32, build_metadata,
                         get_schedule, greedy_assignment, task_claim_cost)
-from .validate import check_metadata
+from .validate import check_metadata, with_dkv_order
 
 
 def lowering_order(s: Schedule, num_ctas: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +84,7 @@ def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int, dispatc
     # From the rows alone, checked on what the kernel decodes: time and memory grow with the steps
     # of one head, not of the whole call (build_schedule's full check held 12 GB and took a minute
     # at 128k tokens and 32 heads).
-    meta = build_metadata(name, geometry, num_sms)
+    meta = with_dkv_order(build_metadata(name, geometry, num_sms), geometry, num_sms)
     check_metadata(meta, geometry, num_sms)
     return meta
 

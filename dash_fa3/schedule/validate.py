@@ -250,6 +250,39 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
     return wave * span + M.planned_t0(g, t[:, M.C_ROLE], t[:, M.C_UNIT]), span, False
 
 
+def dkv_order_ok(meta, geometry, num_sms: int) -> bool:
+    """Whether the kernel may add a GQA group's dK/dV in turns (header ``dkv_ordered``): at each
+    (batch, KV head, KV tile) the group's query heads store or add in ascending head order, each
+    task's epilogue waiting for the previous head's. Deadlock-free when each such wait points to a
+    task that finishes no later in the certificate of :func:`check_metadata`: the epilogue of a
+    row has the potential of its last step (ordered after that step, before the next row's first
+    on its CTA), and it must not fall from one head to the next (queue order: rise). Full and
+    causal masks with GQA only, every task with steps."""
+    g = geometry
+    if g.heads == g.heads_kv or g.mask not in ("full", "causal"):
+        return False
+    t = meta.tasks.astype(np.int64)
+    n_steps = t[:, M.C_N_STEPS]
+    if t.shape[0] == 0 or (n_steps <= 0).any():
+        return False
+    pot, _, strict = _row_potential(meta, g, num_sms)
+    # dynamic dispatch: the queue (table) order; static: the last step's potential
+    end = np.arange(t.shape[0], dtype=np.int64) if pot is None else pot + n_steps - 1
+    order = np.lexsort((t[:, M.C_HEAD], t[:, M.C_KV], t[:, M.C_HEAD_KV], t[:, M.C_BATCH]))
+    key = t[order][:, [M.C_BATCH, M.C_HEAD_KV, M.C_KV]]
+    same = (key[1:] == key[:-1]).all(axis=1)
+    e = end[order]
+    bad = same & ((e[1:] <= e[:-1]) if strict else (e[1:] < e[:-1]))
+    return not bool(bad.any())
+
+
+def with_dkv_order(meta, geometry, num_sms: int):
+    """``meta`` with its header's ``dkv_ordered`` set to :func:`dkv_order_ok` (a new header)."""
+    header = meta.header.copy()
+    header[M.H_DKV_ORDERED] = int(dkv_order_ok(meta, geometry, num_sms))
+    return M.ScheduleMeta(header, meta.offsets, meta.tasks)
+
+
 def check_metadata(meta, geometry, num_sms: int) -> None:
     """The kernel path's validation of a built-in schedule's metadata (:func:`.schedules.build_metadata`),
     on what the kernel decodes, in bounded memory. Raises :class:`ScheduleError`.
@@ -267,6 +300,9 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
     t = meta.tasks.astype(np.int64)
     pot, span, strict = _row_potential(meta, g, num_sms)
     n_steps = t[:, M.C_N_STEPS]
+    if int(h[M.H_DKV_ORDERED]) not in (0, 1) or (int(h[M.H_DKV_ORDERED]) and not dkv_order_ok(meta, g, num_sms)):
+        _fail(s, f"header dkv_ordered = {int(h[M.H_DKV_ORDERED])}, but dK/dV turns need GQA under a full or causal "
+                 f"mask, every task with steps, and each head of a group finishing no earlier than the one before")
     if int(h[M.H_DISPATCH]) == M.DISPATCH_STATIC:
         # program order: each CTA runs its rows in table order, each row its steps in order
         has = np.flatnonzero(n_steps > 0)

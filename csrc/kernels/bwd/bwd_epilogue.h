@@ -185,9 +185,30 @@ struct BwdEpilogue {
     // (p.dkv_accumulate): the group's query heads add into their KV head's
     // accumulator, in whatever order their tasks end (a slab each would cost
     // `group` times the bytes, written here and read by the postprocess).
-    bool const accumulate = p.dkv_accumulate;
-    int64_t const slab = accumulate ? int64_t(sl.tensor_batch) * p.heads_kv + h_kv
-                                    : int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead];
+    // Deterministic in turns (p.dkv_ordered): at each KV tile the group's query heads take
+    // turns in ascending order on the tile's counter; the first stores its tile into the KV
+    // head's accumulator, each later one adds its own (red.add): the same additions in the
+    // same order as the postprocess's sum of the slabs (group_sum), so the same bits (red.add
+    // flushes subnormal fp32 to zero), with one accumulator's bytes instead of `group` slabs'.
+    // The schedule's header says its order lets the turns come (dash_fa3/schedule/validate.py,
+    // dkv_order_ok): a task waits only on one planned to finish no later.
+    //   acquire: thread 0 spins (ld.acquire.gpu) until the counter reads this head's turn;
+    //            the named barrier then lets every MMA thread add
+    //   release: every thread's stores or adds, __threadfence (performed at gpu scope), the
+    //            named barrier, then thread 0 increments the counter (red.release.gpu)
+    bool const ordered = p.dkv_ordered;
+    int64_t const kv_head = int64_t(sl.tensor_batch) * p.heads_kv + h_kv;
+    int const turn = ordered ? row[schedule::kCHead] % (p.heads / p.heads_kv) : 0;
+    int* const sem = ordered ? p.dkv_semaphore + kv_head * ((p.seqlen_k + kBlockN - 1) / kBlockN) +
+                                   row[schedule::kCKvTile]
+                             : nullptr;
+    if (turn > 0) {
+      if (mma_tid == 0) { semaphore_wait_for(sem, turn); }
+      named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
+    }
+    bool const accumulate = p.dkv_accumulate || turn > 0;
+    int64_t const slab = p.dkv_accumulate || ordered ? kv_head
+                                                     : int64_t(sl.tensor_batch) * p.heads + row[schedule::kCHead];
     int64_t const base = slab * p.partial_rows + sl.offset_k;
     if constexpr (Traits::kThreeWarpgroups) {
       store_elements<typename Traits::TiledMmaDk, kHeadDim>(sl, n0, mma_tid, [&](int n, int d, int i) {
@@ -213,6 +234,11 @@ struct BwdEpilogue {
           sl, n0, mma_tid,
           [&](int n, int d, int i) { put(p.dk_partial + (base + n) * kHeadDim + d, tdKrdK(i), tdKrdK(i + 1)); },
           [&](int n, int d, int i) { put(p.dv_partial + (base + n) * kHeadDimV + d, tdVrdV(i), tdVrdV(i + 1)); });
+    }
+    if (ordered) {
+      __threadfence();
+      named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
+      if (mma_tid == 0) { semaphore_release_increment(sem); }
     }
   }
 

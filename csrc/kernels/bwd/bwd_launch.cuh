@@ -148,6 +148,8 @@ typename Traits::Params make_bwd_params(BwdParams const& a) {
   p.dv_partial = a.dv_partial;
   p.partial_rows = packed ? a.total_k : a.seqlen_k;
   p.dkv_accumulate = gqa && a.dkv_accumulate ? 1 : 0;
+  p.dkv_ordered = gqa && a.dkv_ordered ? 1 : 0;
+  p.dkv_semaphore = a.dkv_semaphore;
   p.cu_seqlens_q = a.cu_seqlens_q;
   p.cu_seqlens_k = a.cu_seqlens_k;
   // The device buffer's views, and the header fields every step's decode
@@ -228,6 +230,11 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   require(!gqa || (params.dk_partial && params.dv_partial), "GQA/MQA needs dk_partial and dv_partial");
   require(!params.dkv_accumulate || !params.deterministic,
           "dK/dV accumulated across a group's query heads have no fixed order: non-deterministic mode only");
+  require(!params.dkv_ordered || (params.deterministic && gqa && !kPacked && !params.dkv_accumulate &&
+                                  params.dkv_semaphore != nullptr &&
+                                  params.schedule_header_host[schedule::kHDkvOrdered] == 1),
+          "dK/dV in turns need deterministic dense GQA, turn counters and a schedule that orders them "
+          "(header dkv_ordered)");
   bwd::check_schedule_header<Traits>(params);
 
   typename Traits::Params p = bwd::make_bwd_params<Traits>(params);

@@ -546,6 +546,10 @@ struct BwdTraits {
     // Non-deterministic GQA: the partials are (batch, heads_kv, ...) accumulators, zeroed, that
     // every query head of the group adds into (BwdParams::dkv_accumulate).
     int dkv_accumulate;
+    // Deterministic GQA, in turns (BwdParams::dkv_ordered): the accumulators as above, not
+    // zeroed, and a turn counter per (batch, KV head, KV tile).
+    int dkv_ordered;
+    int* dkv_semaphore;
     // The schedule (csrc/schedules/schedule_metadata.h): CTA c runs task rows
     // [cta_offsets[c], cta_offsets[c + 1]) of the task table; the header's
     // fields that decode every step are launch constants, in rank.
