@@ -143,31 +143,39 @@ def test_gqa_dkv_in_turns_is_the_slabs_bits(shape, causal):
     """Deterministic GQA: with the schedule's header dkv_ordered the query heads of a group add
     their dK/dV into one accumulator per KV head in turns; cleared, each writes its own slab and
     the postprocess sums them. Same additions in the same order: the same bits, for queue and
-    static schedules, and repeatable."""
+    static schedules (the flag set here wherever the order is safe, whether or not the policy
+    asks for it), and repeatable."""
     from dash_fa3 import ops
+    from dash_fa3.schedule import Geometry, bwd_block_sizes
     from dash_fa3.schedule import metadata as M
+    from dash_fa3.schedule.validate import dkv_order_ok
 
     v = variants.Variant(128, "bf16", "causal" if causal else "full")
+    b, sq, sk, h, hkv = shape
+    right = 0 if causal else -1
+    geometry = Geometry(b, h, hkv, sq, sk, *bwd_block_sizes(128), "causal" if causal else "full", -1, right)
     require_built(v, "bwd")
     q, k, vv, dout = make_inputs(v, shape, sum(shape) + causal)
     scale = 1.0 / math.sqrt(v.hdim)
-    right = 0 if causal else -1
     out, lse = ops.fwd(q, k, vv, scale, causal, 0)
     for schedule in ("auto", "fa3", "symmetric_shift", "split"):
         flat, header, run = ops._bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, right, False, True, schedule,
                                           0, q.device, vv.shape[-1])
-        assert int(header[M.H_DKV_ORDERED]) == 1, schedule
+        meta = M.ScheduleMeta.from_int32_array(header.numpy())
+        assert dkv_order_ok(meta, geometry, torch.cuda.get_device_properties(q.device).multi_processor_count)
+        flat, header = flat.clone(), header.clone()
+        flat[M.H_DKV_ORDERED] = header[M.H_DKV_ORDERED] = 1
         slab_flat, slab_header = flat.clone(), header.clone()
         slab_flat[M.H_DKV_ORDERED] = 0
         slab_header[M.H_DKV_ORDERED] = 0
         poison_cuda_allocator(1 << 28)
         turns = run(dout, q, k, vv, out, lse, flat, header, scale, -1, right, 0.0, True)
         slabs = run(dout, q, k, vv, out, lse, slab_flat, slab_header, scale, -1, right, 0.0, True)
-        for name, a, b in zip(("dq", "dk", "dv"), turns, slabs):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (schedule, name)
+        for name, x, y in zip(("dq", "dk", "dv"), turns, slabs):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16)), (schedule, name)
         for _ in range(3):
             again = run(dout, q, k, vv, out, lse, flat, header, scale, -1, right, 0.0, True)
-            assert all(torch.equal(a, b) for a, b in zip(again, turns)), schedule
+            assert all(torch.equal(x, y) for x, y in zip(again, turns)), schedule
 
 
 @pytest.mark.parametrize("hdim", [64, 128])

@@ -137,26 +137,37 @@ def test_heads_alike_are_decoded_once(monkeypatch):
     assert sum(calls) == G_CAUSAL.n_kv
 
 
-def test_dkv_turns_where_the_order_lets_them_come():
-    """GQA under full and causal masks: the kernel metadata lets a group's query heads add dK/dV
-    in turns (header dkv_ordered) for every schedule; never for MHA or windows; a table whose
-    head h + 1 would finish a KV tile before head h is refused when flagged and left unflagged."""
-    from dash_fa3.schedule.validate import dkv_order_ok, with_dkv_order
+def test_dkv_turns_where_the_order_lets_them_come_and_pays():
+    """GQA under full and causal masks: every schedule's order lets a group's query heads add
+    dK/dV in turns; the kernel metadata asks for them (header dkv_ordered) where the plan is
+    static and keeps a group's heads of a KV tile within a wave, never for MHA or windows; a
+    table whose head h + 1 would finish a KV tile before head h is refused when flagged."""
+    from dash_fa3.schedule.validate import dkv_order_ok, dkv_order_pays, with_dkv_order
 
     for name in SCHEDULES:
         meta = get_kernel_metadata(name, G_CAUSAL, 132, "dynamic")
-        assert int(meta.header[M.H_DKV_ORDERED]) == 1, name
+        assert dkv_order_ok(meta, G_CAUSAL, 132), name
+        static = int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC
+        assert int(meta.header[M.H_DKV_ORDERED]) == int(static), name
         check_metadata(meta, G_CAUSAL, 132)
+    # 256 KV tiles per head on 132 CTAs: a group's heads of a KV tile two waves apart
+    far = Geometry(1, 8, 2, 2048, 32768, 64, 128, "causal")
+    assert not dkv_order_pays(build_metadata("split", far, 132), far, 132)
+    assert int(get_kernel_metadata("split", far, 132).header[M.H_DKV_ORDERED]) == 0
     mha = Geometry(1, 4, 4, 4096, 4096, 64, 128, "causal")
     local = Geometry(1, 4, 2, 4096, 4096, 64, 128, "local", 256, 0)
     for g in (mha, local):
-        assert int(get_kernel_metadata("spt", g, 132).header[M.H_DKV_ORDERED]) == 0
+        assert int(get_kernel_metadata("symmetric_shift", g, 132).header[M.H_DKV_ORDERED]) == 0
+        assert not dkv_order_ok(build_metadata("symmetric_shift", g, 132), g, 132)
     meta = get_kernel_metadata("fa3", G_CAUSAL, 132, "dynamic")
     t = meta.tasks.copy()
     first = lambda h: int(np.flatnonzero((t[:, M.C_HEAD] == h) & (t[:, M.C_KV] == 3))[0])  # noqa: E731
     a, b = first(0), first(1)                     # head 1 of KV head 0 claimed before head 0, at KV tile 3
     t[[a, b]] = t[[b, a]]
-    bad = mutated(meta, tasks=t)
+    flagged = meta.header.copy()
+    flagged[M.H_DKV_ORDERED] = 1
+    check_metadata(mutated(meta, header=flagged), G_CAUSAL, 132)   # the queue's own order: accepted
+    bad = mutated(meta, tasks=t, header=flagged)
     assert not dkv_order_ok(bad, G_CAUSAL, 132)
     with pytest.raises(ScheduleError, match="dkv_ordered"):
         check_metadata(bad, G_CAUSAL, 132)
