@@ -278,13 +278,15 @@ def dkv_order_ok(meta, geometry, num_sms: int) -> bool:
 
 def dkv_order_pays(meta, geometry, num_sms: int) -> bool:
     """Whether adding a GQA group's dK/dV in turns is expected to cost no time against the slabs
-    (it always saves (group - 1) / group of their bytes): a static schedule (a queue claims a
-    group's equal tasks side by side, so each waits for the one before: measured 10-17% slower)
-    that plans consecutive heads of every KV tile at most a wave apart, so the accumulator is
-    still in L2 when the next head adds into it (heads two waves apart measured 2-5% slower; the
-    H100 A/B behind this rule: docs/journal/rect-bwd.md). Presumes :func:`dkv_order_ok`."""
+    (it always saves (group - 1) / group of their bytes), by the H100 A/B behind this rule
+    (docs/journal/rect-bwd.md): a static schedule (a queue claims a group's equal tasks side by
+    side, so each waits for the one before: 10-17% slower), steps of at most 64 query rows (the
+    head dims from 96 on; at 64, whose 128-row steps halve the tasks, turns were 1-5% slower),
+    and consecutive heads of every KV tile planned at most a wave apart, so the accumulator is
+    still in L2 when the next head adds into it (two waves apart: 2-5% slower). Presumes
+    :func:`dkv_order_ok`."""
     g = geometry
-    if int(meta.header[M.H_DISPATCH]) != M.DISPATCH_STATIC:
+    if int(meta.header[M.H_DISPATCH]) != M.DISPATCH_STATIC or g.block_m > 64:
         return False
     pot, span, _ = _row_potential(meta, g, num_sms)
     t = meta.tasks.astype(np.int64)
