@@ -214,7 +214,7 @@ struct BwdParams {
   // GQA/MQA only (heads != heads_kv), else nullptr: fp32 (batch, heads,
   // seqlen_k, headdim) partials, one slab per query head, which the kernel
   // writes (no adds, no zeroing needed) and the postprocess sums per group
-  // and casts into dk/dv.
+  // and casts into dk/dv (or one accumulator per KV head: dkv_accumulate, dkv_ordered).
   float* dk_partial;
   float* dv_partial;
   // Non-deterministic GQA: dk_partial/dv_partial are (batch, heads_kv, seqlen_k,

@@ -25,9 +25,11 @@
 // task stores its fp32 registers into its own query head's slab of the
 // partials (batch, heads, seqlen_k, d; dV's with dv columns); the postprocess sums each group's
 // slabs in ascending head order and casts. The sum's order is fixed, so dK/dV
-// are deterministic in both modes, and no task waits for another here (adds
-// into one shared accumulator would need atomics, and ordered adds would make
-// the heads of a group take turns).
+// are deterministic in both modes, and no task waits for another here. Two
+// alternatives write one accumulator per KV head instead: the non-deterministic
+// mode's atomic adds (dkv_accumulate), and the deterministic mode's turns
+// (dkv_ordered), where the schedule plans a group's heads so that taking turns
+// costs no time (store_direct says how).
 #pragma once
 
 #include <cute/tensor.hpp>

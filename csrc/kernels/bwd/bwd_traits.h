@@ -539,7 +539,8 @@ struct BwdTraits {
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
     // GQA: fp32 partials (batch, heads, seqlen_k, d) (packed: (heads, total_k,
     // d)), dV's with dv columns, one slab per query head, each element written once; the
-    // postprocess sums a group's slabs in a fixed order. nullptr for MHA.
+    // postprocess sums a group's slabs in a fixed order (with dkv_accumulate or dkv_ordered:
+    // one accumulator per KV head). nullptr for MHA.
     float* dk_partial;
     float* dv_partial;
     int partial_rows;  // k rows per slab: seqlen_k, packed total_k
