@@ -92,6 +92,11 @@ def _job_attention(D, group, rank, P, job, outdir):
             res = _attention_run(D, group, job["seed"], LENGTHS[P][0], cfg, layout, algorithm="heads")
             if rank == 0:
                 torch.save(res, os.path.join(outdir, f"{name}-{layout}-N{LENGTHS[P][0]}-P{P}.pt"))
+            # the superblock algorithm on these configs too: 8 and 9 KV heads beside CONFIGS' 1 and 2
+            for n in LENGTHS[P]:
+                res = _attention_run(D, group, job["seed"], n, cfg, layout, algorithm=None, superblock=SUPERBLOCK)
+                if rank == 0:
+                    torch.save(res, os.path.join(outdir, f"sb-{name}-{layout}-N{n}-P{P}.pt"))
     return {}
 
 
@@ -435,6 +440,22 @@ def test_superblocks_bitwise_invariant_to_number_of_ranks(attention_runs, name, 
 def test_superblocks_match_fp64_reference(attention_runs, name):
     seed, load = attention_runs
     check_vs_reference(load("sb-" + name, "zigzag", 2304, 3), seed, 2304, CONFIGS[name], f"superblocks {name} P=3")
+
+
+@pytest.mark.parametrize("name", list(HEADS_CONFIGS))
+def test_superblocks_with_many_kv_heads(attention_runs, name):
+    """GQA 16/8 and MHA with 9 KV heads (fp16, batch 2): bitwise equal across P and layouts, and
+    within the fp64 bounds."""
+    seed, load = attention_runs
+    for layout in LAYOUTS:
+        for P, lengths in LENGTHS.items():
+            for n in lengths:
+                base = load("sb-" + name, "contiguous", n, 1)
+                for what, a, b in zip(("out", "dq", "dk", "dv"), load("sb-" + name, layout, n, P), base):
+                    assert torch.equal(a, b), (f"superblocks {name}, {n} tokens: {what} with P={P} ({layout}) "
+                                               f"differs from P=1 (seed {seed})")
+    check_vs_reference(load("sb-" + name, "zigzag", 2304, 3), seed, 2304, HEADS_CONFIGS[name],
+                       f"superblocks {name} P=3")
 
 
 def test_superblock_tree_is_not_vacuous(attention_runs):
