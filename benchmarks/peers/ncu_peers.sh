@@ -9,7 +9,7 @@
 #   NAME.sass.csv       per-SASS-instruction samples (stall reasons) of each kernel
 #   summary.md          ncu_summary.py's tables: ours against FA3 per point, top stalls, top bank conflicts
 #   DIRECTION default bwd (or fwd)
-#   IMPLS    default "ours fa3"           (profile_call.py's IMPL names)
+#   IMPLS    default "ours fa3"           (profile_call.py's IMPL names; fa4 / fa4-det for FA4)
 #   POINTS   hdim:mask:seqlen list; default bwd "64:causal:8192 128:full:1024 128:causal:8192",
 #            fwd "64:full:8192 128:full:2048 128:causal:1024" (the forward-speed issue's points)
 set -uo pipefail

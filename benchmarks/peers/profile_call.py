@@ -1,10 +1,11 @@
-"""One forward or backward call of ours or FA3's at one grid point, between
+"""One forward or backward call of ours, FA3's or FA4's at one grid point, between
 cudaProfilerStart/Stop, for Nsight Compute (`benchmarks/peers/ncu_peers.sh` drives it):
 
     ncu --profile-from-start off ... python benchmarks/peers/profile_call.py IMPL HDIM MASK SEQLEN [--direction fwd|bwd]
 
-IMPL is `ours` (the backward non-deterministic), `ours-det:SCHEDULE` or `fa3` /
-`fa3-det` (the deterministic ones: backward only).
+IMPL is `ours` (the backward non-deterministic), `ours-det:SCHEDULE`, `fa3` /
+`fa3-det` or `fa4` / `fa4-det` (the deterministic ones: backward only; FA4 is the
+`flash-attn-4` package, peers/fa4.py).
 The shape is the grid's (bench_grid.json: 16384 tokens, hidden 2048, bf16).
 Two warm-up calls run before the profiled one, so ncu sees a steady state
 (cached schedule, loaded module); only the profiled call lies inside the
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (dash_fa3 built in place)
 import fa3 as fa3_peer  # noqa: E402
+import fa4 as fa4_peer  # noqa: E402
 
 GRID_TOKENS = 16384
 GRID_HIDDEN = 2048
@@ -36,8 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--direction", choices=("bwd", "fwd"), default="bwd")
     ap.add_argument("--fa3-build", default=str(fa3_peer.DEFAULT_BUILD_DIR))
     args = ap.parse_args(argv)
-    if args.direction == "fwd" and args.impl not in ("ours", "fa3"):
-        ap.error(f"the forward has no deterministic mode: IMPL must be ours or fa3, got {args.impl!r}")
+    if args.direction == "fwd" and args.impl not in ("ours", "fa3", "fa4"):
+        ap.error(f"the forward has no deterministic mode: IMPL must be ours, fa3 or fa4, got {args.impl!r}")
 
     causal = args.mask == "causal"
     shape = (GRID_TOKENS // args.seqlen, args.seqlen, GRID_HIDDEN // args.hdim, args.hdim)
@@ -51,6 +53,11 @@ def main(argv=None) -> int:
 
             def call():
                 return fa3_peer.forward(fa3, q, k, v, causal, scale)
+        elif args.impl == "fa4":
+            fa4 = fa4_peer.load_fa4()
+
+            def call():
+                return fa4_peer.forward(fa4, q, k, v, causal, scale)
         else:
             from dash_fa3 import ops
 
@@ -59,6 +66,8 @@ def main(argv=None) -> int:
     elif args.impl.startswith("fa3"):
         fa3 = fa3_peer.load_fa3(args.fa3_build)
         call = fa3_peer.backward_fn(fa3, q, k, v, dout, causal, args.impl == "fa3-det", preallocate=True)
+    elif args.impl in ("fa4", "fa4-det"):
+        call = fa4_peer.backward_fn(fa4_peer.load_fa4(), q, k, v, dout, causal, args.impl == "fa4-det")
     elif args.impl == "ours" or args.impl.startswith("ours-det:"):
         from dash_fa3 import ops
 
