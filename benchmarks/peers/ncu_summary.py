@@ -1,4 +1,4 @@
-"""Summarise the Nsight Compute exports of `ncu_peers.sh`: ours against FA3 per
+"""Summarise the Nsight Compute exports of `ncu_peers.sh`: ours against FA3 (and FA4) per
 grid point, the main kernel of the direction only (the backward's pre- and
 postprocess are left out).
 
@@ -21,9 +21,10 @@ import re
 import sys
 from pathlib import Path
 
-# The main kernel of each implementation, per direction.
-MAIN_KERNEL = {"bwd": {"ours": "bwd_kernel", "fa3": "FlashAttnBwdSm90"},
-               "fwd": {"ours": "fwd_kernel", "fa3": "FlashAttnFwdSm90"}}
+# The main kernel of each implementation, per direction (FA4's: its CuTe DSL classes, whose
+# names its JIT-compiled kernels carry).
+MAIN_KERNEL = {"bwd": {"ours": "bwd_kernel", "fa3": "FlashAttnBwdSm90", "fa4": "FlashAttentionBackwardSm90"},
+               "fwd": {"ours": "fwd_kernel", "fa3": "FlashAttnFwdSm90", "fa4": "FlashAttentionForwardSm90"}}
 
 METRICS = [  # (label, raw metric name, scale)
     ("duration (us)", "gpu__time_duration.sum", None),
