@@ -228,9 +228,10 @@ def restrict_heads(meta: ScheduleMeta, kv_lo: int, kv_hi: int) -> ScheduleMeta:
     Every kept step decodes to the same (Q tile, rank) as in ``meta`` (the rank rules read the row
     and the per-head tile geometry only), so each head gets the dQ add order it has in the whole
     call; this is what lets head-parallel context parallelism reproduce the shift orders, which
-    place a head's units by its index. Safe: a head's dQ tiles wait only on its own rows, and the
-    kept rows keep their order on every CTA (static) or in the queue (dynamic), so the wait-for
-    graph is a subgraph of the validated one."""
+    place a head's units by its index. Safe: a head's dQ tiles wait only on its own rows, a
+    group's dK/dV turns (header dkv_ordered) only on its KV head's rows, which are kept or dropped
+    together, and the kept rows keep their order on every CTA (static) or in the queue (dynamic),
+    so the wait-for graph is a subgraph of the validated one."""
     h = meta.header.copy()
     heads, heads_kv = int(h[H_HEADS]), int(h[H_HEADS_KV])
     if not 0 <= kv_lo < kv_hi <= heads_kv:
