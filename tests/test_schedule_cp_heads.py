@@ -12,6 +12,7 @@ from dash_fa3.distributed.layout import G
 from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule
 from dash_fa3.schedule import metadata as M
 from dash_fa3.schedule.lowering import get_kernel_metadata
+from dash_fa3.schedule.validate import dkv_order_ok
 
 
 def decoded(meta):
@@ -49,6 +50,10 @@ def test_restricted_schedule_gives_each_head_its_order_in_the_whole_call(name, m
                 assert np.all(rows[:, M.C_CTA] == c)
         flat = part.as_int32_array()
         assert M.ScheduleMeta.from_int32_array(flat).num_tasks == part.num_tasks
+        # the dK/dV turns keep their flag and stay certified on the kept heads
+        assert part.field("dkv_ordered") == full.field("dkv_ordered")
+        if part.field("dkv_ordered"):
+            assert dkv_order_ok(part, dataclasses.replace(g, heads=3 * (hi - lo), heads_kv=hi - lo), 132)
 
 
 def test_shift_orders_differ_between_heads():
