@@ -108,7 +108,7 @@ def test_schedules_agree_within_rounding():
             assert rel < 2e-3, (s, rel)
 
 
-# Few queries, many keys (the split schedule's shapes): bottom-right causal and full, GQA and MHA,
+# Few queries, many keys (the split and runs schedules' shapes): bottom-right causal and full, GQA and MHA,
 # several dQ splits, ragged tiles.
 RECT_SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
     (2, 512, 4096, 4, 2),
@@ -117,18 +117,19 @@ RECT_SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
 ]
 
 
+@pytest.mark.parametrize("schedule", ["split", "runs"])
 @pytest.mark.parametrize("shape", RECT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
-def test_split_schedule_on_rectangular_problems(v, shape):
+def test_rect_schedules_on_rectangular_problems(v, shape, schedule):
     require_built(v, "bwd")
-    check_case(v, shape, seed=sum(shape), schedule="split", deterministic=True)
+    check_case(v, shape, seed=sum(shape), schedule=schedule, deterministic=True)
     # non-deterministic GQA here adds into one dK/dV accumulator per KV head
     check_case(v, shape, seed=sum(shape) + 1, schedule="auto", deterministic=False)
     q, k, vv, dout = make_inputs(v, shape, 7)
-    assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, v.causal, deterministic=True, schedule="split")[1:], 9)
+    assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, v.causal, deterministic=True, schedule=schedule)[1:], 9)
 
 
-@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift", "split"])
+@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift", "split", "runs"])
 def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     v = variants.Variant(128, "bf16", "causal")
     require_built(v, "bwd")
@@ -158,7 +159,7 @@ def test_gqa_dkv_in_turns_is_the_slabs_bits(shape, causal):
     q, k, vv, dout = make_inputs(v, shape, sum(shape) + causal)
     scale = 1.0 / math.sqrt(v.hdim)
     out, lse = ops.fwd(q, k, vv, scale, causal, 0)
-    for schedule in ("auto", "fa3", "symmetric_shift", "split"):
+    for schedule in ("auto", "fa3", "symmetric_shift", "split", "runs"):
         flat, header, run = ops._bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, right, False, True, schedule,
                                           0, q.device, vv.shape[-1])
         meta = M.ScheduleMeta.from_int32_array(header.numpy())

@@ -85,6 +85,9 @@ DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, 
   // ---- rank in the accumulation order of dQ tile q
   if (rp.kind == kRankAsc) { return {q, kv - kv_begin}; }
   if (rp.kind == kRankDesc) { return {q, kv_end - 1 - kv}; }
+  // kRankRun: ascending within the row's piece, one CTA's KV tiles of the head
+  // from split_begin (dash_fa3/schedule/runs.py).
+  if (rp.kind == kRankRun) { return {q, kv - imax(kv_begin, row[kCSplitBegin])}; }
   // kRankShift: units (KV tile p, optionally paired with hi tile n_kv-1-p) run
   // in waves; units [seg_begin, seg_end) of this head share this task's wave.
   // kRankSplit: the same rule within the task's dQ split, which has its own

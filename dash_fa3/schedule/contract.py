@@ -27,8 +27,9 @@ MAGIC = 0x44415348  # 'DASH'
 # 3: the mask kind and the window instead of the causal flag; 4: the cyclic
 # legs' stride, as its log2, in the former reserved field; 5: dQ splits, each
 # its own fp32 dQ accumulator, with the per-row rectangle of the SPLIT rank kind;
-# 6: dkv_ordered, a GQA group's dK/dV added in head order into one accumulator).
-METADATA_VERSION = 6
+# 6: dkv_ordered, a GQA group's dK/dV added in head order into one accumulator;
+# 7: the runs schedule and its RUN rank kind).
+METADATA_VERSION = 7
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -36,7 +37,7 @@ HEADER_FIELDS = (
     "version",         # METADATA_VERSION
     "schedule",        # index into SCHEDULES
     "dispatch",        # DISPATCH_STATIC / DISPATCH_DYNAMIC
-    "rank_kind",       # RANK_ASC / RANK_DESC / RANK_SHIFT / RANK_SPLIT: which rank rule decodes the steps
+    "rank_kind",       # RANK_ASC / RANK_DESC / RANK_SHIFT / RANK_SPLIT / RANK_RUN: which rank rule decodes the steps
     "num_ctas",        # persistent CTAs to launch (<= SM count)
     "num_tasks",       # rows in the task table
     "num_cols",        # NUM_COLS
@@ -82,9 +83,9 @@ COLUMNS = (
 NUM_COLS = len(COLUMNS)
 
 # Codes stored in the header and the rows (C++ enum name, codes in order).
-SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split")
+SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split", "runs")
 DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
-RANK_ASC, RANK_DESC, RANK_SHIFT, RANK_SPLIT = 0, 1, 2, 3
+RANK_ASC, RANK_DESC, RANK_SHIFT, RANK_SPLIT, RANK_RUN = 0, 1, 2, 3, 4
 ROLE_LO, ROLE_HI = 0, 1
 # Mask kinds by name (dash_fa3.variants.MASKS; C++: csrc/common/params.h MaskKind has the same values).
 MASK_FULL, MASK_CAUSAL, MASK_LOCAL = 0, 1, 2
@@ -92,7 +93,7 @@ MASK_CODES = {"full": MASK_FULL, "causal": MASK_CAUSAL, "local": MASK_LOCAL}
 ENUMS = {
     "Dispatch": (("kDispatchStatic", DISPATCH_STATIC), ("kDispatchDynamic", DISPATCH_DYNAMIC)),
     "RankKind": (("kRankAsc", RANK_ASC), ("kRankDesc", RANK_DESC), ("kRankShift", RANK_SHIFT),
-                 ("kRankSplit", RANK_SPLIT)),
+                 ("kRankSplit", RANK_SPLIT), ("kRankRun", RANK_RUN)),
     "Role": (("kRoleLo", ROLE_LO), ("kRoleHi", ROLE_HI)),
     "MaskCode": (("kMaskFull", MASK_FULL), ("kMaskCausal", MASK_CAUSAL), ("kMaskLocal", MASK_LOCAL)),
 }

@@ -22,7 +22,8 @@ Step ``s`` of a row (0 <= s < n_steps) visits Q tile::
 and its contribution to dQ tile (batch, head, q) has the rank given by the
 header's rank kind (ASC: kv - kv_begin(q); DESC: kv_end(q) - 1 - kv; SHIFT: the
 planned-time order of the static schedules, see :func:`decode_all`), where dQ tile q
-receives contributions from KV tiles [kv_begin(q), kv_end(q)) (``TileGeometry.kv_range``).  The dQ writer waits
+receives contributions from KV tiles [kv_begin(q), kv_end(q)) (``TileGeometry.kv_range``);
+RUN: kv - max(kv_begin(q), split_begin), ascending within the row's piece (:mod:`.runs`).  The dQ writer waits
 until ``sem[batch, head, q] == rank``.
 """
 
@@ -41,7 +42,7 @@ from .contract import (C_BATCH, C_CTA, C_CYC_BASE, C_CYC_LEN, C_CYC_OFF, C_HEAD,
                        H_WINDOW_RIGHT,
                        HEADER_FIELDS, HEADER_LEN, MAGIC, MASK_CAUSAL, MASK_CODES, MASK_FULL, MASK_LOCAL,
                        METADATA_VERSION, NUM_COLS, RANK_ASC, RANK_DESC,
-                       RANK_SHIFT, RANK_SPLIT, ROLE_HI, ROLE_LO, C_SPLIT, C_SPLIT_BEGIN, C_RECT, H_NUM_SPLITS,
+                       RANK_SHIFT, RANK_SPLIT, RANK_RUN, ROLE_HI, ROLE_LO, C_SPLIT, C_SPLIT_BEGIN, C_RECT, H_NUM_SPLITS,
                        H_DKV_ORDERED)
 from .geometry import TileGeometry
 
@@ -87,6 +88,8 @@ def _decode(header, col, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return q, kv - kv_begin
     if kind == RANK_DESC:
         return q, kv_end - 1 - kv
+    if kind == RANK_RUN:  # ascending within the task's piece, which starts at its split_begin
+        return q, kv - np.maximum(kv_begin, col(C_SPLIT_BEGIN))
     # RANK_SHIFT: units (KV tile p, optionally paired with hi tile n_kv-1-p) run in
     # waves; units [seg_begin, seg_end) of this head share this task's wave.
     # RANK_SPLIT: the same rule within the task's dQ split, which has a rectangle of

@@ -235,16 +235,26 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
     Dynamic dispatch (queue schedules): phi orders by claim: the row's place in the queue. Only its
     place among its head's rows matters (a wait never leaves its head), which check_metadata
     derives from the table order, so no per-row potential is returned (None).
+    ``runs``: the row's planned start within its CTA's run (steps before it there).
     Static shift schedules: the planned time (wave, step within the unit) they rank dQ adds by
     (:func:`.metadata.planned_wave`); ties in a dQ tile are allowed there, since a cycle would
     need a program-order edge, and those rise strictly."""
     h, t = meta.header, meta.tasks.astype(np.int64)
     if int(h[M.H_DISPATCH]) == M.DISPATCH_DYNAMIC:
         return None, g.n_q + 1, True
+    span = 2 * g.n_q + 1
+    if int(h[M.H_RANK_KIND]) == M.RANK_RUN:
+        # runs: a row's planned start on its CTA, its CTA's steps before it (every dQ wait points
+        # to the same CTA's earlier add; a group's dK/dV turns cut by a run boundary go from the
+        # later run's first rows to the earlier run's last)
+        n_steps = t[:, M.C_N_STEPS]
+        before = np.cumsum(n_steps) - n_steps
+        first = np.concatenate([[0], np.flatnonzero(np.diff(t[:, M.C_CTA]) != 0) + 1])
+        run_start = np.repeat(before[first], np.diff(np.concatenate([first, [t.shape[0]]])))
+        return before - run_start, span, False
     if int(h[M.H_RANK_KIND]) not in (M.RANK_SHIFT, M.RANK_SPLIT):
         raise ValueError("check_metadata certifies queue schedules dispatched dynamically and the static shift "
                          "schedules; validate other static task lists with build_schedule(...).validate()")
-    span = 2 * g.n_q + 1
     hidx = t[:, M.C_BATCH] * g.heads + t[:, M.C_HEAD]
     wave = M.planned_wave(hidx, t[:, M.C_UNIT], int(h[M.H_UNITS_PER_HEAD]), num_sms)
     return wave * span + M.planned_t0(g, t[:, M.C_ROLE], t[:, M.C_UNIT]), span, False
@@ -283,9 +293,12 @@ def dkv_order_pays(meta, geometry, num_sms: int) -> bool:
     side, so each waits for the one before: 10-17% slower), steps of at most 64 query rows (the
     head dims from 96 on; at 64, whose 128-row steps halve the tasks, turns were 1-5% slower),
     and consecutive heads of every KV tile planned at most a wave apart, so the accumulator is
-    still in L2 when the next head adds into it (two waves apart: 2-5% slower). Presumes
-    :func:`dkv_order_ok`."""
+    still in L2 when the next head adds into it (two waves apart: 2-5% slower). ``runs``
+    always: it places a group's heads of a KV tile one after the other on one CTA for the
+    turns. Presumes :func:`dkv_order_ok`."""
     g = geometry
+    if int(meta.header[M.H_RANK_KIND]) == M.RANK_RUN:
+        return True  # a group's heads of a KV tile follow each other on one CTA (.runs)
     if int(meta.header[M.H_DISPATCH]) != M.DISPATCH_STATIC or g.block_m > 64:
         return False
     pot, span, _ = _row_potential(meta, g, num_sms)
@@ -350,15 +363,16 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
     _, reps = np.unique(sig, axis=0, return_index=True)
     tiles = M.tile_geometry_of(h)
     kvb, kve = tiles.kv_range(np.arange(n_q))
-    # contributions per (dQ split, dQ tile): the split's KV tiles [sb, se) that meet the tile (a
-    # split whose tiles are not contiguous makes the count check below fail)
     n_sp = int(h[M.H_NUM_SPLITS])
-    sb, se = np.full(n_sp, n_kv, dtype=np.int64), np.zeros(n_sp, dtype=np.int64)
-    np.minimum.at(sb, t[:, M.C_SPLIT], t[:, M.C_KV])
-    np.maximum.at(se, t[:, M.C_SPLIT], t[:, M.C_KV] + 1)
-    contrib = np.maximum(0, np.minimum(kve[None, :], se[:, None]) - np.maximum(kvb[None, :], sb[:, None]))
+
     def check_head(head: int) -> None:
         R, P = rows[head], hpot[head]
+        # contributions per (dQ split, dQ tile) of this head: the split's KV tiles [sb, se) that
+        # meet the tile (a split whose tiles are not contiguous makes the count check below fail)
+        sb, se = np.full(n_sp, n_kv, dtype=np.int64), np.zeros(n_sp, dtype=np.int64)
+        np.minimum.at(sb, R[:, M.C_SPLIT], R[:, M.C_KV])
+        np.maximum.at(se, R[:, M.C_SPLIT], R[:, M.C_KV] + 1)
+        contrib = np.maximum(0, np.minimum(kve[None, :], se[:, None]) - np.maximum(kvb[None, :], sb[:, None]))
         pair_seen = np.zeros(n_kv * n_q, dtype=bool)
         phi = np.full(n_sp * n_q * n_kv, -1, dtype=np.int32)  # potential of the add of rank r into (split, q)
         bounds = np.searchsorted(np.cumsum(R[:, M.C_N_STEPS]), np.arange(0, int(R[:, M.C_N_STEPS].sum()),

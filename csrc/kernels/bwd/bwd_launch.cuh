@@ -92,7 +92,7 @@ void check_schedule_header(BwdParams const& a) {
           "schedule was built for the window (" + std::to_string(h[S::kHWindowLeft]) + ", " +
               std::to_string(h[S::kHWindowRight]) + "), the call has (" + std::to_string(left) + ", " +
               std::to_string(right) + ")");
-  require(h[S::kHRankKind] >= S::kRankAsc && h[S::kHRankKind] <= S::kRankSplit, "schedule has an unknown rank kind");
+  require(h[S::kHRankKind] >= S::kRankAsc && h[S::kHRankKind] <= S::kRankRun, "schedule has an unknown rank kind");
   require(h[S::kHNumSplits] == 1 || (a.dq_split_floats > 0 && a.dq_split_sems > 0),
           "a schedule of several dQ splits needs the splits' accumulators");
   require(h[S::kHNumCtas] >= 1, "schedule has no CTAs");
