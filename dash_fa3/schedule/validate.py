@@ -244,20 +244,46 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
         return None, g.n_q + 1, True
     span = 2 * g.n_q + 1
     if int(h[M.H_RANK_KIND]) == M.RANK_RUN:
-        # runs: a row's planned start on its CTA, its CTA's steps before it (every dQ wait points
-        # to the same CTA's earlier add; a group's dK/dV turns cut by a run boundary go from the
-        # later run's first rows to the earlier run's last)
-        n_steps = t[:, M.C_N_STEPS]
-        before = np.cumsum(n_steps) - n_steps
-        first = np.concatenate([[0], np.flatnonzero(np.diff(t[:, M.C_CTA]) != 0) + 1])
-        run_start = np.repeat(before[first], np.diff(np.concatenate([first, [t.shape[0]]])))
-        return before - run_start, span, False
+        return _run_potential(t), span, False
     if int(h[M.H_RANK_KIND]) not in (M.RANK_SHIFT, M.RANK_SPLIT):
         raise ValueError("check_metadata certifies queue schedules dispatched dynamically and the static shift "
                          "schedules; validate other static task lists with build_schedule(...).validate()")
     hidx = t[:, M.C_BATCH] * g.heads + t[:, M.C_HEAD]
     wave = M.planned_wave(hidx, t[:, M.C_UNIT], int(h[M.H_UNITS_PER_HEAD]), num_sms)
     return wave * span + M.planned_t0(g, t[:, M.C_ROLE], t[:, M.C_UNIT]), span, False
+
+
+def _turn_predecessors(t: np.ndarray) -> np.ndarray:
+    """Per row, the row of the previous query head of its group at its (batch, KV tile): the turn
+    its dK/dV add waits for under ``dkv_ordered`` (-1: the group's first head)."""
+    order = np.lexsort((t[:, M.C_HEAD], t[:, M.C_KV], t[:, M.C_HEAD_KV], t[:, M.C_BATCH]))
+    key = t[order][:, [M.C_BATCH, M.C_HEAD_KV, M.C_KV]]
+    same = (key[1:] == key[:-1]).all(axis=1)
+    pred = np.full(t.shape[0], -1, dtype=np.int64)
+    pred[order[1:][same]] = order[:-1][same]
+    return pred
+
+
+def _run_potential(t: np.ndarray) -> np.ndarray:
+    """The rows' potentials of a ``runs`` schedule: a row's planned start in steps. A run's rows
+    follow each other; where a group's dK/dV turn comes from another run (a run boundary cuts the
+    group: the lower heads sit in later runs), the row starts no earlier than that turn ends, so
+    the epilogues' potentials do not fall along the turns (:func:`dkv_order_ok`). Every dQ wait
+    of ``runs`` points to an earlier add of the same run. Runs are planned from the last, whose
+    rows take no turn from another run."""
+    n = np.maximum(t[:, M.C_N_STEPS], 1)
+    cta = t[:, M.C_CTA]
+    pred = _turn_predecessors(t)
+    pot = np.zeros(t.shape[0], dtype=np.int64)
+    bounds = np.concatenate([[0], np.flatnonzero(np.diff(cta) != 0) + 1, [t.shape[0]]])
+    for lo, hi in reversed(list(zip(bounds[:-1], bounds[1:]))):
+        base = np.cumsum(n[lo:hi]) - n[lo:hi]
+        p = pred[lo:hi]
+        other = (p >= 0) & ((p < lo) | (p >= hi))
+        # the start a turn from another run needs (its end, this row's last step level with it)
+        need = np.where(other, pot[np.maximum(p, 0)] + n[np.maximum(p, 0)] - n[lo:hi] - base, 0)
+        pot[lo:hi] = base + np.maximum.accumulate(np.maximum(need, 0))
+    return pot
 
 
 def dkv_order_ok(meta, geometry, num_sms: int) -> bool:
