@@ -123,8 +123,10 @@ RECT_SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
 def test_rect_schedules_on_rectangular_problems(v, shape, schedule):
     require_built(v, "bwd")
     check_case(v, shape, seed=sum(shape), schedule=schedule, deterministic=True)
-    # non-deterministic GQA here adds into one dK/dV accumulator per KV head
-    check_case(v, shape, seed=sum(shape) + 1, schedule="auto", deterministic=False)
+    # non-deterministic GQA here adds into one dK/dV accumulator per KV head (runs: one add per
+    # chain of a group's heads)
+    check_case(v, shape, seed=sum(shape) + 1, schedule="auto" if schedule == "split" else schedule,
+               deterministic=False)
     q, k, vv, dout = make_inputs(v, shape, 7)
     assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, v.causal, deterministic=True, schedule=schedule)[1:], 9)
 
@@ -159,7 +161,7 @@ def test_gqa_dkv_in_turns_is_the_slabs_bits(shape, causal):
     q, k, vv, dout = make_inputs(v, shape, sum(shape) + causal)
     scale = 1.0 / math.sqrt(v.hdim)
     out, lse = ops.fwd(q, k, vv, scale, causal, 0)
-    for schedule in ("auto", "fa3", "symmetric_shift", "split", "runs"):
+    for schedule in ("auto", "fa3", "symmetric_shift", "split"):  # runs chains a group's heads: its own sums
         flat, header, run = ops._bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, right, False, True, schedule,
                                           0, q.device, vv.shape[-1])
         meta = M.ScheduleMeta.from_int32_array(header.numpy())

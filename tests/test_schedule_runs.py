@@ -111,3 +111,54 @@ def test_kernel_path_refuses_a_broken_run():
     tasks[piece, M.C_SPLIT] = 0  # its adds would join another piece's order
     with pytest.raises(ScheduleError):
         check_metadata(M.ScheduleMeta(meta.header.copy(), meta.offsets.copy(), tasks), g, 132)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_chains_of_a_groups_heads(shape):
+    g = geom(*shape)
+    meta = get_kernel_metadata("runs", g, 132)
+    t = meta.tasks.astype(np.int64)
+    before, after = t[:, M.C_CHAIN_BEFORE], t[:, M.C_CHAIN_AFTER]
+    if g.heads == g.heads_kv:
+        assert int(meta.header[M.H_DKV_CHAINED]) == 0 and not before.any() and not after.any()
+        return
+    assert int(meta.header[M.H_DKV_CHAINED]) == 1 and int(meta.header[M.H_DKV_ORDERED]) == 1
+    # each chain: consecutive rows of one CTA and KV tile, heads ascending by one, counts agreeing
+    starts = np.flatnonzero(before == 0)
+    for s0 in starts:
+        n = int(after[s0]) + 1
+        rows = t[s0:s0 + n]
+        assert np.array_equal(rows[:, M.C_CHAIN_BEFORE], np.arange(n))
+        assert np.array_equal(rows[:, M.C_CHAIN_AFTER], np.arange(n)[::-1])
+        assert np.unique(rows[:, [M.C_CTA, M.C_BATCH, M.C_HEAD_KV, M.C_KV]], axis=0).shape[0] == 1
+        assert np.array_equal(rows[:, M.C_HEAD], rows[0, M.C_HEAD] + np.arange(n))
+    # a group's heads of a KV tile share one chain but where a run boundary cuts the group
+    units = g.batch * g.heads_kv * g.n_kv
+    assert starts.size <= units + int(meta.header[M.H_NUM_CTAS]) - 1
+
+
+def test_kernel_path_refuses_a_broken_chain():
+    g = geom(8, 16, 2, 256, 8192, 128, True)
+    meta = get_kernel_metadata("runs", g, 132)
+    cont = int(np.flatnonzero(meta.tasks[:, M.C_CHAIN_BEFORE] > 0)[0])
+    for col, delta in ((M.C_CHAIN_BEFORE, 1), (M.C_CHAIN_AFTER, 1), (M.C_KV, 0)):
+        tasks = meta.tasks.copy()
+        if col == M.C_KV:  # the row before it on another KV tile: its K and V would be wrong
+            tasks[[cont - 1, cont]] = tasks[[cont, cont - 1]]
+        else:
+            tasks[cont, col] += delta
+        with pytest.raises(ScheduleError):
+            check_metadata(M.ScheduleMeta(meta.header.copy(), meta.offsets.copy(), tasks), g, 132)
+    header = meta.header.copy()
+    header[M.H_DKV_ORDERED] = 0  # a chain adds in its first head's turn
+    with pytest.raises(ScheduleError):
+        check_metadata(M.ScheduleMeta(header, meta.offsets.copy(), meta.tasks.copy()), g, 132)
+    header = meta.header.copy()
+    header[M.H_DKV_CHAINED] = 0  # columns without the header's word
+    with pytest.raises(ScheduleError):
+        check_metadata(M.ScheduleMeta(header, meta.offsets.copy(), meta.tasks.copy()), g, 132)
+    # other schedules carry no chains
+    for name in ("split", "spt", "symmetric_shift"):
+        other = get_kernel_metadata(name, g, 132)
+        assert int(other.header[M.H_DKV_CHAINED]) == 0
+        assert not other.tasks[:, [M.C_CHAIN_BEFORE, M.C_CHAIN_AFTER]].any()

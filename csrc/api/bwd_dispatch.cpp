@@ -103,7 +103,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   // into one accumulator per KV head: its tasks are short, and a slab per query head would
   // move `group` times the bytes. With longer tasks the slabs' plain stores are faster than
   // adds into a shared accumulator (docs/journal/results.md, GQA dK/dV without ordered adds).
-  const bool dkv_accumulate = gqa && !deterministic && 2 * seqlen_q <= seqlen_k;
+  // A schedule whose rows chain a group's heads (header dkv_chained) adds each chain's sum once:
+  // into the accumulator, never a slab (which would leave the chain's other heads' slabs unwritten).
+  const bool chained = hdr[schedule::kHDkvChained] == 1;
+  const bool dkv_accumulate = gqa && !deterministic && (2 * seqlen_q <= seqlen_k || chained);
   TORCH_CHECK(!dkv_fp32 || (deterministic && packed == nullptr),
               "dash_fa3: fp32 dK/dV partials come from dense deterministic calls only");
   // The main kernel writes fp32 slabs whenever it has them (BwdParams::dk_partial), MHA included.

@@ -28,7 +28,7 @@ MAGIC = 0x44415348  # 'DASH'
 # legs' stride, as its log2, in the former reserved field; 5: dQ splits, each
 # its own fp32 dQ accumulator, with the per-row rectangle of the SPLIT rank kind;
 # 6: dkv_ordered, a GQA group's dK/dV added in head order into one accumulator;
-# 7: the runs schedule and its RUN rank kind).
+# 7: the runs schedule, its RUN rank kind, and chains of a group's heads on one CTA).
 METADATA_VERSION = 7
 
 # Header fields, by index.
@@ -55,11 +55,13 @@ HEADER_FIELDS = (
     "num_splits",      # dQ splits: fp32 dQ accumulators (and semaphore sets) the postprocess sums in order
     "dkv_ordered",     # 1: deterministic GQA adds each KV tile's dK/dV into one accumulator per KV head,
                        # the group's query heads in ascending order (a turn counter per KV tile)
+    "dkv_chained",     # 1: rows form chains (columns chain_before/after): consecutive query heads of a
+                       # group at one KV tile on one CTA, dK/dV summed in registers, one epilogue each
 )
 (H_MAGIC, H_VERSION, H_SCHEDULE, H_DISPATCH, H_RANK_KIND, H_NUM_CTAS, H_NUM_TASKS, H_NUM_COLS,
  H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_MASK, H_WINDOW_LEFT,
  H_WINDOW_RIGHT, H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
- H_CYC_STRIDE_LOG2, H_NUM_SPLITS, H_DKV_ORDERED) = range(len(HEADER_FIELDS))
+ H_CYC_STRIDE_LOG2, H_NUM_SPLITS, H_DKV_ORDERED, H_DKV_CHAINED) = range(len(HEADER_FIELDS))
 HEADER_LEN = len(HEADER_FIELDS)
 
 # Task-table columns, by index; one row per task (batch, q head, KV tile).
@@ -77,9 +79,13 @@ COLUMNS = (
     "split",           # the dQ split the task's adds go to (0 without splits)
     "split_begin",     # first KV tile of that split (SPLIT)
     "rect",            # first Q tile of the split's dense rectangle (SPLIT)
+    "chain_before",    # rows of this row's chain before it (the CTA's previous rows): K, V and the dK/dV
+                       # registers carry over from them (0: not continued)
+    "chain_after",     # rows of the chain after it (0: the chain's epilogue is this row's)
 )
 (C_BATCH, C_HEAD, C_KV, C_N_STEPS, C_CYC_LEN, C_CYC_BASE, C_CYC_OFF, C_LIN_BASE, C_LIN_DIR,
- C_ROLE, C_SEG_BEGIN, C_SEG_END, C_HEAD_KV, C_CTA, C_UNIT, C_SPLIT, C_SPLIT_BEGIN, C_RECT) = range(len(COLUMNS))
+ C_ROLE, C_SEG_BEGIN, C_SEG_END, C_HEAD_KV, C_CTA, C_UNIT, C_SPLIT, C_SPLIT_BEGIN, C_RECT, C_CHAIN_BEFORE,
+ C_CHAIN_AFTER) = range(len(COLUMNS))
 NUM_COLS = len(COLUMNS)
 
 # Codes stored in the header and the rows (C++ enum name, codes in order).

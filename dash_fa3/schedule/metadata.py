@@ -43,7 +43,7 @@ from .contract import (C_BATCH, C_CTA, C_CYC_BASE, C_CYC_LEN, C_CYC_OFF, C_HEAD,
                        HEADER_FIELDS, HEADER_LEN, MAGIC, MASK_CAUSAL, MASK_CODES, MASK_FULL, MASK_LOCAL,
                        METADATA_VERSION, NUM_COLS, RANK_ASC, RANK_DESC,
                        RANK_SHIFT, RANK_SPLIT, RANK_RUN, ROLE_HI, ROLE_LO, C_SPLIT, C_SPLIT_BEGIN, C_RECT, H_NUM_SPLITS,
-                       H_DKV_ORDERED)
+                       H_DKV_ORDERED, H_DKV_CHAINED, C_CHAIN_BEFORE, C_CHAIN_AFTER)
 from .geometry import TileGeometry
 
 

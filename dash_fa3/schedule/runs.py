@@ -16,7 +16,10 @@ The sequence runs over (batch, KV head, KV tile, query head of the group): a
 GQA group's heads of one KV tile follow each other on one CTA, so the kernel's
 dK/dV turns (header ``dkv_ordered``) find the previous head's add finished
 and the group shares one fp32 accumulator per KV head instead of a slab per
-query head. Where a run boundary cuts through a group, the earlier run takes
+query head. Better still, those heads form a *chain* (columns ``chain_before`` /
+``chain_after``, header ``dkv_chained``): K and V stay in shared memory and dK/dV in
+registers from one head to the next, and only the chain's last row adds them, once,
+in its turn. Where a run boundary cuts through a group, the earlier run takes
 the group's higher heads (it reaches them last) and the later run the lower
 ones (it starts with them): the turns go in ascending head order, and each CTA
 runs its part of the group in ascending order.
@@ -38,6 +41,7 @@ import numpy as np
 from . import metadata as M
 from .geometry import Geometry
 from .schedules import EXTRA_BUILDERS, Schedule, _header, _i32, _ranks_by_key, task_claim_cost
+from .validate import dkv_order_ok, unchained
 
 NAME = "runs"
 
@@ -94,10 +98,37 @@ def _tasks(g: Geometry, num_sms: int):
     rows[:, M.C_SPLIT] = split
     rows[:, M.C_SPLIT_BEGIN] = split_begin
     rows[:, M.C_RECT] = g.n_q
+    chained = g.heads != g.heads_kv and g.mask in ("full", "causal") and bool(np.all(lens > 0))
+    if chained:
+        rows[:, M.C_CHAIN_BEFORE], rows[:, M.C_CHAIN_AFTER] = chains(rows)
     cta_offsets = np.concatenate([[0], np.cumsum(np.bincount(cta, minlength=num_ctas))])
     header = _header(NAME, g, num_ctas, T, M.DISPATCH_STATIC, M.RANK_RUN, g.n_q, g.n_kv, 0, int(lens.sum()),
                      num_ctas + 1, num_splits=num_splits)
-    return M.ScheduleMeta(header, _i32(cta_offsets), _i32(rows)), batch * g.heads + head, kv, split, cta, num_ctas
+    # chains add their dK/dV in turns: asked for here, kept where the certificate allows them
+    header[M.H_DKV_CHAINED] = header[M.H_DKV_ORDERED] = int(chained)
+    meta = M.ScheduleMeta(header, _i32(cta_offsets), _i32(rows))
+    if chained and not dkv_order_ok(meta, g, num_sms):
+        meta = unchained(meta)
+        meta = M.ScheduleMeta(_with(meta.header, M.H_DKV_ORDERED, 0), meta.offsets, meta.tasks)
+    return meta, batch * g.heads + head, kv, split, cta, num_ctas
+
+
+def _with(header: np.ndarray, field: int, value: int) -> np.ndarray:
+    h = header.copy()
+    h[field] = value
+    return h
+
+
+def chains(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(chain_before, chain_after) of task rows in table order: a chain is a maximal stretch of
+    consecutive rows of one CTA at one (batch, KV head, KV tile) whose query heads ascend by one."""
+    key = rows[:, [M.C_CTA, M.C_BATCH, M.C_HEAD_KV, M.C_KV]]
+    link = np.zeros(rows.shape[0], dtype=bool)  # row i continues row i - 1
+    link[1:] = (key[1:] == key[:-1]).all(axis=1) & (rows[1:, M.C_HEAD] == rows[:-1, M.C_HEAD] + 1)
+    i = np.arange(rows.shape[0], dtype=np.int64)
+    start = np.maximum.accumulate(np.where(link, 0, i))
+    end = np.minimum.accumulate(np.where(np.append(link[1:], False), rows.shape[0], i)[::-1])[::-1]
+    return i - start, end - i
 
 
 def build_metadata(name: str, g: Geometry, num_sms: int) -> M.ScheduleMeta:

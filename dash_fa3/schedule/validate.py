@@ -153,6 +153,7 @@ def _check_rows(s, meta, g, num_sms: int) -> None:
     if bad.size:
         i = int(bad[0])
         _fail(s, f"task {i} (kv {int(kv[i])}) has {int(t[i, M.C_N_STEPS])} steps, needs {int(g.task_len[kv[i]])}")
+    _check_chains(s, h, t, g, dynamic)
     num_ctas = int(h[M.H_NUM_CTAS])
     if num_ctas > num_sms or num_ctas < 1:
         _fail(s, f"{num_ctas} CTAs for {num_sms} SMs: a persistent grid must fit on the device")
@@ -166,6 +167,51 @@ def _check_rows(s, meta, g, num_sms: int) -> None:
             _fail(s, "CTA offsets do not partition the task table")
         if not np.array_equal(np.repeat(np.arange(num_ctas), np.diff(off)), t[:, M.C_CTA]):
             _fail(s, "CTA offsets disagree with the task->CTA assignment")
+
+
+def _check_chains(s, h, t, g, dynamic: bool) -> None:
+    """Chains (header ``dkv_chained``; :func:`.runs.chains`): a row with ``chain_before`` > 0 runs
+    with the K, V and dK/dV registers of the CTA's previous row, so that row must be of the same
+    CTA, batch, KV head and KV tile, its query head one lower, and the counts must agree from row
+    to row; every chained row has steps (the kernel's path without steps stores at once). GQA
+    under a full or causal mask, static dispatch."""
+    chained = int(h[M.H_DKV_CHAINED])
+    before, after = t[:, M.C_CHAIN_BEFORE], t[:, M.C_CHAIN_AFTER]
+    if chained not in (0, 1):
+        _fail(s, f"metadata header field dkv_chained = {chained} is neither 0 nor 1")
+    if not chained:
+        if np.any(before != 0) or np.any(after != 0):
+            _fail(s, "task rows carry chain columns, but the header's dkv_chained is 0")
+        return
+    if dynamic or g.heads == g.heads_kv or g.mask not in ("full", "causal"):
+        _fail(s, "chains of a group's heads need a static schedule, GQA and a full or causal mask")
+    if np.any(before < 0) or np.any(after < 0):
+        _fail(s, "negative chain column")
+    T = t.shape[0]
+    cont = np.flatnonzero(before > 0)
+    if cont.size and cont[0] == 0:
+        _fail(s, "the first row continues a chain")
+    p = cont - 1
+    same = (t[cont][:, [M.C_CTA, M.C_BATCH, M.C_HEAD_KV, M.C_KV]] == t[p][:, [M.C_CTA, M.C_BATCH, M.C_HEAD_KV, M.C_KV]]
+            ).all(axis=1)
+    ok = same & (t[cont, M.C_HEAD] == t[p, M.C_HEAD] + 1) & (before[p] == before[cont] - 1) & (after[p] == after[cont] + 1)
+    if not ok.all():
+        i = int(cont[np.flatnonzero(~ok)[0]])
+        _fail(s, f"row {i} continues a chain, but the row before it is not the previous query head of its group "
+                 f"at the same KV tile on the same CTA, or the chain counts disagree")
+    more = np.flatnonzero(after > 0)
+    if more.size and (more[-1] == T - 1 or np.any(before[np.minimum(more + 1, T - 1)] != before[more] + 1)):
+        _fail(s, "a row says its chain goes on, but the next row does not continue it")
+    if np.any(t[(before > 0) | (after > 0), M.C_N_STEPS] <= 0):
+        _fail(s, "a chained row has no steps")
+
+
+def unchained(meta):
+    """``meta`` without chains (a new table and header)."""
+    header, tasks = meta.header.copy(), meta.tasks.copy()
+    header[M.H_DKV_CHAINED] = 0
+    tasks[:, M.C_CHAIN_BEFORE] = tasks[:, M.C_CHAIN_AFTER] = 0
+    return M.ScheduleMeta(header, meta.offsets, tasks)
 
 
 def check_structure(s) -> None:
@@ -338,9 +384,13 @@ def dkv_order_pays(meta, geometry, num_sms: int) -> bool:
 
 def with_dkv_order(meta, geometry, num_sms: int):
     """``meta`` with its header's ``dkv_ordered`` set where the turns are safe
-    (:func:`dkv_order_ok`) and pay (:func:`dkv_order_pays`) (a new header)."""
+    (:func:`dkv_order_ok`) and pay (:func:`dkv_order_pays`) (a new header). Chains go between
+    turns, so a table whose turns are not safe loses its chains (:func:`unchained`)."""
+    ordered = dkv_order_ok(meta, geometry, num_sms) and dkv_order_pays(meta, geometry, num_sms)
+    if not ordered and int(meta.header[M.H_DKV_CHAINED]):
+        meta = unchained(meta)
     header = meta.header.copy()
-    header[M.H_DKV_ORDERED] = int(dkv_order_ok(meta, geometry, num_sms) and dkv_order_pays(meta, geometry, num_sms))
+    header[M.H_DKV_ORDERED] = int(ordered)
     return M.ScheduleMeta(header, meta.offsets, meta.tasks)
 
 
@@ -364,6 +414,8 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
     if int(h[M.H_DKV_ORDERED]) not in (0, 1) or (int(h[M.H_DKV_ORDERED]) and not dkv_order_ok(meta, g, num_sms)):
         _fail(s, f"header dkv_ordered = {int(h[M.H_DKV_ORDERED])}, but dK/dV turns need GQA under a full or causal "
                  f"mask, every task with steps, and each head of a group finishing no earlier than the one before")
+    if int(h[M.H_DKV_CHAINED]) and not int(h[M.H_DKV_ORDERED]):
+        _fail(s, "header dkv_chained = 1 without dkv_ordered: a chain adds its dK/dV in the turn of its first head")
     if int(h[M.H_DISPATCH]) == M.DISPATCH_STATIC:
         # program order: each CTA runs its rows in table order, each row its steps in order
         has = np.flatnonzero(n_steps > 0)

@@ -198,9 +198,12 @@ struct BwdEpilogue {
     //            the named barrier then lets every MMA thread add
     //   release: every thread's stores or adds, __threadfence (performed at gpu scope), the
     //            named barrier, then thread 0 increments the counter (red.release.gpu)
+    // A chain's last row (schedule columns chain_before/after) holds the sum of the chain's
+    // heads, added in its first head's turn, which then passes on past the chain.
     bool const ordered = p.dkv_ordered;
     int64_t const kv_head = int64_t(sl.tensor_batch) * p.heads_kv + h_kv;
-    int const turn = ordered ? row[schedule::kCHead] % (p.heads / p.heads_kv) : 0;
+    int const chain = row[schedule::kCChainBefore] + 1;
+    int const turn = ordered ? (row[schedule::kCHead] - (chain - 1)) % (p.heads / p.heads_kv) : 0;
     int* const sem = ordered ? p.dkv_semaphore + kv_head * ((p.seqlen_k + kBlockN - 1) / kBlockN) +
                                    row[schedule::kCKvTile]
                              : nullptr;
@@ -240,7 +243,7 @@ struct BwdEpilogue {
     if (ordered) {
       __threadfence();
       named_barrier_sync(BwdBarrier::kEpilogue, kMmaThreads);
-      if (mma_tid == 0) { semaphore_release_increment(sem); }
+      if (mma_tid == 0) { semaphore_release_add(sem, chain); }
     }
   }
 

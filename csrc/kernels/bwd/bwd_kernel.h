@@ -84,6 +84,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     int kv_phase = 0;
     int ds_stage = 0;
     int dq_stage = 0;
+    // dK/dV of the current task; a chain's rows (schedule columns chain_before/after) sum
+    // theirs here from one row to the next.
+    typename Mainloop::FragDk tdKrdK;
+    typename Mainloop::FragDv tdVrdV;
     CUTE_NO_UNROLL
     for (;;) {
       // The producer has announced this CTA's next task and, if it has steps,
@@ -94,11 +98,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       if (task < 0) { break; }
       int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
-      typename Mainloop::FragDk tdKrdK;
-      typename Mainloop::FragDv tdVrdV;
-      clear(tdKrdK);
-      clear(tdVrdV);
-      if (n_steps == 0) {
+      if (row[schedule::kCChainBefore] == 0) {
+        clear(tdKrdK);
+        clear(tdVrdV);
+      }
+      if (n_steps == 0) {  // never in a chain (dash_fa3/schedule/validate.py)
         // Nothing loaded. Wait for the producer's v_full arrival for this task:
         // it comes after the producer's kVEmpty sync for it, which this
         // task's kVEmpty arrival below must not overtake (a named barrier
@@ -123,7 +127,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps,
                          mma_tid, tdKrdK, tdVrdV);
       if (mma_tid == 0) { DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEpilogue, tracing::now_clock()); }
-      if (p.dk_partial == nullptr && !BwdEpilogue<Traits>::needs_direct_store(p, row)) {
+      if (row[schedule::kCChainAfter] > 0) {
+        // The chain goes on with the next row, same K and V: the producer loads none for it,
+        // so releasing sK/sV only lets it announce that row.
+        Mainloop::release_kv();
+      } else if (p.dk_partial == nullptr && !BwdEpilogue<Traits>::needs_direct_store(p, row)) {
         // MHA: dK/dV leave through sK/sV, which are released to the producer afterwards.
         BwdEpilogue<Traits>::store_tma(p, smem, tdKrdK, tdVrdV, row, mma_tid);
       } else {

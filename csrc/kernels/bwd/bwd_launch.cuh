@@ -235,6 +235,13 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
                                   params.schedule_header_host[schedule::kHDkvOrdered] == 1),
           "dK/dV in turns need deterministic dense GQA, turn counters and a schedule that orders them "
           "(header dkv_ordered)");
+  // Chains (header dkv_chained): a chain's last row adds the sum of its heads' dK/dV, so it needs
+  // the one accumulator per KV head (in turns, or non-deterministic adds) and a static table.
+  require(params.schedule_header_host[schedule::kHDkvChained] == 0 ||
+              (gqa && !kPacked && params.schedule_header_host[schedule::kHDispatch] == schedule::kDispatchStatic &&
+               (params.deterministic ? params.dkv_ordered : params.dkv_accumulate)),
+          "a schedule with chains of a group's heads (header dkv_chained) needs dense GQA, static dispatch and "
+          "one dK/dV accumulator per KV head (dkv_ordered, or non-deterministic dkv_accumulate)");
   bwd::check_schedule_header<Traits>(params);
 
   typename Traits::Params p = bwd::make_bwd_params<Traits>(params);

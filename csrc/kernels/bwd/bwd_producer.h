@@ -53,7 +53,7 @@ struct BwdProducer {
   CUTE_DEVICE static void prefetch_next_kv(Params const& p, int task, int end) {
     for (int next = task + 1; next < end; ++next) {
       int32_t const* row = schedule::task_row(p.tasks, next);
-      if (row[schedule::kCNSteps] <= 0) { continue; }
+      if (row[schedule::kCNSteps] <= 0 || row[schedule::kCChainBefore] > 0) { continue; }
       SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
       int const h_kv = row[schedule::kCHeadKv];
       int const kv = row[schedule::kCKvTile];
@@ -97,7 +97,10 @@ struct BwdProducer {
       // phase for it (no bytes expected), and the MMA warps wait on v_full
       // before their kVEmpty arrival for it, so that arrival cannot reach the
       // named barrier before this warp's sync for it below.
-      bool const loads = n_steps > 0;
+      // A row that continues a chain (schedule column chain_before) keeps the K and V of the
+      // row before it, which are still in sK/sV: the MMA warpgroups do not write them, and only
+      // this warp loads into them.
+      bool const loads = n_steps > 0 && row[schedule::kCChainBefore] == 0;
       int const b = row[schedule::kCBatch];
       int const h = row[schedule::kCHead];
       int const h_kv = row[schedule::kCHeadKv];

@@ -44,6 +44,11 @@ CUTE_DEVICE void semaphore_release_increment(int* sem) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" : : "l"(sem) : "memory");
 }
 
+// Adds n to *sem with gpu-scope release semantics (one thread).
+CUTE_DEVICE void semaphore_release_add(int* sem, int n) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" : : "l"(sem), "r"(n) : "memory");
+}
+
 // Orders this thread's generic-proxy and async-proxy global accesses.
 CUTE_DEVICE void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
