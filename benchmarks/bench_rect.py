@@ -2,8 +2,8 @@
 ours (non-deterministic, every deterministic schedule, ``auto``) beside FA3 (non-deterministic
 and deterministic), interleaved in rounds in one process, GPU time per call.
 
-    python benchmarks/bench_rect.py [--set issue|extra|all] [--schedules split,spt,...] [--rounds 3]
-                                    [--json out.json]
+    python benchmarks/bench_rect.py [--set issue|extra|edge|few|all] [--schedules split,spt,...]
+                                    [--nd-schedules runs,...] [--rounds 3] [--json out.json]
 
 Per shape: a check that our gradients agree with FA3's (when FA3 is built:
 benchmarks/peers/build_fa3.py), then ``--rounds`` rounds, each timing every
@@ -57,7 +57,18 @@ EDGE_SHAPES = [
     (8, 1024, 2048, 16, 4, 64, "causal"),
     (8, 1024, 2048, 16, 4, 64, "full"),
 ]
-SETS = {"issue": ISSUE_SHAPES, "extra": EXTRA_SHAPES, "edge": EDGE_SHAPES,
+# Two to eight Q tiles per head: where each CTA may own a run of KV tiles (the runs schedule).
+FEW_SHAPES = [
+    (16, 128, 8192, 32, 8, 128, "causal"),
+    (8, 256, 8192, 16, 2, 128, "full"),
+    (4, 256, 16384, 32, 32, 128, "causal"),
+    (4, 512, 16384, 16, 2, 64, "causal"),
+    (2, 384, 8192, 32, 4, 128, "full"),
+    (8, 512, 8192, 16, 4, 128, "causal"),
+    (4, 512, 4096, 16, 16, 64, "causal"),
+    (8, 256, 8192, 16, 2, 128, "causal"),
+]
+SETS = {"issue": ISSUE_SHAPES, "extra": EXTRA_SHAPES, "edge": EDGE_SHAPES, "few": FEW_SHAPES,
         "all": ISSUE_SHAPES + EXTRA_SHAPES + EDGE_SHAPES}
 
 
@@ -66,7 +77,7 @@ def label(s) -> str:
     return f"{b}x{sq}x{sk} {h}/{hkv} d{d} {mask}"
 
 
-def make_fns(s, schedules, fa3):
+def make_fns(s, schedules, fa3, nd_schedules=()):
     b, sq, sk, h, hkv, d, mask = s
     causal = mask == "causal"
     g = torch.Generator(device="cuda").manual_seed(sq * 7 + sk + h + d)
@@ -81,6 +92,7 @@ def make_fns(s, schedules, fa3):
 
     fns = {"ours nd": ours(False, "auto"), "ours auto": ours(True, "auto")}
     fns.update({f"ours {name}": ours(True, name) for name in schedules})
+    fns.update({f"ours nd {name}": ours(False, name) for name in nd_schedules})
     errors = {}
     check = "n/a (no FA3)"
     if fa3 is not None:
@@ -131,6 +143,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", choices=tuple(SETS), default="all")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--nd-schedules", default="",
+                    help="also time the non-deterministic backward on these schedules (in --json, not the table)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -139,8 +153,9 @@ def main(argv=None) -> int:
                                       "the file's name)")
     args = ap.parse_args(argv)
     schedules = [s for s in args.schedules.split(",") if s]
-    if bad := [s for s in schedules if s not in SCHEDULES]:
-        ap.error(f"--schedules: unknown {', '.join(bad)}; choose from {', '.join(SCHEDULES)}")
+    nd_schedules = [s for s in args.nd_schedules.split(",") if s]
+    if bad := [s for s in schedules + nd_schedules if s not in SCHEDULES]:
+        ap.error(f"--schedules, --nd-schedules: unknown {', '.join(bad)}; choose from {', '.join(SCHEDULES)}")
     if args.rounds < 1 or args.iters < 1 or args.warmup < 0:
         ap.error("--rounds and --iters must be >= 1, --warmup >= 0")
     if not torch.cuda.is_available():
@@ -157,7 +172,7 @@ def main(argv=None) -> int:
           "| FA3 det / nd best | ours nd / FA3 nd | check |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s in SETS[args.set]:
-        fns, errors, check = make_fns(s, schedules, fa3)
+        fns, errors, check = make_fns(s, schedules, fa3, nd_schedules)
         round_ms, _ = bp.time_point(fns, errors, args.rounds, args.warmup, args.iters)
         ms = {n: statistics.median(t) for n, t in round_ms.items()}
         nd_best = min(ms[n] for n in ("ours nd", "FA3 nd") if n in ms)
