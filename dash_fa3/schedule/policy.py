@@ -27,6 +27,10 @@ from .schedules import SCHEDULE_NAMES, Schedule, _check_num_sms
 AUTO_POLICIES = ("table", "model")
 #: Keys per query from which a full or causal ``auto`` is ``split`` (:func:`table_pick`).
 SPLIT_KEYS_PER_QUERY = 2
+#: Within that region ``runs`` where a head has at most this many Q tiles and the runs' dQ
+#: accumulators stay within RUNS_MAX_DQ_BYTES_PER_KV_BYTE of K's and V's bytes (:func:`table_pick`).
+RUNS_MAX_Q_TILES = 4
+RUNS_MAX_DQ_BYTES_PER_KV_BYTE = 4
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
 if _auto_policy not in AUTO_POLICIES:
     raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
@@ -46,7 +50,14 @@ def get_auto_policy() -> str:
     return _auto_policy
 
 
-def table_pick(g: Geometry, headdim: int | None = None) -> str:
+def runs_dq_bytes_per_kv_byte(g: Geometry, num_sms: int = 132) -> float:
+    """The bytes of ``runs``'s fp32 dQ accumulators (one per split) per byte of 16-bit K and V."""
+    from .runs import run_layout
+    num_splits = run_layout(g, num_sms)[-1]
+    return num_splits * g.seqlen_q * g.heads * 4 / (g.seqlen_k * g.heads_kv * 2 * 2)
+
+
+def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132) -> str:
     """The ``table`` policy's deterministic schedule for a full or causal mask.
 
     The rule is the best measured deterministic schedule per region of the H100
@@ -72,9 +83,17 @@ def table_pick(g: Geometry, headdim: int | None = None) -> str:
     the causal square's triangle, which the shift orders level, is a larger part
     of the work), ``split``: every dQ tile would otherwise take more ordered adds
     per step than one hand-off allows, and the splits' accumulators run those
-    adds side by side.
+    adds side by side. There, with at most ``RUNS_MAX_Q_TILES`` Q tiles per head,
+    ``runs``: a CTA owning its run of KV tiles waits on no other CTA, and its
+    chains add a GQA group's dK/dV once per KV tile. Measured on the H100 with 4 Q
+    tiles per head it took 0.67-0.90 of ``split``'s time, with 8 or more 1.25-2.7x
+    (its CTAs no longer share Q, dO and dQ in L2: docs/journal/rect-bwd.md, run 7);
+    its dQ accumulators, one per run a head meets, are kept within
+    ``RUNS_MAX_DQ_BYTES_PER_KV_BYTE`` of K's and V's bytes.
     """
     if g.seqlen_k >= SPLIT_KEYS_PER_QUERY * (2 if g.causal else 1) * g.seqlen_q:
+        if g.n_q <= RUNS_MAX_Q_TILES and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE:
+            return "runs"
         return "split"
     square = g.block_m == g.block_n == 128  # head dim 64
     keys_within = g.seqlen_k <= g.seqlen_q
@@ -113,7 +132,7 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         if policy == "model":
             from .model.calibration import best_schedule  # the model loads only for this policy
             return best_schedule(g, num_sms or 132, headdim)
-        return table_pick(g, headdim)
+        return table_pick(g, headdim, num_sms or 132)
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
     return name
