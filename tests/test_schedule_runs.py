@@ -176,3 +176,17 @@ def test_auto_picks_runs_for_a_few_q_tiles(shape, want):
     g = geom(*shape)
     got = resolve_schedule_name("auto", g, headdim=shape[5])
     assert got == want if want else got not in ("runs", "split")
+
+
+def test_a_head_parallel_rank_keeps_its_chains_certified():
+    """Head-parallel context parallelism runs the rows of its KV heads (metadata.restrict_heads):
+    a group's chains stay whole and the restricted table passes the kernel path's check."""
+    from dash_fa3.schedule.metadata import restrict_heads
+    g = geom(8, 16, 2, 256, 8192, 128, True)
+    meta = get_kernel_metadata("runs", g, 132)
+    for lo in (0, 1):
+        part = restrict_heads(meta, lo, lo + 1)
+        check_metadata(part, geom(8, 8, 1, 256, 8192, 128, True), 132)
+        assert int(part.header[M.H_DKV_CHAINED]) == 1
+        assert np.array_equal(part.tasks[:, M.C_CHAIN_BEFORE],
+                              meta.tasks[meta.tasks[:, M.C_HEAD_KV] == lo, M.C_CHAIN_BEFORE])
