@@ -139,6 +139,23 @@ def write_results(path: str, table: list, args, with_fa3: bool) -> None:
         json.dump(data, f, indent=1)
 
 
+def kernel_us(fn, iters: int) -> dict:
+    """GPU time per call of each kernel ``fn`` launches (us, mean over ``iters`` calls), by kernel name:
+    what the pre- and postprocess cost beside the main kernel."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0:
+            out[ev.key[:80]] = round(ev.self_device_time_total / iters, 2)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", choices=tuple(SETS), default="all")
@@ -149,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write every shape's per-round medians here")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile our calls (torch.profiler) and write each kernel's GPU time per call "
+                         "(preprocess, main, postprocess) into --json")
     ap.add_argument("--results", help="write the printed table as a benchmarks/results data file here (its id is "
                                       "the file's name)")
     args = ap.parse_args(argv)
@@ -190,6 +210,8 @@ def main(argv=None) -> int:
               f"| {speed(ms.get('FA3 det'))} | {ms['FA3 nd'] / ms['ours nd'] if 'FA3 nd' in ms else float('nan'):.2f} "
               f"| {check} |", flush=True)
         rows.append({"shape": s, "ms": ms, "rounds": round_ms, "errors": errors, "check": check})
+        if args.kernels:
+            rows[-1]["kernels_us"] = {n: kernel_us(f, args.iters) for n, f in fns.items() if n.startswith("ours")}
         fa3_nd, fa3_det = ms.get("FA3 nd"), ms.get("FA3 det")
         table.append([label(s), round(ms["ours nd"], 3), round(fa3_nd, 3) if fa3_nd else None, round(det[best], 3),
                       best, round(ms["ours auto"], 3), round(fa3_det, 3) if fa3_det else None,
