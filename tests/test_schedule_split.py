@@ -6,7 +6,7 @@ import pytest
 
 from dash_fa3.schedule import Geometry, ScheduleError, build_metadata, build_schedule, resolve_schedule_name
 from dash_fa3.schedule import metadata as M
-from dash_fa3.schedule.split import split_layout
+from dash_fa3.schedule.split import head_section, split_layout
 from dash_fa3.schedule.validate import check_metadata
 
 RECT = [  # batch, heads, heads_kv, seqlen_q, seqlen_k, headdim, causal
@@ -40,14 +40,15 @@ def test_layout(shape):
         assert np.unique(qb).size in (1, qb.size)
 
 
+@pytest.mark.parametrize("name", ["split", "interleave"])
 @pytest.mark.parametrize("shape", RECT, ids=lambda s: "x".join(map(str, s)))
-def test_kernel_path_certificate_agrees_with_the_definition(shape):
+def test_kernel_path_certificate_agrees_with_the_definition(shape, name):
     g = geom(*shape)
-    s = build_schedule("split", g, 132)  # validates: the decode reproduces the definition
-    meta = build_metadata("split", g, 132)
+    s = build_schedule(name, g, 132)  # validates: the decode reproduces the definition
+    meta = build_metadata(name, g, 132)
     assert np.array_equal(meta.tasks, s.meta.tasks) and np.array_equal(meta.header, s.meta.header)
     check_metadata(meta, g, 132)
-    assert s.num_splits > 1
+    assert s.num_splits > 1 or name == "interleave"
     # every (split, dQ tile) gets ranks 0..k-1
     key = s.step_dq_tile
     for gid in np.unique(key):
@@ -84,3 +85,60 @@ def test_auto_picks_split_where_keys_outnumber_queries(sq, sk, causal, want):
     got = resolve_schedule_name("auto", g)
     assert (got == "split") == (want == "split")
     assert resolve_schedule_name("auto", g, deterministic=False) == "lpt"
+
+
+@pytest.mark.parametrize("sms", [132, 16, 7])
+@pytest.mark.parametrize("shape", RECT + [(4, 16, 16, 1024, 4096, 128, True), (3, 5, 1, 256, 6000, 64, False)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_interleave_runs_sections_side_by_side(shape, sms):
+    g = geom(*shape)
+    section = head_section(g, sms)
+    s = build_schedule("interleave", g, sms)
+    assert int(s.meta.header[M.H_HEAD_SECTION]) == section >= 1
+    H, n = g.num_heads_total, g.n_kv
+    hidx = s.task_batch * g.heads + s.task_head
+    u = M.planned_unit(hidx, s.task_kv, n, section, H)
+    # the launch order is a permutation of the units, section by section, KV tile by KV tile
+    assert np.array_equal(np.sort(u), np.arange(H * n))
+    assert np.array_equal(s.task_cta, u % sms)
+    first = (hidx // section) * section
+    assert np.all((u >= first * n) & (u < np.minimum(first + section, H) * n))
+    # a wave holds a consecutive run of each head's KV tiles, no more than a split's rectangle is wide
+    # unless the split holds no more than the rectangle is wide
+    wave = u // sms
+    for h in np.unique(hidx):
+        mine = hidx == h
+        for w in np.unique(wave[mine]):
+            kv = np.sort(s.task_kv[mine & (wave == w)])
+            assert np.array_equal(kv, np.arange(kv[0], kv[0] + kv.size))
+    # never more dQ splits than ``split``
+    assert s.num_splits <= build_schedule("split", g, sms).num_splits
+
+
+def test_interleave_section_keeps_heads_within_the_l2_budget():
+    from dash_fa3.schedule.split import L2_BUDGET
+    g = geom(1, 32, 8, 4096, 65536, 128, True)
+    section = head_section(g, 132)
+    per_head = g.n_q * g.block_m * 128 * 8
+    fit = L2_BUDGET // per_head  # 10 heads of 4 MiB: 4 sections of 8, not 10 + 10 + 10 + 2
+    assert (section, fit) == (8, 10)
+    g = geom(4, 16, 16, 512, 4096, 64, True)  # 64 heads of 512 KiB: all in one section
+    assert head_section(g, 132) == 64
+
+
+def test_kernel_path_refuses_a_section_on_other_rank_kinds():
+    g = geom(2, 4, 2, 1024, 8192, 128, True)
+    meta = build_metadata("symmetric_shift", g, 132)
+    header = meta.header.copy()
+    header[M.H_HEAD_SECTION] = 2
+    with pytest.raises(ScheduleError):
+        check_metadata(M.ScheduleMeta(header, meta.offsets.copy(), meta.tasks.copy()), g, 132)
+
+
+def test_kernel_path_refuses_interleave_metadata_under_the_wrong_section():
+    g = geom(2, 4, 2, 1024, 8192, 128, True)
+    meta = build_metadata("interleave", g, 16)
+    header = meta.header.copy()
+    header[M.H_HEAD_SECTION] = 0  # the waves the certificate assumes are then not the launch's
+    with pytest.raises(ScheduleError):
+        check_metadata(M.ScheduleMeta(header, meta.offsets.copy(), meta.tasks.copy()), g, 16)

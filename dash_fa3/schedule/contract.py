@@ -28,8 +28,9 @@ MAGIC = 0x44415348  # 'DASH'
 # legs' stride, as its log2, in the former reserved field; 5: dQ splits, each
 # its own fp32 dQ accumulator, with the per-row rectangle of the SPLIT rank kind;
 # 6: dkv_ordered, a GQA group's dK/dV added in head order into one accumulator;
-# 7: the runs schedule, its RUN rank kind, and chains of a group's heads on one CTA).
-METADATA_VERSION = 7
+# 7: the runs schedule, its RUN rank kind, and chains of a group's heads on one CTA;
+# 8: head_section, the interleave schedule's unit order).
+METADATA_VERSION = 8
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -57,11 +58,13 @@ HEADER_FIELDS = (
                        # the group's query heads in ascending order (a turn counter per KV tile)
     "dkv_chained",     # 1: rows form chains (columns chain_before/after): consecutive query heads of a
                        # group at one KV tile on one CTA, dK/dV summed in registers, one epilogue each
+    "head_section",    # static units: 0 head by head (unit u = head * units + p); s > 0: heads in sections
+                       # of s, a section's units KV tile by KV tile, its heads side by side (metadata.planned_wave)
 )
 (H_MAGIC, H_VERSION, H_SCHEDULE, H_DISPATCH, H_RANK_KIND, H_NUM_CTAS, H_NUM_TASKS, H_NUM_COLS,
  H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_MASK, H_WINDOW_LEFT,
  H_WINDOW_RIGHT, H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
- H_CYC_STRIDE_LOG2, H_NUM_SPLITS, H_DKV_ORDERED, H_DKV_CHAINED) = range(len(HEADER_FIELDS))
+ H_CYC_STRIDE_LOG2, H_NUM_SPLITS, H_DKV_ORDERED, H_DKV_CHAINED, H_HEAD_SECTION) = range(len(HEADER_FIELDS))
 HEADER_LEN = len(HEADER_FIELDS)
 
 # Task-table columns, by index; one row per task (batch, q head, KV tile).
@@ -89,7 +92,8 @@ COLUMNS = (
 NUM_COLS = len(COLUMNS)
 
 # Codes stored in the header and the rows (C++ enum name, codes in order).
-SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split", "runs")
+SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split", "runs",
+                              "interleave")
 DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
 RANK_ASC, RANK_DESC, RANK_SHIFT, RANK_SPLIT, RANK_RUN = 0, 1, 2, 3, 4
 ROLE_LO, ROLE_HI = 0, 1

@@ -43,7 +43,7 @@ from .contract import (C_BATCH, C_CTA, C_CYC_BASE, C_CYC_LEN, C_CYC_OFF, C_HEAD,
                        HEADER_FIELDS, HEADER_LEN, MAGIC, MASK_CAUSAL, MASK_CODES, MASK_FULL, MASK_LOCAL,
                        METADATA_VERSION, NUM_COLS, RANK_ASC, RANK_DESC,
                        RANK_SHIFT, RANK_SPLIT, RANK_RUN, ROLE_HI, ROLE_LO, C_SPLIT, C_SPLIT_BEGIN, C_RECT, H_NUM_SPLITS,
-                       H_DKV_ORDERED, H_DKV_CHAINED, C_CHAIN_BEFORE, C_CHAIN_AFTER)
+                       H_DKV_ORDERED, H_DKV_CHAINED, H_HEAD_SECTION, C_CHAIN_BEFORE, C_CHAIN_AFTER)
 from .geometry import TileGeometry
 
 
@@ -53,12 +53,25 @@ def tile_geometry_of(header) -> TileGeometry:
                         int(header[H_BLOCK_N]), int(header[H_WINDOW_LEFT]), int(header[H_WINDOW_RIGHT]))
 
 
-def planned_wave(hidx, p, units: int, num_sms: int):
-    """The wave of unit p of head index hidx in a static shift schedule: unit u = hidx * units + p
-    runs on CTA u % S in wave u // S. With the step's time within its unit (:func:`planned_t0` +
-    step) it is the planned time those schedules rank dQ adds by (the SHIFT rank kind), and the
-    potential :func:`.validate.check_metadata` certifies deadlock freedom with."""
-    return (hidx * units + p) // num_sms
+def planned_unit(hidx, p, units: int, section: int = 0, num_heads: int = 0):
+    """The place in the launch order of unit p of head index hidx in a static shift schedule.
+    Section 0: head by head, u = hidx * units + p. Section s > 0 (header ``head_section``): the
+    num_heads heads in sections of s (the last may be smaller); a section's units come unit by unit,
+    its heads side by side, so that S CTAs hold about S / s units of each of its heads at once."""
+    if section <= 0:
+        return hidx * units + p
+    first = (hidx // section) * section           # the section's first head
+    size = np.minimum(section, num_heads - first)  # heads in the section
+    return first * units + p * size + (hidx - first)
+
+
+def planned_wave(hidx, p, units: int, num_sms: int, section: int = 0, num_heads: int = 0):
+    """The wave of unit p of head index hidx in a static shift schedule: unit u
+    (:func:`planned_unit`) runs on CTA u % S in wave u // S. With the step's time within its unit
+    (:func:`planned_t0` + step) it is the planned time those schedules rank dQ adds by (the SHIFT
+    and SPLIT rank kinds), and the potential :func:`.validate.check_metadata` certifies deadlock
+    freedom with."""
+    return planned_unit(hidx, p, units, section, num_heads) // num_sms
 
 
 def planned_t0(g, role, p):

@@ -228,7 +228,7 @@ def accumulation_predecessors(dq_tile: np.ndarray, rank: np.ndarray) -> np.ndarr
 
 
 def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, units, pairs_hi,
-            num_steps, offsets_len, cyc_stride_log2=0, num_splits=1) -> np.ndarray:
+            num_steps, offsets_len, cyc_stride_log2=0, num_splits=1, head_section=0) -> np.ndarray:
     g = geometry
     h = np.zeros(M.HEADER_LEN, dtype=np.int64)
     h[M.H_MAGIC] = M.MAGIC
@@ -252,6 +252,7 @@ def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, unit
     h[M.H_OFFSETS_LEN] = offsets_len
     h[M.H_CYC_STRIDE_LOG2] = cyc_stride_log2
     h[M.H_NUM_SPLITS] = num_splits
+    h[M.H_HEAD_SECTION] = head_section
     return _i32(h)
 
 

@@ -295,7 +295,10 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
         raise ValueError("check_metadata certifies queue schedules dispatched dynamically and the static shift "
                          "schedules; validate other static task lists with build_schedule(...).validate()")
     hidx = t[:, M.C_BATCH] * g.heads + t[:, M.C_HEAD]
-    wave = M.planned_wave(hidx, t[:, M.C_UNIT], int(h[M.H_UNITS_PER_HEAD]), num_sms)
+    section = int(h[M.H_HEAD_SECTION])
+    if section < 0 or (section and int(h[M.H_RANK_KIND]) != M.RANK_SPLIT):
+        raise ScheduleError(f"header head_section = {section}: sections are for the SPLIT rank kind only")
+    wave = M.planned_wave(hidx, t[:, M.C_UNIT], int(h[M.H_UNITS_PER_HEAD]), num_sms, section, g.num_heads_total)
     return wave * span + M.planned_t0(g, t[:, M.C_ROLE], t[:, M.C_UNIT]), span, False
 
 
