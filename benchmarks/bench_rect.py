@@ -218,13 +218,13 @@ def main(argv=None) -> int:
                       round(nd_best / det[best], 2), round(det[best] / ms["ours auto"], 2),
                       round(nd_best / fa3_det, 2) if fa3_det else None,
                       round(fa3_nd / ms["ours nd"], 2) if fa3_nd else None])
+        if args.json:  # after every shape: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "commit": commit_label(),
+                           "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}", "rows": rows},
+                          f, indent=1)
     if args.results:
         write_results(args.results, table, args, fa3 is not None)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "commit": commit_label(),
-                       "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}", "rows": rows}, f,
-                      indent=1)
     return 0
 
 
