@@ -5,12 +5,14 @@ itself on a synthetic grid, and the opt-in ``auto`` from the model."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from pathlib import Path
 
 from dash_fa3.schedule import CostModel, Geometry, get_schedule, resolve_schedule_name, simulate
+from dash_fa3.schedule import metadata as M
 from dash_fa3.schedule import policy as S
 from dash_fa3.schedule.model import calibration as C
 from dash_fa3.schedule.model.cli import main
@@ -63,7 +65,7 @@ def test_shipped_data_round_trips():
 def test_predictions_follow_the_data_file(hdim, causal):
     """predict_ms and best_schedule, recomputed here from the raw numbers of the data file: the costs of
     the head dim (96 borrows 128's, scaled by the tile's MMA work and dQ bytes), the writer pipeline, the
-    overhead."""
+    overhead and the pre/postprocess's bytes."""
     raw = json.loads(C.DATA_PATH.read_text())["calibration"]
     g = Geometry.from_shape(batch=2, heads=4, seqlen_q=1024, headdim=hdim, causal=causal)
     ref = 128 if hdim == 96 else hdim
@@ -75,8 +77,11 @@ def test_predictions_follow_the_data_file(hdim, causal):
                       pipeline="writer", handoff_at=k["handoff_at"])
     want = {}
     for name in C.DETERMINISTIC_CANDIDATES:
-        sim = simulate(get_schedule(name, g, 16), costs, num_sms=16)
-        want[name] = (raw["overhead"] + sim.makespan) / 1000
+        s = get_schedule(name, g, 16)
+        assert C.working_set_bytes(s, hdim) <= raw["l2_bytes"]  # in L2: no HBM floor on the steps
+        sim = simulate(s, costs, num_sms=16)
+        moved = C.pre_post_bytes(g, hdim, deterministic=True, header=s.meta.header)
+        want[name] = (raw["overhead"] + moved / raw["pre_post_bytes_per_us"] + sim.makespan) / 1000
         assert math.isclose(C.predict_ms(name, g, hdim, num_sms=16), want[name], rel_tol=1e-12)
     assert C.best_schedule(g, 16, hdim) == min(C.DETERMINISTIC_CANDIDATES, key=want.get)
 
@@ -140,7 +145,7 @@ def test_fit_recovers_a_synthetic_grid():
             ms = []
             for col in C.COLUMNS:
                 cell = C.Cell(base, 64, mask, s, col, 1.0)
-                ms.append(cell.predict_ms(truth, 50.0))
+                ms.append(cell.predict_ms(truth, (50.0, 0.0)))  # 50 us per call, no bytes term
             rows.append((64, mask, s, tuple(f / (m * 1e-3) / 1e12 for m in ms)))
     grid = C.MeasuredGrid(**{**vars(base), "rows": tuple(rows)})
     start = C.Calibration(device="synthetic", num_sms=8, data="-", fitted="-", overhead=50.0,
@@ -188,3 +193,38 @@ def test_real_shape_cli_calibrated(capsys):
     for r in rows:
         assert r["pipeline"] == "writer"
         assert math.isclose(r["predicted_ms"], C.predict_ms(r["schedule"], g, 128, num_sms=16), rel_tol=1e-12)
+
+
+def test_pre_post_bytes_follow_the_workspace():
+    """The pre/postprocess's bytes: O and dO read, dPsum and LSE written, each dQ split's accumulator
+    zeroed and read, dQ written; with GQA the dK/dV partials read (a slab per query head, one per KV
+    head where the non-deterministic mode adds into it, zeroed then) and dK, dV written."""
+    g = Geometry.from_shape(batch=2, heads=8, heads_kv=2, seqlen_q=1000, seqlen_k=4000, headdim=128, causal=True)
+    rows = 2 * 8 * 1024                       # seqlen_q rounded to 64-row tiles
+    q = 2 * 1000 * 8 * 128
+    acc, sems = rows * 128 * 4, 2 * 8 * 16 * 4
+    kv_out = 2 * 4000 * 2 * 128 * 2 * 2       # dK, dV (bf16)
+    slabs = 2 * 4000 * 8 * 128 * 2 * 4        # fp32 dK/dV partials, one slab per query head
+    per_kv = slabs // 4
+    mha_pre, mha_post = 2 * q * 2 + rows * 8 + acc + sems, acc + q * 2
+    assert C.pre_post_bytes(g, 128, deterministic=True) == mha_pre + mha_post + slabs + kv_out
+    # non-deterministic with 4 keys per query: one accumulator per KV head, zeroed first
+    assert C.pre_post_bytes(g, 128, deterministic=False) == mha_pre + mha_post + 2 * per_kv + kv_out
+    header = get_schedule("split", g, 132).meta.header
+    splits = int(header[M.H_NUM_SPLITS])
+    assert splits > 1
+    assert C.pre_post_bytes(g, 128, header=header) == mha_pre + mha_post + (splits - 1) * (2 * acc + sems) + slabs + kv_out
+
+
+def test_steps_that_miss_l2_run_at_the_hbm_rate():
+    """runs over 8 Q tiles of 64 heads: its CTAs' first tasks span more Q, dO and dQ than l2_bytes, so
+    every step costs at least the HBM time of its tiles, all CTAs at once; split's do not."""
+    cal = C.H100
+    g = Geometry.from_shape(batch=4, heads=16, seqlen_q=1024, seqlen_k=4096, headdim=128, causal=False)
+    runs, split = get_schedule("runs", g, 132), get_schedule("split", g, 132)
+    assert C.working_set_bytes(runs, 128) > cal.l2_bytes >= C.working_set_bytes(split, 128)
+    floor = min(runs.num_ctas, 132) * 64 * 128 * 12 / cal.pre_post_bytes_per_us
+    assert floor > cal.cost_model(128, g).compute
+    costs = replace(cal.cost_model(128, g), compute=floor, masked_compute=floor)
+    want = (cal.call_overhead_us(g, 128, header=runs.meta.header) + simulate(runs, costs, num_sms=132).makespan) / 1000
+    assert math.isclose(C.predict_ms("runs", g, 128), want, rel_tol=1e-12)

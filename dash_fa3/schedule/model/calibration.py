@@ -117,8 +117,23 @@ class Calibration:
     num_sms: int
     data: str                  # the measurement: date, commit, where it is written down
     fitted: str                # how and when the costs were fitted
-    overhead: float            # us per call outside the main kernel (pre/postprocess, launch gaps); not fitted
+    overhead: float            # us per call outside the kernels' HBM traffic (launch gaps); not fitted
     headdims: dict = field(default_factory=dict)   # head dim -> HeadDimCosts
+    # the pre- and postprocess: their HBM bytes (pre_post_bytes) at this rate, bytes per us; 0: none
+    # (overhead is then the whole cost outside the main kernel); not fitted. Also the rate of the
+    # main kernel's steps when their working set misses L2 (l2_bytes; 0: never, see predict_ms).
+    pre_post_bytes_per_us: float = 0.0
+    l2_bytes: int = 0
+
+    def call_overhead_us(self, geometry: Geometry, headdim: int, *, deterministic: bool = True,
+                         header=None) -> float:
+        """Microseconds of one backward call outside the main kernel: ``overhead`` plus the pre- and
+        postprocess's bytes (:func:`pre_post_bytes`; ``header``: the schedule's metadata header)
+        at ``pre_post_bytes_per_us``."""
+        if not self.pre_post_bytes_per_us:
+            return self.overhead
+        return self.overhead + pre_post_bytes(geometry, headdim, deterministic=deterministic,
+                                              header=header) / self.pre_post_bytes_per_us
 
     def costs_for(self, headdim: int, geometry: Geometry) -> HeadDimCosts:
         """The costs of ``headdim``: its own, else those of the nearest calibrated head
@@ -145,10 +160,65 @@ class Calibration:
         return d
 
 
+def pre_post_bytes(geometry: Geometry, headdim: int, *, deterministic: bool = True, header=None) -> int:
+    """HBM bytes the backward's preprocess and postprocess move (dense, 16-bit inputs; V's head dim
+    taken equal to ``headdim``), after csrc/api/bwd_dispatch.cpp and bwd_workspace.cpp.
+
+    Preprocess: reads O and dO, writes dPsum and the log2 LSE per row, zeroes the fp32 dQ
+    accumulators (one per dQ split), their semaphores and, non-deterministic GQA adding into one
+    dK/dV accumulator per KV head, those. Postprocess: reads the dQ accumulators, writes dQ;
+    with GQA reads the fp32 dK/dV partials (a slab per query head, or one accumulator per KV head
+    where the schedule orders the turns or the non-deterministic mode adds) and writes dK, dV.
+    ``header``: the schedule's metadata header (num_splits, dkv_ordered, dkv_chained); None: one
+    split, no turns, no chains."""
+    from .. import metadata as M
+    g = geometry
+    splits = int(header[M.H_NUM_SPLITS]) if header is not None else 1
+    ordered = header is not None and int(header[M.H_DKV_ORDERED]) == 1
+    chained = header is not None and int(header[M.H_DKV_CHAINED]) == 1
+    rows = g.batch * g.heads * g.n_q * g.block_m     # statistics and accumulator rows
+    q_elems = g.batch * g.seqlen_q * g.heads * headdim
+    acc = rows * headdim * 4
+    pre = 2 * q_elems * 2 + rows * 4 * 2 + splits * (acc + g.batch * g.heads * g.n_q * 4)
+    post = splits * acc + q_elems * 2
+    if g.heads != g.heads_kv:
+        kv_rows = g.batch * g.seqlen_k
+        accumulate = not deterministic and (2 * g.seqlen_q <= g.seqlen_k or chained)
+        per_kv = accumulate or (deterministic and ordered)
+        partial = kv_rows * (g.heads_kv if per_kv else g.heads) * 2 * headdim * 4
+        pre += partial if accumulate else 0
+        post += partial + kv_rows * g.heads_kv * 2 * headdim * 2
+    return int(pre + post)
+
+
+def working_set_bytes(schedule, headdim: int) -> int:
+    """Bytes the CTAs' first tasks touch at once: Q, dO (16-bit) and the fp32 dQ accumulator of
+    every distinct head (accumulator: every distinct (head, dQ split)) and each task's K and V tile.
+    The first task of each CTA (static) or the queue's first num_ctas tasks (dynamic) stand for the
+    whole run: the schedules keep their concurrency pattern from wave to wave."""
+    import numpy as np
+    from .. import metadata as M
+    g = schedule.geometry
+    meta = schedule.meta
+    t = meta.tasks
+    if int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC:
+        first = np.asarray(meta.offsets[:-1], dtype=np.int64)
+        rows = t[first[first < len(t)]]
+    else:
+        rows = t[:int(meta.header[M.H_NUM_CTAS])]
+    hidx = rows[:, M.C_BATCH].astype(np.int64) * g.heads + rows[:, M.C_HEAD]
+    heads = np.unique(hidx).size
+    accumulators = np.unique(hidx * (1 << 20) + rows[:, M.C_SPLIT]).size
+    per_head = g.n_q * g.block_m * headdim
+    return int(heads * per_head * (2 + 2) + accumulators * per_head * 4 + len(rows) * 2 * g.block_n * headdim * 2)
+
+
 def calibration_from_dict(d: dict) -> Calibration:
     """A :class:`Calibration` from its JSON form (:meth:`Calibration.to_dict`)."""
     return Calibration(device=d["device"], num_sms=int(d["num_sms"]), data=d["data"], fitted=d["fitted"],
                        overhead=float(d["overhead"]),
+                       pre_post_bytes_per_us=float(d.get("pre_post_bytes_per_us", 0.0)),
+                       l2_bytes=int(d.get("l2_bytes", 0)),
                        headdims={int(k): HeadDimCosts(**v) for k, v in d["headdims"].items()})
 
 
@@ -171,8 +241,17 @@ def predict_ms(name: str, geometry: Geometry, headdim: int, *, deterministic: bo
     cal = calibration or H100
     sms = int(num_sms or cal.num_sms)
     s = get_schedule(name, geometry, sms)
-    sim = simulate(s, cal.cost_model(headdim, geometry, deterministic), num_sms=sms)
-    return (cal.overhead + sim.makespan) / 1000.0
+    costs = cal.cost_model(headdim, geometry, deterministic)
+    if cal.l2_bytes and cal.pre_post_bytes_per_us and working_set_bytes(s, headdim) > cal.l2_bytes:
+        # The working set misses L2 (runs over more heads than it holds): every step streams its
+        # Q and dO tiles and its dQ tile's read and write from HBM, all CTAs at once.
+        step_bytes = geometry.block_m * headdim * (2 + 2 + 4 + 4)
+        floor = min(s.num_ctas, sms) * step_bytes / cal.pre_post_bytes_per_us
+        costs = replace(costs, compute=max(costs.compute, floor),
+                        masked_compute=max(costs.masked_compute or costs.compute, floor))
+    sim = simulate(s, costs, num_sms=sms)
+    overhead = cal.call_overhead_us(geometry, headdim, deterministic=deterministic, header=s.meta.header)
+    return (overhead + sim.makespan) / 1000.0
 
 
 # --------------------------------------------------------------------- fitting
@@ -192,6 +271,7 @@ class Cell:
         self.geometry = g
         s = build_schedule("lpt" if column == "nd" else column, g, grid.num_sms, validate=False)
         self.prog = WriterProgram(s, grid.num_sms, 2, deterministic=column != "nd")
+        self.pre_post_bytes = pre_post_bytes(g, hdim, deterministic=column != "nd", header=s.meta.header)
         kv = s.task_kv[s.step_task]
         self.masked = np.asarray(g.tiles.needs_mask(s.step_q, kv), dtype=float)[self.prog.step_perm]
 
@@ -203,8 +283,10 @@ class Cell:
         rd = np.full(n, min(hc.read, hc.reduce))
         return self.prog.makespan(c, r, rd, hc.epilogue, hc.latency, hc.handoff_at)
 
-    def predict_ms(self, hc: HeadDimCosts, overhead: float) -> float:
-        return (overhead + self.makespan(hc)) / 1000.0
+    def predict_ms(self, hc: HeadDimCosts, overhead: tuple) -> float:
+        """``overhead``: (fixed us, pre/postprocess bytes per us or 0), :func:`_overhead_of`."""
+        fixed, rate = overhead
+        return (fixed + (self.pre_post_bytes / rate if rate else 0.0) + self.makespan(hc)) / 1000.0
 
 
 _CELLS: list = []
@@ -215,7 +297,11 @@ def _cell_ms(args):
     return _CELLS[i].predict_ms(HeadDimCosts(*x), overhead)
 
 
-def predict_cells(cells_idx, hc: HeadDimCosts, overhead: float, pool=None) -> list:
+def _overhead_of(calibration: Calibration) -> tuple:
+    return (calibration.overhead, calibration.pre_post_bytes_per_us)
+
+
+def predict_cells(cells_idx, hc: HeadDimCosts, overhead: tuple, pool=None) -> list:
     args = [(i, tuple(asdict(hc).values()), overhead) for i in cells_idx]
     return list(pool.map(_cell_ms, args, chunksize=1)) if pool else [_cell_ms(a) for a in args]
 
@@ -224,7 +310,7 @@ class _Stop(Exception):
     pass
 
 
-def fit_headdim(cells_idx, x0: HeadDimCosts, overhead: float, pool=None, max_evals: int = 120,
+def fit_headdim(cells_idx, x0: HeadDimCosts, overhead: tuple, pool=None, max_evals: int = 120,
                 log=print) -> HeadDimCosts:
     """Least squares of log(predicted / measured) over the cells (scipy, imported
     here), from ``x0``; stops after ``max_evals`` evaluations (Jacobian ones
@@ -298,7 +384,7 @@ def evaluate_grid(calibration: Calibration, grid: MeasuredGrid, train_seqlens=()
     try:
         for hd in sorted({c.hdim for c in _CELLS}):
             idx = [i for i, c in enumerate(_CELLS) if c.hdim == hd]
-            pred = predict_cells(idx, calibration.headdims[hd], calibration.overhead, pool)
+            pred = predict_cells(idx, calibration.headdims[hd], _overhead_of(calibration), pool)
             for i, p in zip(idx, pred):
                 c = _CELLS[i]
                 out.append(dict(hdim=c.hdim, mask=c.mask, seqlen=c.seqlen, column=c.column,
@@ -323,7 +409,7 @@ def refit(calibration: Calibration, grid: MeasuredGrid, train_seqlens, headdims=
         pool = _pool(workers)
         try:
             log(f"fitting head dim {hd} on seqlens {tuple(train_seqlens)}: {len(_CELLS)} cells")
-            fitted[hd] = fit_headdim(list(range(len(_CELLS))), calibration.headdims[hd], calibration.overhead,
+            fitted[hd] = fit_headdim(list(range(len(_CELLS))), calibration.headdims[hd], _overhead_of(calibration),
                                      pool, max_evals=max_evals, log=log)
             log(f"  {fitted[hd]}")
         finally:

@@ -271,7 +271,9 @@ def _real_main(argv) -> int:
                                               f"_bm{g.block_m}bn{g.block_n}_sms{args.sms}.png")
         rows.append(evaluate(name, g, args.sms, costs, want_cp=not args.no_critical_path, gantt_path=gp))
         if cal is not None and rows[-1].get("valid"):
-            rows[-1]["predicted_ms"] = (cal.overhead + rows[-1]["makespan"]) / 1000.0
+            header = build_schedule(name, g, args.sms, validate=False).meta.header
+            rows[-1]["predicted_ms"] = (cal.call_overhead_us(g, args.headdim, header=header)
+                                        + rows[-1]["makespan"]) / 1000.0
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
