@@ -117,7 +117,7 @@ RECT_SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
 ]
 
 
-@pytest.mark.parametrize("schedule", ["split", "interleave", "runs"])
+@pytest.mark.parametrize("schedule", ["split", "interleave", "sections", "runs"])
 @pytest.mark.parametrize("shape", RECT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
 def test_rect_schedules_on_rectangular_problems(v, shape, schedule):
@@ -131,7 +131,7 @@ def test_rect_schedules_on_rectangular_problems(v, shape, schedule):
     assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, v.causal, deterministic=True, schedule=schedule)[1:], 9)
 
 
-@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift", "split", "interleave", "runs"])
+@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift", "split", "interleave", "sections", "runs"])
 def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     v = variants.Variant(128, "bf16", "causal")
     require_built(v, "bwd")

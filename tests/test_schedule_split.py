@@ -6,7 +6,8 @@ import pytest
 
 from dash_fa3.schedule import Geometry, ScheduleError, build_metadata, build_schedule, resolve_schedule_name
 from dash_fa3.schedule import metadata as M
-from dash_fa3.schedule.split import head_section, split_layout
+from dash_fa3.schedule.geometry import L2_BUDGET, head_section
+from dash_fa3.schedule.split import split_layout
 from dash_fa3.schedule.validate import check_metadata
 
 RECT = [  # batch, heads, heads_kv, seqlen_q, seqlen_k, headdim, causal
@@ -92,7 +93,7 @@ def test_auto_picks_split_where_keys_outnumber_queries(sq, sk, causal, want):
                          ids=lambda s: "x".join(map(str, s)))
 def test_interleave_runs_sections_side_by_side(shape, sms):
     g = geom(*shape)
-    section = head_section(g, sms)
+    section = head_section(g)
     s = build_schedule("interleave", g, sms)
     assert int(s.meta.header[M.H_HEAD_SECTION]) == section >= 1
     H, n = g.num_heads_total, g.n_kv
@@ -116,14 +117,13 @@ def test_interleave_runs_sections_side_by_side(shape, sms):
 
 
 def test_interleave_section_keeps_heads_within_the_l2_budget():
-    from dash_fa3.schedule.split import L2_BUDGET
     g = geom(1, 32, 8, 4096, 65536, 128, True)
-    section = head_section(g, 132)
+    section = head_section(g)
     per_head = g.n_q * g.block_m * 128 * 8
     fit = L2_BUDGET // per_head  # 10 heads of 4 MiB: 4 sections of 8, not 10 + 10 + 10 + 2
     assert (section, fit) == (8, 10)
     g = geom(4, 16, 16, 512, 4096, 64, True)  # 64 heads of 512 KiB: all in one section
-    assert head_section(g, 132) == 64
+    assert head_section(g) == 64
 
 
 def test_kernel_path_refuses_a_section_on_other_rank_kinds():
@@ -142,3 +142,30 @@ def test_kernel_path_refuses_interleave_metadata_under_the_wrong_section():
     header[M.H_HEAD_SECTION] = 0  # the waves the certificate assumes are then not the launch's
     with pytest.raises(ScheduleError):
         check_metadata(M.ScheduleMeta(header, meta.offsets.copy(), meta.tasks.copy()), g, 16)
+
+
+@pytest.mark.parametrize("sms", [132, 16])
+@pytest.mark.parametrize("shape", RECT + [(4, 16, 16, 1024, 4096, 128, True), (2, 3, 3, 1000, 1000, 64, True)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_sections_is_spt_queued_section_by_section(shape, sms):
+    g = geom(*shape)
+    sec = head_section(g)
+    s, spt = build_schedule("sections", g, sms), build_schedule("spt", g, sms)
+    check_metadata(build_metadata("sections", g, sms), g, sms)
+    hidx = s.task_batch * g.heads + s.task_head
+    # spt's tasks, each head's in spt's order (kv descending): the ranks and their decode are spt's
+    assert int(s.meta.header[M.H_RANK_KIND]) == int(spt.meta.header[M.H_RANK_KIND]) == M.RANK_DESC
+    for h in np.unique(hidx):
+        assert np.array_equal(s.task_kv[hidx == h], np.arange(g.n_kv)[::-1])
+    key = lambda x: np.lexsort((x.task_kv, x.task_batch * g.heads + x.task_head))  # noqa: E731
+    assert np.array_equal(np.sort(s.step_rank), np.sort(spt.step_rank))
+    assert np.array_equal(s.task_kv[key(s)], spt.task_kv[key(spt)])
+    # the queue: sections in order, within one KV tile by KV tile, its heads side by side
+    section = hidx // sec
+    assert np.all(np.diff(section) >= 0)
+    for j in np.unique(section):
+        mine = section == j
+        kv, hh = s.task_kv[mine], hidx[mine]
+        assert np.all(np.diff(-kv) >= 0)
+        same = kv[1:] == kv[:-1]
+        assert np.all(np.diff(hh)[same] > 0)

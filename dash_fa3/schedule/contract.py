@@ -93,7 +93,7 @@ NUM_COLS = len(COLUMNS)
 
 # Codes stored in the header and the rows (C++ enum name, codes in order).
 SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split", "runs",
-                              "interleave")
+                              "interleave", "sections")
 DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
 RANK_ASC, RANK_DESC, RANK_SHIFT, RANK_SPLIT, RANK_RUN = 0, 1, 2, 3, 4
 ROLE_LO, ROLE_HI = 0, 1

@@ -434,6 +434,23 @@ class Geometry:
                 f"bm={self.block_m} bn={self.block_n} {mask} -> {self.n_kv} kv x {self.n_q} q tiles")
 
 
+#: Bytes of L2 that heads run side by side in (``interleave``, ``sections``: :func:`head_section`):
+#: their Q, dO and fp32 dQ accumulator. 40 MiB of the H100's 50 MB, as FA3's backward scheduler
+#: budgets for the same three tensors.
+L2_BUDGET = 40 << 20
+
+
+def head_section(g: "Geometry") -> int:
+    """Heads per section of the schedules that run a section's heads side by side: as many as keep
+    their Q, dO and fp32 dQ accumulator within L2_BUDGET bytes, in sections of near-equal size."""
+    H = g.num_heads_total
+    headdim = 64 if g.block_m == 128 else 128  # the tiles' head dim (contract.BWD_BLOCK_SIZES)
+    per_head = g.n_q * g.block_m * headdim * (2 + 2 + 4)
+    fit = max(1, min(H, L2_BUDGET // max(per_head, 1)))
+    sections = -(-H // fit)
+    return -(-H // sections)
+
+
 def _clamp_sum(X: np.ndarray, w: np.ndarray) -> np.ndarray:
     """sum_{x < X} clamp(x, 0, w) over integers x (only x >= 0 contribute)."""
     X = np.maximum(X, 0)

@@ -29,12 +29,14 @@ import numpy as np
 
 from . import metadata as M
 from .contract import MASK_CODES, SCHEDULES
-from .geometry import Geometry, _cdiv
+from .geometry import Geometry, _cdiv, head_section
 from .metadata import planned_t0, planned_wave
 from .validate import validate as _validate
 
 SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES + ("auto",)
-DYNAMIC_SCHEDULES = ("fa3", "spt", "descending", "lpt")
+DYNAMIC_SCHEDULES = ("fa3", "spt", "descending", "lpt", "sections")
+#: Queue schedules whose dQ adds run in descending kv order (RANK_DESC), their queues kv descending.
+DESCENDING_RANK = ("spt", "sections")
 STATIC_SCHEDULES = ("shift", "symmetric_shift")
 #: Builders of schedules defined in their own module (:mod:`.split`), which registers
 #: itself here on import (the package imports it): name -> (build, build_metadata).
@@ -353,6 +355,16 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
                 levels the CTAs' loads (head-major fa3 leaves each head's long
                 tasks behind the previous head's short ones); on a full mask
                 it is fa3. Valid deterministically too, with fa3's waits.
+    sections:   spt's tasks and ranks, queued section by section
+                (geometry.head_section: heads whose Q, dO and dQ accumulator fit
+                the L2 budget), a section's tasks KV tile by KV tile (kv
+                descending) with its heads side by side. Head-major, a head's
+                KV tiles are claimed together and each Q tile takes their adds
+                one after another; side by side, about num_ctas / section of
+                a head's tiles run at once, one step apart on its Q tiles.
+                It is the order of FA3's deterministic causal backward (its
+                launch grid's L2 swizzle with SPT), whose full-mask backward
+                runs head-major instead.
     The queue order always claims a contribution's rank predecessor earlier
     (lpt: a lower kv tile is never claimed later, see lpt_order).
     Every KV tile has a task; a tile no query sees (windows) gets one
@@ -371,7 +383,7 @@ def _build_dynamic(name: str, g: Geometry, num_sms: int) -> Schedule:
     q = qb[step_task] + s if name != "descending" else (qe[step_task] - 1) - s
     gid = hidx[step_task] * g.n_q + q
     skv = kv[step_task]
-    rank = _ranks_by_key(gid, skv if name != "spt" else -skv)
+    rank = _ranks_by_key(gid, -skv if name in DESCENDING_RANK else skv)
     return Schedule(name=name, geometry=g, num_sms=num_sms, dispatch="dynamic", num_ctas=int(meta.header[M.H_NUM_CTAS]),
                     task_batch=batch, task_head=head, task_kv=kv, task_cta=np.full(T, -1, np.int64),
                     task_unit=kv.copy(), step_offsets=offsets, step_q=q,
@@ -382,7 +394,7 @@ def _dynamic_tasks(name: str, g: Geometry, num_sms: int) -> tuple[np.ndarray, np
     """The queue of a dynamic schedule: (head index, KV tile) per task in queue order, and the
     metadata the kernel decodes the orders from (O(tasks): no step is enumerated)."""
     tiles = np.arange(g.n_kv, dtype=np.int64)
-    ascending_rank = name != "spt"
+    ascending_rank = name not in DESCENDING_RANK
     kv_order = tiles if ascending_rank else tiles[::-1]
     H = g.num_heads_total
     T = H * kv_order.size
@@ -390,6 +402,11 @@ def _dynamic_tasks(name: str, g: Geometry, num_sms: int) -> tuple[np.ndarray, np
     kv = np.tile(kv_order, H)
     if name == "lpt":
         order, _ = lpt_order(g, hidx, kv, num_sms)
+        hidx, kv = hidx[order], kv[order]
+    elif name == "sections":
+        sec = head_section(g)
+        place = np.tile(np.arange(kv_order.size, dtype=np.int64), H)  # place in the head's own queue
+        order = np.lexsort((hidx, place, hidx // sec))
         hidx, kv = hidx[order], kv[order]
     batch, head = hidx // g.heads, hidx % g.heads
     lens = g.task_len[kv]

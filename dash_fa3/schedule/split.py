@@ -31,8 +31,8 @@ the postprocess.
 ``interleave`` is the same rule over another launch order. ``split`` numbers
 the units head by head, so the S CTAs of a wave hold up to S KV tiles of one
 head, which need as many splits. ``interleave`` takes the heads in sections
-(:func:`head_section`: as many as keep their Q, dO and dQ accumulator within
-L2_BUDGET) and a section's units KV tile by KV tile, its heads side by side
+(:func:`.geometry.head_section`: as many as keep their Q, dO and dQ accumulator within
+.geometry.L2_BUDGET) and a section's units KV tile by KV tile, its heads side by side
 (header ``head_section``, :func:`.metadata.planned_unit`): a wave then holds
 about S / section tiles of each head, which start their cyclic legs apart as
 above, and a split needs to end only where its rectangle gets narrower than
@@ -48,14 +48,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import metadata as M
-from .geometry import Geometry
+from .geometry import Geometry, head_section
 from .schedules import EXTRA_BUILDERS, Schedule, _header, _i32, _ranks_by_key
 
 NAME = "split"
 INTERLEAVE = "interleave"
-#: ``interleave`` runs heads side by side as long as their Q, dO and dQ accumulator fit in this many
-#: bytes of the L2 (50 MB on an H100; FA3's backward scheduler keeps the same three within 40 MiB).
-L2_BUDGET = 40 << 20
 #: A split's tiles start their cyclic legs 2^STRIDE_LOG2 tiles apart, and it holds at most
 #: width >> STRIDE_LOG2 tiles: a dQ tile's consecutive adds come that many steps apart. A
 #: stride of 2 gives each hand-off two steps but doubles the splits, whose accumulators then
@@ -95,17 +92,6 @@ def split_layout(g: Geometry, per_wave: int | None = None) -> tuple[np.ndarray, 
     last = np.concatenate([np.flatnonzero(np.diff(split)), [n_kv - 1]])  # last tile of each split
     rect = g.q_begin[last][split].astype(np.int64)
     return split, begin, rect
-
-
-def head_section(g: Geometry, num_sms: int) -> int:
-    """Heads per section of ``interleave``: as many as keep their Q, dO and fp32 dQ accumulator
-    within L2_BUDGET bytes, in sections of near-equal size."""
-    H = g.num_heads_total
-    headdim = 64 if g.block_m == 128 else 128  # the tiles' head dim (contract.BWD_BLOCK_SIZES)
-    per_head = g.n_q * g.block_m * headdim * (2 + 2 + 4)
-    fit = max(1, min(H, L2_BUDGET // max(per_head, 1)))
-    sections = -(-H // fit)
-    return -(-H // sections)
 
 
 def _per_wave(H: int, section: int, num_sms: int) -> int:
@@ -179,7 +165,7 @@ def _tasks(g: Geometry, num_sms: int, section: int = 0):
 
 
 def _section(name: str, g: Geometry, num_sms: int) -> int:
-    return head_section(g, num_sms) if name == INTERLEAVE else 0
+    return head_section(g) if name == INTERLEAVE else 0
 
 
 def build_metadata(name: str, g: Geometry, num_sms: int) -> M.ScheduleMeta:

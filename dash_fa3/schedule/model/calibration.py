@@ -192,10 +192,11 @@ def pre_post_bytes(geometry: Geometry, headdim: int, *, deterministic: bool = Tr
 
 
 def working_set_bytes(schedule, headdim: int) -> int:
-    """Bytes the CTAs' first tasks touch at once: Q, dO (16-bit) and the fp32 dQ accumulator of
-    every distinct head (accumulator: every distinct (head, dQ split)) and each task's K and V tile.
-    The first task of each CTA (static) or the queue's first num_ctas tasks (dynamic) stand for the
-    whole run: the schedules keep their concurrency pattern from wave to wave."""
+    """Bytes the CTAs' first tasks read again and again at once: Q, dO (16-bit) and the fp32 dQ
+    accumulator of every distinct head (accumulator: every distinct (head, dQ split)); a task's K
+    and V tile is read once, into shared memory, and does not count. The first task of each CTA
+    (static) or the queue's first num_ctas tasks (dynamic) stand for the whole run: the schedules
+    keep their concurrency pattern from wave to wave."""
     import numpy as np
     from .. import metadata as M
     g = schedule.geometry
@@ -210,7 +211,7 @@ def working_set_bytes(schedule, headdim: int) -> int:
     heads = np.unique(hidx).size
     accumulators = np.unique(hidx * (1 << 20) + rows[:, M.C_SPLIT]).size
     per_head = g.n_q * g.block_m * headdim
-    return int(heads * per_head * (2 + 2) + accumulators * per_head * 4 + len(rows) * 2 * g.block_n * headdim * 2)
+    return int(heads * per_head * (2 + 2) + accumulators * per_head * 4)
 
 
 def calibration_from_dict(d: dict) -> Calibration:
