@@ -82,6 +82,23 @@ def test_decode_bench_grid(driver, tmp_path, label, g, sms):
     check_decode(driver, tmp_path, metas, f"{label} sms={sms}")
 
 
+RECT = [(2, 4, 2, 1024, 8192, 64, 128, "causal"), (4, 16, 16, 512, 4096, 128, 128, "causal"),
+        (8, 16, 2, 256, 8192, 64, 128, "causal"), (1, 8, 2, 2048, 32768, 128, 128, "full"),
+        (3, 5, 1, 300, 5000, 64, 128, "full")]
+
+
+@pytest.mark.parametrize("sms", [132, 16])
+def test_decode_rect_schedules(driver, tmp_path, sms):
+    """The C++ decode of the schedules for few queries and many keys on their shapes: several dQ
+    splits, heads side by side in sections (interleave, sections), runs and chains."""
+    metas = []
+    for b, h, hkv, sq, sk, bm, bn, mask in RECT:
+        g = Geometry(b, h, hkv, sq, sk, bm, bn, mask)
+        metas += [build_schedule(name, g, sms, validate=False).meta for name in ("split", "interleave", "sections",
+                                                                                  "runs", "spt")]
+    check_decode(driver, tmp_path, metas, f"rect sms={sms}")
+
+
 def random_geometry(rng) -> Geometry:
     heads_kv = int(rng.integers(1, 4))
     bm, bn = (int(x) for x in rng.choice([16, 32, 64, 128], size=2))
