@@ -71,7 +71,7 @@ def test_predictions_follow_the_data_file(hdim, causal):
     ref = 128 if hdim == 96 else hdim
     k = raw["headdims"][str(ref)]
     work = dq = hdim / ref   # the same 64 x 128 tiles: MMA work and dQ bytes scale with the head dim
-    c = (k["compute"] + k["compute_per_kkey"] * g.seqlen_k / 1024) * work
+    c = (k["compute"] + k["compute_per_kquery"] * g.seqlen_q / 1024) * work
     costs = CostModel(compute=c, reduce=k["reduce"] * dq, latency=k["latency"], epilogue=k["epilogue"] * work,
                       masked_compute=c + k["masked_extra"] * work, read=min(k["read"] * dq, k["reduce"] * dq),
                       pipeline="writer", handoff_at=k["handoff_at"])
@@ -134,7 +134,7 @@ def test_fit_recovers_a_synthetic_grid():
     """Times made by the model from known costs on a small grid (8 SMs) are fitted
     back, from other costs, to within 1% everywhere."""
     pytest.importorskip("scipy")
-    truth = C.HeadDimCosts(compute=2.0, compute_per_kkey=0.05, masked_extra=0.4, epilogue=3.0, reduce=1.5,
+    truth = C.HeadDimCosts(compute=2.0, compute_per_kquery=0.05, masked_extra=0.4, epilogue=3.0, reduce=1.5,
                            read=0.5, latency=0.4, handoff_at=0.8)
     base = C.MeasuredGrid(device="synthetic", date="-", commit="-", source="-", num_sms=8,
                           total_tokens=2048, hidden=256, rows=())

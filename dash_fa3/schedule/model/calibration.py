@@ -77,9 +77,11 @@ def measured_grid_from_dict(d: dict) -> MeasuredGrid:
 class HeadDimCosts:
     """Fitted costs of one head dim's kernel (microseconds).
 
-    compute:          MMA work of one step on a tile without mask, extrapolated to seqlen_k -> 0
-    compute_per_kkey: its growth per 1024 keys of seqlen_k (the L2 working set of a head
-                      grows with the sequence; the only memory effect modelled)
+    compute:          MMA work of one step on a tile without mask, extrapolated to seqlen_q -> 0
+    compute_per_kquery: its growth per 1024 queries of seqlen_q: a head's Q, dO and dQ
+                      accumulator, which its KV tiles read again and again, grow with it (K and V
+                      are read once per task); fitted on square problems, where seqlen_q = seqlen_k.
+                      Past the L2: Calibration.l2_bytes
     masked_extra:     extra of a step whose tile needs the causal mask
     epilogue:         per task: the dK/dV store and the next task's start
     reduce:           one 32 KiB fp32 reduce-add of a partial dQ, issue to completion
@@ -91,7 +93,7 @@ class HeadDimCosts:
     """
 
     compute: float
-    compute_per_kkey: float
+    compute_per_kquery: float
     masked_extra: float
     epilogue: float
     reduce: float
@@ -99,11 +101,11 @@ class HeadDimCosts:
     latency: float
     handoff_at: float = 1.0
 
-    def step_compute(self, seqlen_k: int) -> float:
-        return self.compute + self.compute_per_kkey * seqlen_k / 1024.0
+    def step_compute(self, seqlen_q: int) -> float:
+        return self.compute + self.compute_per_kquery * seqlen_q / 1024.0
 
-    def cost_model(self, seqlen_k: int, deterministic: bool = True) -> CostModel:
-        c = self.step_compute(seqlen_k)
+    def cost_model(self, seqlen_q: int, deterministic: bool = True) -> CostModel:
+        c = self.step_compute(seqlen_q)
         return CostModel(compute=c, reduce=self.reduce, latency=self.latency, epilogue=self.epilogue,
                          masked_compute=c + self.masked_extra, read=min(self.read, self.reduce),
                          deterministic=deterministic, pipeline="writer", handoff_at=self.handoff_at)
@@ -147,12 +149,12 @@ class Calibration:
         rbm, rbn = bwd_block_sizes(ref)
         work = (geometry.block_m * geometry.block_n * headdim) / float(rbm * rbn * ref)
         dq = (geometry.block_m * headdim) / float(rbm * ref)
-        return replace(hc, compute=hc.compute * work, compute_per_kkey=hc.compute_per_kkey * work,
+        return replace(hc, compute=hc.compute * work, compute_per_kquery=hc.compute_per_kquery * work,
                        masked_extra=hc.masked_extra * work, epilogue=hc.epilogue * work,
                        reduce=hc.reduce * dq, read=hc.read * dq)
 
     def cost_model(self, headdim: int, geometry: Geometry, deterministic: bool = True) -> CostModel:
-        return self.costs_for(headdim, geometry).cost_model(geometry.seqlen_k, deterministic)
+        return self.costs_for(headdim, geometry).cost_model(geometry.seqlen_q, deterministic)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -256,7 +258,7 @@ def predict_ms(name: str, geometry: Geometry, headdim: int, *, deterministic: bo
 
 
 # --------------------------------------------------------------------- fitting
-PARAMS = ("compute", "compute_per_kkey", "masked_extra", "epilogue", "reduce", "read", "latency",
+PARAMS = ("compute", "compute_per_kquery", "masked_extra", "epilogue", "reduce", "read", "latency",
           "handoff_at")
 
 
@@ -279,7 +281,7 @@ class Cell:
     def makespan(self, hc: HeadDimCosts) -> float:
         import numpy as np
         n = self.masked.size
-        c = hc.step_compute(self.geometry.seqlen_k) + hc.masked_extra * self.masked
+        c = hc.step_compute(self.geometry.seqlen_q) + hc.masked_extra * self.masked
         r = np.full(n, hc.reduce)
         rd = np.full(n, min(hc.read, hc.reduce))
         return self.prog.makespan(c, r, rd, hc.epilogue, hc.latency, hc.handoff_at)
