@@ -127,12 +127,14 @@ struct DkvCast {
   bool fp32 = false;  // dk, dv are fp32: the group sums, not rounded
 };
 // dq_accum: as the main kernel leaves it (fragment order, bwd_block_m(hdim)-row tiles).
+// dq_semaphore: a deterministic call's counters (BwdPostprocessParams::dq_semaphore), else nullptr.
 // Packed (docs != nullptr): batch is 1, seqlen_q total_q, seqlen_q_rounded the padded
 // total; dq comes back (1, total_q, heads, d).
 at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t heads, int64_t seqlen_q,
                                   int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
                                   at::ScalarType dtype, const at::Device& device, cudaStream_t stream,
                                   const DkvCast* dkv = nullptr, const PackedDocs* docs = nullptr,
-                                  int64_t dq_splits = 1, int64_t dq_split_floats = 0);
+                                  int64_t dq_splits = 1, int64_t dq_split_floats = 0,
+                                  const int* dq_semaphore = nullptr, int64_t dq_split_sems = 0);
 
 }  // namespace dash_fa3

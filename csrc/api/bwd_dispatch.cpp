@@ -120,7 +120,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
               msg("dash_fa3: schedule has ", dq_splits, " dQ splits (dense calls only, at least 1)"));
   const BwdWorkspace ws = make_bwd_workspace(
       {sh.batch, heads, rounded, seqlen_k, hdim, hdim_v, rounded / block_m, slabs, dq_splits,
-       dkv_accumulate || dkv_ordered ? heads_kv : heads, dkv_ordered, dkv_ordered ? sh.batch * heads_kv * n_kv : 0},
+       dkv_accumulate || dkv_ordered ? heads_kv : heads, dkv_ordered, dkv_ordered ? sh.batch * heads_kv * n_kv : 0,
+       deterministic},
       dev);
   launch_bwd_preprocess(out, dout, lse, ws, rounded, stream, packed, block_m);
 
@@ -186,7 +187,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   const DkvCast dkv{ws.dk_partial, ws.dv_partial, dkv_accumulate || dkv_ordered, dk, dv, dkv_fp32};
   at::Tensor dq = launch_bwd_postprocess(ws.dq_accum, sh.batch, heads, seqlen_q, rounded, hdim, softmax_scale,
                                          q.scalar_type(), dev, stream, slabs ? &dkv : nullptr, packed,
-                                         dq_splits, ws.dq_split_floats);
+                                         dq_splits, ws.dq_split_floats, deterministic ? ws.dq_semaphore : nullptr,
+                                         ws.dq_split_sems);
   return {dq, dk, dv};
 }
 

@@ -55,7 +55,7 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
                                   int64_t seqlen_q_rounded, int64_t hdim, double softmax_scale,
                                   at::ScalarType dtype, const at::Device& device, cudaStream_t stream,
                                   const DkvCast* dkv, const PackedDocs* docs, int64_t dq_splits,
-                                  int64_t dq_split_floats) {
+                                  int64_t dq_split_floats, const int* dq_semaphore, int64_t dq_split_sems) {
   // The main kernel's Q tiles, whose fragment order the accumulator holds.
   const int block_m = bwd_block_m(static_cast<int>(hdim));
   TORCH_CHECK(dq_frag_layout_ok(block_m, static_cast<int>(hdim)),
@@ -67,6 +67,8 @@ at::Tensor launch_bwd_postprocess(const float* dq_accum, int64_t batch, int64_t 
   p.dq_accum = dq_accum;
   p.num_dq_splits = static_cast<int>(dq_splits);
   p.dq_split_floats = dq_split_floats;
+  p.dq_semaphore = dq_semaphore;
+  p.dq_split_sems = dq_split_sems;
   p.block_m = block_m;
   p.dq = dq.data_ptr();
   p.dq_stride = bshd_strides(dq, "dq");

@@ -29,12 +29,15 @@ BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& de
   off = round_up(off + partial_k * int64_t(sizeof(float)));
   const int64_t dv_offset = off;
   off = round_up(off + partial_v * int64_t(sizeof(float)));
-  const int64_t zero_begin = accumulate ? zero_from_partials : off;
+  TORCH_CHECK(!(accumulate && s.dq_stored), "dash_fa3: internal: dK/dV accumulators are added into in "
+              "non-deterministic calls only");
+  const int64_t dq_offset = off;
   w.dq_split_floats = rows * s.headdim;  // a multiple of 128 bytes: whole tiles
   w.dq_split_sems = s.batch * s.heads * s.n_q;
   w.dq_accum_offset = off;
   off = round_up(off + s.dq_splits * w.dq_split_floats * int64_t(sizeof(float)));
   w.dq_semaphore_offset = off;
+  const int64_t zero_begin = accumulate ? zero_from_partials : s.dq_stored ? off : dq_offset;
   off = round_up(off + s.dq_splits * w.dq_split_sems * int64_t(sizeof(int)));
   const int64_t dkv_sem_offset = off;
   off = round_up(off + s.dkv_sems * int64_t(sizeof(int)));

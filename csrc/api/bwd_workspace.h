@@ -9,7 +9,9 @@
 // partials are written in full by the main kernel (no zeroing) and are empty
 // (size 0) without GQA; non-deterministic GQA has one dK/dV accumulator per KV
 // head instead, which the main kernel adds into, so the zeroed span starts at
-// dk_partial then. dq_accum and dq_semaphore hold one accumulator and
+// dk_partial then. Deterministic calls store each dQ tile's first partial
+// instead of adding it, so their span starts at dq_semaphore (dq_stored).
+// dq_accum and dq_semaphore hold one accumulator and
 // semaphore set per dQ split of the schedule (one but for the split
 // schedule), back to back.
 #pragma once
@@ -50,6 +52,9 @@ struct BwdWorkspaceShape {
   // they are added into (not zeroed), and dkv_sems turn counters (batch * heads_kv * n_kv) are.
   bool dkv_ordered = false;
   int64_t dkv_sems = 0;
+  // Deterministic: each dQ tile's first add (rank 0) stores (bwd_dq_writer.h), so dq_accum is
+  // not zeroed; the zeroed span starts at dq_semaphore.
+  bool dq_stored = false;
 };
 
 BwdWorkspace make_bwd_workspace(const BwdWorkspaceShape& s, const at::Device& device);

@@ -147,6 +147,14 @@ struct BwdPostprocessParams {
   // summed in ascending order (a fixed order: the same bits in every run).
   int num_dq_splits;
   int64_t dq_split_floats;
+  // Deterministic calls: the main kernel's dQ semaphores (one set per split,
+  // dq_split_sems apart, an int per block_m-row tile from the slab's first row,
+  // as BwdParams::dq_semaphore). A tile's first add (rank 0) STORES its partial,
+  // so the accumulators are not zeroed, and a tile whose counter reads 0 got no
+  // add and holds no sum: it counts as 0. nullptr: every accumulator is read
+  // (non-deterministic calls, zeroed first).
+  const int* dq_semaphore;
+  int64_t dq_split_sems;
   int block_m;            // bwd_block_m(headdim): the tiles' rows
   void* dq;               // (batch, seqlen_q, heads, headdim), FA3 layout
   TensorStrides dq_stride;

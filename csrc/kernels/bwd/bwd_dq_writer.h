@@ -15,7 +15,8 @@
 //   per part w (Traits::kDqHandoffParts: MMA warpgroup w's half with two
 //                  warpgroups, the whole tile with three): wait dq_full(b, w)
 //                  (the part of the step's partial dQ is written), issue its
-//                  reduce-add, commit
+//                  reduce-add (deterministic rank 0: a plain bulk store, so
+//                  the accumulator needs no zeroing), commit
 //   per w: wait until part w has been READ -> arrive on the dq_empty barrier
 //                  of whoever writes that region next (its warpgroups may write
 //                  again while the add is still landing)
@@ -136,6 +137,8 @@ struct BwdDqWriter {
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterAcquiredNs, tracing::now_ns());
         }
         float* dq_tile = dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats;
+        // The tile's first contribution stores: the accumulator is not zeroed (bwd_semaphore.h).
+        bool const store = deterministic && st.rank == 0;
         if constexpr (Traits::kDqSharedHalf) {
           // Quarter i of the tile (warpgroup i / 2's half i % 2) passes through
           // slot i % 2; a slot's quarter is released once read, one quarter
@@ -146,9 +149,9 @@ struct BwdDqWriter {
             // Wait until quarter i of this step's partial dQ is in its slot.
             named_barrier_sync(Mainloop::dq_full(writer, kSlot), Traits::kDqHandoffThreads);
             if (leader) {
-              bulk_reduce_add_f32(dq_tile + decltype(i)::value * Traits::kDqSlotFloats,
-                                  sdq + kSlot * Traits::kDqSlotFloats, Traits::kDqSlotBytes,
-                                  uint64_t(TMA::CacheHintSm90::EVICT_LAST));
+              bulk_store_or_add_f32(store, dq_tile + decltype(i)::value * Traits::kDqSlotFloats,
+                                    sdq + kSlot * Traits::kDqSlotFloats, Traits::kDqSlotBytes,
+                                    uint64_t(TMA::CacheHintSm90::EVICT_LAST));
               tma_store_arrive();
             }
             if constexpr (decltype(i)::value > 0) {
@@ -170,8 +173,8 @@ struct BwdDqWriter {
             if (leader) {
               // A Q tile's accumulator receives an add from every KV tile of its
               // head, spread over the kernel: keep it in L2 between them.
-              bulk_reduce_add_f32(dq_tile + wg * Traits::kDqPartFloats, sdq + wg * Traits::kDqPartFloats,
-                                  Traits::kDqPartBytes, uint64_t(TMA::CacheHintSm90::EVICT_LAST));
+              bulk_store_or_add_f32(store, dq_tile + wg * Traits::kDqPartFloats, sdq + wg * Traits::kDqPartFloats,
+                                    Traits::kDqPartBytes, uint64_t(TMA::CacheHintSm90::EVICT_LAST));
               tma_store_arrive();
             }
           }

@@ -69,6 +69,39 @@ __device__ void group_sum(float (&acc)[kVec], const float* src, int group, int64
   }
 }
 
+// The 16 floats of a row pair at src (rows lo and lo + 8, 8 columns), summed
+// over the dQ splits in ascending split order (a fixed order: the same bits in
+// every run), into lo's and hi's 8 values. `sems`: the tile's counter in split
+// 0 (BwdPostprocessParams::dq_semaphore), a split whose counter reads 0 left
+// the tile unwritten and is skipped; nullptr: every split is read.
+__device__ void sum_splits(BwdPostprocessParams const& p, const float4* src, const int* sems, float (&vals)[kVec],
+                           float (&hi_vals)[kVec]) {
+  float4 v[kVec / 2];
+#pragma unroll
+  for (int k = 0; k < kVec / 2; ++k) v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  bool first = true;
+#pragma unroll 1
+  for (int split = 0; split < p.num_dq_splits; ++split) {
+    if (sems && __ldg(sems + split * p.dq_split_sems) == 0) continue;
+    const float4* s = src + split * (p.dq_split_floats / 4);
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) {
+      const float4 w = __ldg(s + k);
+      if (first) {
+        v[k] = w;
+      } else {
+        v[k].x += w.x, v[k].y += w.y, v[k].z += w.z, v[k].w += w.w;
+      }
+    }
+    first = false;
+  }
+#pragma unroll
+  for (int k = 0; k < kVec / 2; ++k) {
+    vals[2 * k] = v[k].x, vals[2 * k + 1] = v[k].y;
+    hi_vals[2 * k] = v[k].z, hi_vals[2 * k + 1] = v[k].w;
+  }
+}
+
 // Row pairs (m, m + 8) of 16-row blocks: the dQ rows a thread writes are
 // pair_row(pair) and pair_row(pair) + kRowPair.
 __host__ __device__ constexpr int pair_row(int pair) {
@@ -112,6 +145,8 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
       const float* accum = p.dq_accum + int64_t(slab) * p.seqlen_q_rounded * p.headdim +
                            dq_frag_offset(p.block_m, p.headdim, 0, c * kVec);
       Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + c * kVec;
+      // Deterministic: the slab's tile counters (dq_semaphore), tile t at sems[t].
+      const int* sems = p.dq_semaphore ? p.dq_semaphore + int64_t(slab) * (p.seqlen_q_rounded / p.block_m) : nullptr;
       for (int pair = blockIdx.x * blockDim.y + threadIdx.y; pair < w.pairs; pair += row_step) {
         // Rows lo and lo + 8, columns 8c .. 8c + 7: 16 consecutive floats,
         // float4 k = (lo, 8c+2k), (lo, 8c+2k+1), (hi, ...), (hi, ...).
@@ -120,18 +155,7 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
         const float4* src = reinterpret_cast<const float4*>(
             accum + int64_t(lo - m) * p.headdim + dq_frag_offset(p.block_m, p.headdim, m, 0));
         float vals[kVec], hi_vals[kVec];
-#pragma unroll
-        for (int k = 0; k < kVec / 2; ++k) {
-          float4 v = __ldg(src + k);
-          // dQ splits: their accumulators summed in ascending split order (fixed).
-#pragma unroll 1
-          for (int split = 1; split < p.num_dq_splits; ++split) {
-            const float4 w = __ldg(src + k + split * (p.dq_split_floats / 4));
-            v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
-          }
-          vals[2 * k] = v.x, vals[2 * k + 1] = v.y;
-          hi_vals[2 * k] = v.z, hi_vals[2 * k + 1] = v.w;
-        }
+        sum_splits(p, src, sems ? sems + lo / p.block_m : nullptr, vals, hi_vals);
         // The output rows of accumulator rows lo and lo + 8 (-1: padding).
         const int out_lo = stat_input_row(lo, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
         const int out_hi = stat_input_row(lo + kRowPair, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);

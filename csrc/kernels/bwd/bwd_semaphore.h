@@ -1,8 +1,10 @@
 // Inter-CTA semaphores of the deterministic backward, and the bulk reduce-add
 // and bulk-group waits they order. One int32 counter per dQ tile. A
-// contribution of rank r waits until the counter reads r, adds, waits for its
-// add to complete, then sets the counter to r + 1. Counters start
-// at zero (the preprocess zeroes them).
+// contribution of rank r waits until the counter reads r, adds (rank 0:
+// stores, so the accumulator starts out unwritten), waits for its add to
+// complete, then sets the counter to r + 1. Counters start at zero (the
+// preprocess zeroes them); after the kernel a counter holds its tile's number
+// of contributions, 0 for a tile nobody wrote (the postprocess reads it so).
 //
 // Memory ordering. The adds into the fp32 dQ accumulator are done by the bulk
 // copy engine (async proxy); the counter is an ordinary global int (generic
@@ -66,6 +68,28 @@ CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, uint32_t by
                :
                : "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes), "l"(l2_policy)
                : "memory");
+}
+
+// Copies `bytes` of fp32 from shared to global memory as one bulk async
+// operation (one thread): bulk_reduce_add_f32's form, with the sum replaced by
+// the source. A dQ tile's first add in the rank order stores this way, so the
+// accumulator needs no zeroing; its ordering is the add's (same proxy, same
+// bulk group, same completion wait before the release).
+CUTE_DEVICE void bulk_store_f32(float* gmem, float const* smem, uint32_t bytes, uint64_t l2_policy) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;"
+               :
+               : "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes), "l"(l2_policy)
+               : "memory");
+}
+
+// bulk_store_f32 if `store`, else bulk_reduce_add_f32.
+CUTE_DEVICE void bulk_store_or_add_f32(bool store, float* gmem, float const* smem, uint32_t bytes,
+                                       uint64_t l2_policy) {
+  if (store) {
+    bulk_store_f32(gmem, smem, bytes, l2_policy);
+  } else {
+    bulk_reduce_add_f32(gmem, smem, bytes, l2_policy);
+  }
 }
 
 // Waits until every bulk async-group this thread committed has COMPLETED,
