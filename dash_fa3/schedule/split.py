@@ -25,8 +25,8 @@ decode is the SHIFT rule applied to the split (``RANK_SPLIT``,
 :func:`.metadata._decode`).
 
 The cost: ``num_splits`` fp32 dQ accumulators instead of one, about as many
-bytes as a bf16 K of all query heads, zeroed by the preprocess and summed by
-the postprocess.
+bytes as a bf16 K of all query heads, written by the main kernel (the
+deterministic first add stores) and summed by the postprocess.
 
 ``interleave`` is the same rule over another launch order. ``split`` numbers
 the units head by head, so the S CTAs of a wave hold up to S KV tiles of one

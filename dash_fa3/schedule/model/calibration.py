@@ -162,17 +162,20 @@ class Calibration:
         return d
 
 
-def pre_post_bytes(geometry: Geometry, headdim: int, *, deterministic: bool = True, header=None) -> int:
+def pre_post_bytes(geometry: Geometry, headdim: int, *, deterministic: bool = True, header=None,
+                   dq_zeroed: bool | None = None) -> int:
     """HBM bytes the backward's preprocess and postprocess move (dense, 16-bit inputs; V's head dim
     taken equal to ``headdim``), after csrc/api/bwd_dispatch.cpp and bwd_workspace.cpp.
 
-    Preprocess: reads O and dO, writes dPsum and the log2 LSE per row, zeroes the fp32 dQ
-    accumulators (one per dQ split), their semaphores and, non-deterministic GQA adding into one
-    dK/dV accumulator per KV head, those. Postprocess: reads the dQ accumulators, writes dQ;
+    Preprocess: reads O and dO, writes dPsum and the log2 LSE per row, zeroes the dQ semaphores
+    (one set per dQ split) and, non-deterministic, the fp32 dQ accumulators (deterministic, each
+    tile's first add stores) and, with GQA adding into one dK/dV accumulator per KV head, those. Postprocess: reads the dQ accumulators, writes dQ;
     with GQA reads the fp32 dK/dV partials (a slab per query head, or one accumulator per KV head
     where the schedule orders the turns or the non-deterministic mode adds) and writes dK, dV.
     ``header``: the schedule's metadata header (num_splits, dkv_ordered, dkv_chained); None: one
-    split, no turns, no chains."""
+    split, no turns, no chains. ``dq_zeroed``: whether the preprocess zeroes the dQ accumulators
+    (None: as this kernel does, non-deterministic only; the grid measured before the deterministic
+    first store zeroed them in both modes)."""
     from .. import metadata as M
     g = geometry
     splits = int(header[M.H_NUM_SPLITS]) if header is not None else 1
@@ -181,7 +184,8 @@ def pre_post_bytes(geometry: Geometry, headdim: int, *, deterministic: bool = Tr
     rows = g.batch * g.heads * g.n_q * g.block_m     # statistics and accumulator rows
     q_elems = g.batch * g.seqlen_q * g.heads * headdim
     acc = rows * headdim * 4
-    pre = 2 * q_elems * 2 + rows * 4 * 2 + splits * (acc + g.batch * g.heads * g.n_q * 4)
+    zeroed = (not deterministic) if dq_zeroed is None else dq_zeroed
+    pre = 2 * q_elems * 2 + rows * 4 * 2 + splits * ((acc if zeroed else 0) + g.batch * g.heads * g.n_q * 4)
     post = splits * acc + q_elems * 2
     if g.heads != g.heads_kv:
         kv_rows = g.batch * g.seqlen_k
@@ -274,7 +278,9 @@ class Cell:
         self.geometry = g
         s = build_schedule("lpt" if column == "nd" else column, g, grid.num_sms, validate=False)
         self.prog = WriterProgram(s, grid.num_sms, 2, deterministic=column != "nd")
-        self.pre_post_bytes = pre_post_bytes(g, hdim, deterministic=column != "nd", header=s.meta.header)
+        # the grid's kernel (b064a4d) zeroed the dQ accumulator in both modes
+        self.pre_post_bytes = pre_post_bytes(g, hdim, deterministic=column != "nd", header=s.meta.header,
+                                             dq_zeroed=True)
         kv = s.task_kv[s.step_task]
         self.masked = np.asarray(g.tiles.needs_mask(s.step_q, kv), dtype=float)[self.prog.step_perm]
 
