@@ -54,11 +54,13 @@ sys.path.insert(0, BENCH_DIR)
 import torch  # noqa: E402
 
 from dash_fa3._timing import attention_flops, commit_label, median_ms  # noqa: E402
+from dash_fa3.schedule import SCHEDULES  # noqa: E402
 from peers import fa3 as fa3_peer  # noqa: E402
 from peers import fa4 as fa4_peer  # noqa: E402
 
 GRID = os.path.join(REPO, "dash_fa3", "schedule", "bench_grid.json")
-SCHEDULES = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
+# Timed by default; --schedules takes any of dash_fa3.schedule.SCHEDULES.
+DEFAULT_SCHEDULES = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
 PEERS = ("fa3", "fa4", "cudnn")
 MASKS = ("full", "causal")
 
@@ -133,7 +135,7 @@ def parse_args(argv=None, grid=None):
                     help="head dims (space or comma list); 192v128: q/k 192 with v 128 (MLA)")
     ap.add_argument("--seqlens", nargs="+", default=grid["seqlens"], help="sequence lengths (space or comma list)")
     ap.add_argument("--masks", nargs="+", default=grid["masks"], help="full, causal")
-    ap.add_argument("--schedules", default=",".join(SCHEDULES),
+    ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
                     help="our deterministic schedules to time (auto is always timed too)")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma list of fa3, fa4, cudnn, or ''")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point (median over rounds)")

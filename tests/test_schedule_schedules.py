@@ -94,15 +94,21 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=12288, **full64)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "fa3"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full64)) == "shift"
-    # The shift orders only where seqlen_k <= seqlen_q (from 2 keys per query on, a full mask takes split).
+    # The shift orders only where seqlen_k <= seqlen_q; from 2 keys per query on, sections.
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=6144, **full64)) == "fa3"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=6144, **full64)) == "split"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=6144, **full64)) == "sections"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=6144, seqlen_k=2048, **full64)) == "shift"
     causal128 = dict(batch=1, heads=16, headdim=128, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal128)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal128)) == "symmetric_shift"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=8192, **causal128)) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=6144, **causal128)) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=8192, **causal128)) == "sections"
+    # few Q tiles per head: runs under GQA (its chains add a group's dK/dV once), sections without
+    gqa = dict(batch=8, heads=16, heads_kv=2, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa)) == "runs"
+    mha64 = dict(batch=4, heads=16, headdim=64, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, seqlen_k=4096, **mha64)) == "sections"
     # head dim 96 shares head dim 128's tiles; the op passes headdim, and causal masks get spt there
     causal96 = dict(batch=1, heads=21, headdim=96, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **causal96), headdim=96) == "spt"

@@ -25,10 +25,10 @@ from .metadata import ScheduleMeta
 from .schedules import SCHEDULE_NAMES, Schedule, _check_num_sms
 
 AUTO_POLICIES = ("table", "model")
-#: Keys per query from which a full or causal ``auto`` is ``split`` (:func:`table_pick`).
-SPLIT_KEYS_PER_QUERY = 2
-#: Within that region ``runs`` where a head has at most this many Q tiles and the runs' dQ
-#: accumulators stay within RUNS_MAX_DQ_BYTES_PER_KV_BYTE of K's and V's bytes (:func:`table_pick`).
+#: Keys per query from which a full or causal ``auto`` is ``sections`` (:func:`table_pick`).
+SECTIONS_KEYS_PER_QUERY = 2
+#: Within that region, under GQA, ``runs`` where a head has at most this many Q tiles and the runs'
+#: dQ accumulators stay within RUNS_MAX_DQ_BYTES_PER_KV_BYTE of K's and V's bytes (:func:`table_pick`).
 RUNS_MAX_Q_TILES = 4
 RUNS_MAX_DQ_BYTES_PER_KV_BYTE = 4
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
@@ -79,22 +79,25 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132) -> s
     Both shift orders measured slower where keys outnumber queries, so they are
     picked only where ``seqlen_k <= seqlen_q``.
 
-    From ``SPLIT_KEYS_PER_QUERY`` keys per query on (causal: twice that, since
-    the causal square's triangle, which the shift orders level, is a larger part
-    of the work), ``split``: every dQ tile would otherwise take more ordered adds
-    per step than one hand-off allows, and the splits' accumulators run those
-    adds side by side. There, with at most ``RUNS_MAX_Q_TILES`` Q tiles per head,
-    ``runs``: a CTA owning its run of KV tiles waits on no other CTA, and its
-    chains add a GQA group's dK/dV once per KV tile. Measured on the H100 with 4 Q
-    tiles per head it took 0.67-0.90 of ``split``'s time, with 8 or more 1.25-2.7x
-    (its CTAs no longer share Q, dO and dQ in L2: docs/journal/rect-bwd.md, run 7);
-    its dQ accumulators, one per run a head meets, are kept within
-    ``RUNS_MAX_DQ_BYTES_PER_KV_BYTE`` of K's and V's bytes.
+    From ``SECTIONS_KEYS_PER_QUERY`` keys per query on, ``sections``: ``spt``'s
+    tasks queued in L2 sections of heads, a section KV tile by KV tile with its
+    heads side by side, so a head has few KV tiles in flight and they reach its
+    Q tiles one step apart instead of all waiting on the same ones. Measured on
+    the H100 on 16 of 17 rectangular shapes (2-32 keys per query, causal and
+    full, MHA to MQA, head dim 64 and 128) it was the fastest of ``spt``,
+    ``split``, ``interleave`` and ``sections``, at 0.61-0.97 of ``split``'s
+    time (docs/journal/rect-bwd.md, run 9). The exception is a large GQA group with
+    few Q tiles (8 x 256 x 8192, 16/2): a queue schedule writes a slab of fp32
+    dK/dV per query head there, and ``runs``' chains add the group's once per
+    KV tile. So with GQA, at most ``RUNS_MAX_Q_TILES`` Q tiles per head, and
+    the runs' dQ accumulators (one per run a head meets) within
+    ``RUNS_MAX_DQ_BYTES_PER_KV_BYTE`` of K's and V's bytes, ``runs``.
     """
-    if g.seqlen_k >= SPLIT_KEYS_PER_QUERY * (2 if g.causal else 1) * g.seqlen_q:
-        if g.n_q <= RUNS_MAX_Q_TILES and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE:
+    if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
+        if (g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
+                and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
             return "runs"
-        return "split"
+        return "sections"
     square = g.block_m == g.block_n == 128  # head dim 64
     keys_within = g.seqlen_k <= g.seqlen_q
     if g.causal:

@@ -58,14 +58,25 @@ __device__ void load_vec(float (&vals)[kVec], const float* src) {
 }
 
 // The sum over a GQA group's query heads, in ascending head order (a fixed
-// order: the result is the same bits in every mode and run).
+// order: the result is the same bits in every mode and run). The loads go out
+// kGroupLoads at a time before their adds, so a thread waits on the memory
+// once per batch rather than once per head.
+constexpr int kGroupLoads = 2;
 __device__ void group_sum(float (&acc)[kVec], const float* src, int group, int64_t head_stride) {
   load_vec(acc, src);
-  for (int g = 1; g < group; ++g) {
-    float vals[kVec];
-    load_vec(vals, src + g * head_stride);
+  for (int g = 1; g < group; g += kGroupLoads) {
+    float vals[kGroupLoads][kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) acc[j] += vals[j];
+    for (int u = 0; u < kGroupLoads; ++u) {
+      if (g + u < group) load_vec(vals[u], src + (g + u) * head_stride);
+    }
+#pragma unroll
+    for (int u = 0; u < kGroupLoads; ++u) {
+      if (g + u < group) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[j] += vals[u][j];
+      }
+    }
   }
 }
 
@@ -120,25 +131,31 @@ __host__ __device__ inline int kv_chunks_per_row(BwdPostprocessParams const& p) 
 }
 
 // The launch's work (run_bwd_postprocess): dQ slabs, dK/dV slabs (GQA, else
-// 0), and the row pairs of a dQ slab.
+// 0), the row pairs of a dQ slab, and the blocks each slab kind takes.
 struct PostprocessWork {
   int q_slabs, kv_slabs, pairs;
+  int q_blocks, kv_blocks;  // per slab: ceil(pairs or seqlen_k / rows per block)
+  __host__ __device__ int64_t blocks() const { return int64_t(q_slabs) * q_blocks + int64_t(kv_slabs) * kv_blocks; }
 };
 
 // Work comes in slabs: the dQ rows of each (batch, head), then, with GQA, the
-// dK/dV rows of each (batch, KV head). blockIdx.y strides over the slabs,
-// blockIdx.x and threadIdx.y over a slab's rows (dQ: row pairs); threadIdx.x
-// is the 8-column chunk (dK/dV: both tensors of a chunk in one step; with
-// MLA's narrower dV the chunks past its width hold dK's only).
+// dK/dV rows of each (batch, KV head). Each slab gets as many blocks as its
+// own rows fill (dQ slabs of few queries beside dK/dV slabs of many keys take
+// few blocks, not as many as the longest slab), one row (dQ: row pair) per
+// threadIdx.y; blockIdx.x strides over all slabs' blocks. threadIdx.x is the
+// 8-column chunk (dK/dV: both tensors of a chunk in one step; with MLA's
+// narrower dV the chunks past its width hold dK's only).
 // Packed documents: the pairs of the padded accumulator rows, each row mapped
 // to its document's packed row (common/seqlen_info.h), padding not written.
 template <class Elem>
 __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostprocessParams p, PostprocessWork w) {
   const int c = threadIdx.x;
-  const int row_step = gridDim.x * blockDim.y;
-  for (int slab = blockIdx.y; slab < w.q_slabs + w.kv_slabs; slab += gridDim.y) {
-    if (slab < w.q_slabs) {
-      if (c >= p.headdim / kVec) continue;
+  const int64_t q_total = int64_t(w.q_slabs) * w.q_blocks, total = w.blocks();
+  for (int64_t blk = blockIdx.x; blk < total; blk += gridDim.x) {
+    if (blk < q_total) {
+      const int slab = int(blk / w.q_blocks);
+      const int pair = int(blk % w.q_blocks) * blockDim.y + threadIdx.y;
+      if (c >= p.headdim / kVec || pair >= w.pairs) continue;
       const int h = slab % p.heads, b = slab / p.heads;
       // The fragment offset of (m, c) is that of (m, 0) plus that of (0, c)
       // (tests/test_contract_cpp.py checks it): the column part once per thread.
@@ -147,42 +164,40 @@ __global__ void __launch_bounds__(kThreads) bwd_postprocess_kernel(BwdPostproces
       Elem* dst = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + c * kVec;
       // Deterministic: the slab's tile counters (dq_semaphore), tile t at sems[t].
       const int* sems = p.dq_semaphore ? p.dq_semaphore + int64_t(slab) * (p.seqlen_q_rounded / p.block_m) : nullptr;
-      for (int pair = blockIdx.x * blockDim.y + threadIdx.y; pair < w.pairs; pair += row_step) {
-        // Rows lo and lo + 8, columns 8c .. 8c + 7: 16 consecutive floats,
-        // float4 k = (lo, 8c+2k), (lo, 8c+2k+1), (hi, ...), (hi, ...).
-        const int lo = pair_row(pair);
-        const int m = lo & (p.block_m - 1);  // block_m is 64 or 128 (dq_frag_layout_ok)
-        const float4* src = reinterpret_cast<const float4*>(
-            accum + int64_t(lo - m) * p.headdim + dq_frag_offset(p.block_m, p.headdim, m, 0));
-        float vals[kVec], hi_vals[kVec];
-        sum_splits(p, src, sems ? sems + lo / p.block_m : nullptr, vals, hi_vals);
-        // The output rows of accumulator rows lo and lo + 8 (-1: padding).
-        const int out_lo = stat_input_row(lo, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
-        const int out_hi = stat_input_row(lo + kRowPair, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
-        if (out_lo >= 0) store_vec<Elem>(dst + out_lo * p.dq_stride.row, vals, p.softmax_scale);
-        if (out_hi >= 0) store_vec<Elem>(dst + out_hi * p.dq_stride.row, hi_vals, p.softmax_scale);
-      }
+      // Rows lo and lo + 8, columns 8c .. 8c + 7: 16 consecutive floats,
+      // float4 k = (lo, 8c+2k), (lo, 8c+2k+1), (hi, ...), (hi, ...).
+      const int lo = pair_row(pair);
+      const int m = lo & (p.block_m - 1);  // block_m is 64 or 128 (dq_frag_layout_ok)
+      const float4* src = reinterpret_cast<const float4*>(
+          accum + int64_t(lo - m) * p.headdim + dq_frag_offset(p.block_m, p.headdim, m, 0));
+      float vals[kVec], hi_vals[kVec];
+      sum_splits(p, src, sems ? sems + lo / p.block_m : nullptr, vals, hi_vals);
+      // The output rows of accumulator rows lo and lo + 8 (-1: padding).
+      const int out_lo = stat_input_row(lo, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
+      const int out_hi = stat_input_row(lo + kRowPair, p.seqlen_q, p.cu_seqlens_q, p.batch, p.block_m);
+      if (out_lo >= 0) store_vec<Elem>(dst + out_lo * p.dq_stride.row, vals, p.softmax_scale);
+      if (out_hi >= 0) store_vec<Elem>(dst + out_hi * p.dq_stride.row, hi_vals, p.softmax_scale);
     } else {
-      const int kv_slab = slab - w.q_slabs;
+      const int kv_slab = int((blk - q_total) / w.kv_blocks);
+      const int s = int((blk - q_total) % w.kv_blocks) * blockDim.y + threadIdx.y;
+      if (s >= p.seqlen_k) continue;
       const int h = kv_slab % p.heads_kv, b = kv_slab / p.heads_kv;
       // Query heads h * group ... h * group + group - 1 share KV head h: a slab
       // each, or one accumulator that they all added into (group 1 here).
       const int group = p.dkv_partial_group;
       const int64_t first_row = (int64_t(b) * p.heads_kv + h) * group * p.seqlen_k;
-      for (int s = blockIdx.x * blockDim.y + threadIdx.y; s < p.seqlen_k; s += row_step) {
-        float vals[kVec];
-        if (c * kVec < p.headdim) {
-          group_sum(vals, p.dk_partial + (first_row + s) * p.headdim + c * kVec, group,
-                    int64_t(p.seqlen_k) * p.headdim);
-          store_kv_vec<Elem>(p, p.dk, b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head + c * kVec,
-                             vals);
-        }
-        if (c * kVec < p.headdim_v) {
-          group_sum(vals, p.dv_partial + (first_row + s) * p.headdim_v + c * kVec, group,
-                    int64_t(p.seqlen_k) * p.headdim_v);
-          store_kv_vec<Elem>(p, p.dv, b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head + c * kVec,
-                             vals);
-        }
+      float vals[kVec];
+      if (c * kVec < p.headdim) {
+        group_sum(vals, p.dk_partial + (first_row + s) * p.headdim + c * kVec, group,
+                  int64_t(p.seqlen_k) * p.headdim);
+        store_kv_vec<Elem>(p, p.dk, b * p.dk_stride.batch + s * p.dk_stride.row + h * p.dk_stride.head + c * kVec,
+                           vals);
+      }
+      if (c * kVec < p.headdim_v) {
+        group_sum(vals, p.dv_partial + (first_row + s) * p.headdim_v + c * kVec, group,
+                  int64_t(p.seqlen_k) * p.headdim_v);
+        store_kv_vec<Elem>(p, p.dv, b * p.dv_stride.batch + s * p.dv_stride.row + h * p.dv_stride.head + c * kVec,
+                           vals);
       }
     }
   }
@@ -211,11 +226,12 @@ void run_bwd_postprocess(const BwdPostprocessParams& params, DType dtype, cudaSt
   }
   if (w.q_slabs + w.kv_slabs == 0 || (w.pairs == 0 && !gqa)) return;
   const int rows_per_block = kThreads / chunks;
-  const int rows = std::max(w.pairs, gqa ? params.seqlen_k : 0);
-  // One row (pair) per thread where the grid allows; blockIdx.x and blockIdx.y stride beyond it.
+  w.q_blocks = (w.pairs + rows_per_block - 1) / rows_per_block;
+  w.kv_blocks = gqa ? (params.seqlen_k + rows_per_block - 1) / rows_per_block : 0;
+  if (w.blocks() == 0) return;
+  // One row (pair) per thread where the grid allows; blockIdx.x strides beyond it.
   const dim3 block(chunks, rows_per_block);
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, 1 << 20)),
-                  static_cast<unsigned>(std::min(w.q_slabs + w.kv_slabs, 65535)));
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(w.blocks(), int64_t(1) << 30)));
   dispatch_dtype(dtype, [&](auto tag) {
     using Elem = typename decltype(tag)::type;
     bwd_postprocess_kernel<Elem><<<grid, block, 0, stream>>>(params, w);
