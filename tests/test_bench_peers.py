@@ -69,7 +69,7 @@ def test_bad_arguments_exit(argv, capsys):
 
 
 def test_implementations_per_direction():
-    sched = list(bp.SCHEDULES)
+    sched = list(bp.DEFAULT_SCHEDULES)
     fwd, bwd, both = (bp.impl_names(d, sched) for d in ("fwd", "bwd", "both"))
     assert fwd == ("FA3 fwd", "FA4 fwd", "cuDNN fwd", "ours fwd")
     assert set(bwd) == ({"FA3 nd", "FA3 det", "FA4 nd", "FA4 det", "cuDNN bwd", "ours nd", "ours auto"}
@@ -81,7 +81,7 @@ def test_implementations_per_direction():
 
 
 def test_rounds_rotate_the_order():
-    names = bp.impl_names("both", bp.SCHEDULES)
+    names = bp.impl_names("both", bp.DEFAULT_SCHEDULES)
     orders = [bp.rotated(names, r) for r in range(len(names))]
     for order in orders:
         assert sorted(order) == sorted(names)  # every implementation once per round
@@ -125,27 +125,27 @@ def test_tflops_is_the_median_over_rounds():
 def _tf(**over):
     tf = {"ours fwd": 700.0, "FA3 fwd": 750.0, "cuDNN fwd": 600.0, "ours nd": 500.0, "FA3 nd": 600.0,
           "FA3 det": 520.0, "cuDNN bwd": 550.0, "ours auto": 480.0}
-    tf.update({f"ours det {s}": 400.0 + i for i, s in enumerate(bp.SCHEDULES)})  # lpt best: 405
+    tf.update({f"ours det {s}": 400.0 + i for i, s in enumerate(bp.DEFAULT_SCHEDULES)})  # lpt best: 405
     tf.update(over)
     return tf
 
 
 def test_ratios_on_synthetic_figures():
-    r = bp.point_ratios(_tf(), bp.SCHEDULES)
+    r = bp.point_ratios(_tf(), bp.DEFAULT_SCHEDULES)
     assert r["nd/FA3 nd"] == pytest.approx(500 / 600)
     assert r["best det/FA3 det"] == pytest.approx(405 / 520)
-    assert bp.best_det(_tf(), bp.SCHEDULES) == (405.0, "lpt")
+    assert bp.best_det(_tf(), bp.DEFAULT_SCHEDULES) == (405.0, "lpt")
     assert r["auto/max nd"] == pytest.approx(480 / 600)  # FA3 nd is the fastest non-deterministic peer
     assert r["fwd/max fwd"] == pytest.approx(700 / 750)
     # cuDNN fastest: the max moves to it.
-    assert bp.point_ratios(_tf(**{"cuDNN bwd": 800.0}), bp.SCHEDULES)["auto/max nd"] == pytest.approx(0.6)
+    assert bp.point_ratios(_tf(**{"cuDNN bwd": 800.0}), bp.DEFAULT_SCHEDULES)["auto/max nd"] == pytest.approx(0.6)
     # Only a subset of schedules counts toward best det.
     assert bp.point_ratios(_tf(), ["fa3", "spt"])["best det/FA3 det"] == pytest.approx(401 / 520)
 
 
 def test_ratios_with_fa4():
     tf = _tf(**{"FA4 nd": 650.0, "FA4 det": 450.0, "FA4 fwd": 800.0})
-    r = bp.point_ratios(tf, bp.SCHEDULES)
+    r = bp.point_ratios(tf, bp.DEFAULT_SCHEDULES)
     assert r["nd/FA4 nd"] == pytest.approx(500 / 650)
     assert r["best det/FA4 det"] == pytest.approx(405 / 450)
     # FA4 is now the fastest non-deterministic backward and the fastest forward
@@ -169,11 +169,11 @@ def test_missing_fa4_is_reported_not_raised(monkeypatch):
 
 def test_ratios_without_fa3():
     tf = {k: v for k, v in _tf().items() if not k.startswith("FA3")}
-    r = bp.point_ratios(tf, bp.SCHEDULES)
+    r = bp.point_ratios(tf, bp.DEFAULT_SCHEDULES)
     assert r["nd/FA3 nd"] is None and r["best det/FA3 det"] is None
     assert r["auto/max nd"] == pytest.approx(480 / 550)  # the max runs over the peers present
     assert r["fwd/max fwd"] == pytest.approx(700 / 600)
-    assert bp.point_ratios({}, bp.SCHEDULES) == {k: None for k in bp.RATIOS}
+    assert bp.point_ratios({}, bp.DEFAULT_SCHEDULES) == {k: None for k in bp.RATIOS}
 
 
 def test_summary_min_median_max():
@@ -184,7 +184,7 @@ def test_summary_min_median_max():
 
 
 def test_table_rows_and_summary_rows():
-    sched = list(bp.SCHEDULES)
+    sched = list(bp.DEFAULT_SCHEDULES)
     cols = bp.columns("both", sched)
     assert cols[-1] == "check" and all(r in cols for r in bp.RATIOS)
     assert "FA3 fwd" not in bp.columns("bwd", sched) and "ours nd" not in bp.columns("fwd", sched)
@@ -221,7 +221,7 @@ def test_seeds_differ_per_point():
 def test_png_chart(tmp_path):
     pytest.importorskip("matplotlib")
     points = bp.grid_points(GRID, [64], [512, 1024], ["full"])
-    rows = [bp.point_ratios(_tf(), bp.SCHEDULES), bp.point_ratios({}, bp.SCHEDULES)]
+    rows = [bp.point_ratios(_tf(), bp.DEFAULT_SCHEDULES), bp.point_ratios({}, bp.DEFAULT_SCHEDULES)]
     path = tmp_path / "ratios.png"
     bp.draw_png(str(path), points, rows, "synthetic")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -553,7 +553,7 @@ def test_main_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
 
 
 def test_nd_only_drops_every_deterministic_backward():
-    names = bp.impl_names("both", bp.SCHEDULES)
+    names = bp.impl_names("both", bp.DEFAULT_SCHEDULES)
     kept = bp.nondeterministic(names)
     assert set(kept) == {"FA3 fwd", "FA4 fwd", "cuDNN fwd", "ours fwd", "FA3 nd", "FA4 nd", "cuDNN bwd",
                          "ours nd"}
