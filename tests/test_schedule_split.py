@@ -79,12 +79,12 @@ def test_windows_get_one_split_without_a_rectangle():
 
 
 @pytest.mark.parametrize("sq,sk,causal,want", [
-    (1024, 8192, True, "split"), (1024, 4096, True, "split"), (1024, 2048, True, None),
-    (1024, 2048, False, "split"), (2048, 2048, False, None), (4096, 1024, True, None)])
-def test_auto_picks_split_where_keys_outnumber_queries(sq, sk, causal, want):
+    (1024, 8192, True, "sections"), (1024, 4096, True, "sections"), (1024, 2048, True, "sections"),
+    (1024, 2048, False, "sections"), (2048, 3072, False, None), (2048, 2048, False, None), (4096, 1024, True, None)])
+def test_auto_picks_sections_from_two_keys_per_query(sq, sk, causal, want):
     g = Geometry.from_shape(batch=1, heads=4, seqlen_q=sq, seqlen_k=sk, headdim=128, causal=causal)
     got = resolve_schedule_name("auto", g)
-    assert (got == "split") == (want == "split")
+    assert (got == "sections") == (want == "sections")
     assert resolve_schedule_name("auto", g, deterministic=False) == "lpt"
 
 
