@@ -197,9 +197,9 @@ def test_cache_and_sm_count():
 
 
 @pytest.mark.parametrize("heads_kv", [2, 1])  # groups of 4 q heads, MQA
-# runs orders a group's heads by KV tile for the dK/dV turns: its GQA rows differ from MHA's by
-# design (tests/test_schedule_runs.py)
-@pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "runs"])
+# runs and sections order a group's heads for the dK/dV turns: their GQA rows differ from MHA's
+# by design (tests/test_schedule_runs.py, tests/test_schedule_split.py)
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n not in ("runs", "sections")])
 def test_gqa_epilogue_waits_for_nothing(name, heads_kv):
     """Each q head stores its own dK/dV partials (the postprocess sums a group),
     so GQA adds no wait: the schedule and its simulated timeline are those of

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from dash_fa3.schedule import Geometry, ScheduleError, build_metadata, build_schedule, resolve_schedule_name
+from dash_fa3.schedule.lowering import get_kernel_metadata
 from dash_fa3.schedule import metadata as M
 from dash_fa3.schedule.geometry import L2_BUDGET, head_section
 from dash_fa3.schedule.split import split_layout
@@ -160,12 +161,27 @@ def test_sections_is_spt_queued_section_by_section(shape, sms):
     key = lambda x: np.lexsort((x.task_kv, x.task_batch * g.heads + x.task_head))  # noqa: E731
     assert np.array_equal(np.sort(s.step_rank), np.sort(spt.step_rank))
     assert np.array_equal(s.task_kv[key(s)], spt.task_kv[key(spt)])
-    # the queue: sections in order, within one KV tile by KV tile, its heads side by side
+    # the queue: sections in order, within one KV tile by KV tile, its heads side by side; a GQA
+    # group's i-th head one place behind the (i-1)-th
     section = hidx // sec
     assert np.all(np.diff(section) >= 0)
     for j in np.unique(section):
         mine = section == j
-        kv, hh = s.task_kv[mine], hidx[mine]
-        assert np.all(np.diff(-kv) >= 0)
-        same = kv[1:] == kv[:-1]
+        place = (g.n_kv - 1 - s.task_kv[mine]) + (hidx[mine] % g.heads) % g.group
+        hh = hidx[mine]
+        assert np.all(np.diff(place) >= 0)
+        same = place[1:] == place[:-1]
         assert np.all(np.diff(hh)[same] > 0)
+
+
+@pytest.mark.parametrize("shape,turns", [
+    ((8, 16, 2, 256, 8192, 128, True), True), ((2, 16, 4, 1024, 8192, 128, False), True),
+    ((1, 32, 8, 333, 4000, 128, True), True),
+    ((4, 16, 4, 512, 4096, 64, True), False),   # 128-row steps: the turns measured slower (dkv_order_pays)
+    ((4, 16, 16, 512, 4096, 128, True), False)])  # MHA: no group
+def test_sections_adds_a_groups_dkv_in_turns(shape, turns):
+    g = geom(*shape)
+    for sms in (132, 16):
+        meta = get_kernel_metadata("sections", g, sms)
+        assert int(meta.header[M.H_DKV_ORDERED]) == int(turns)
+        check_metadata(meta, g, sms)

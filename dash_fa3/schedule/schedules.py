@@ -406,6 +406,9 @@ def _dynamic_tasks(name: str, g: Geometry, num_sms: int) -> tuple[np.ndarray, np
     elif name == "sections":
         sec = head_section(g)
         place = np.tile(np.arange(kv_order.size, dtype=np.int64), H)  # place in the head's own queue
+        # A GQA group's heads go one place apart (head i of the group i places behind the first),
+        # so a KV tile's dK/dV turns (validate.dkv_order_pays) find the previous head's add done.
+        place = place + (hidx % g.heads) % g.group
         order = np.lexsort((hidx, place, hidx // sec))
         hidx, kv = hidx[order], kv[order]
     batch, head = hidx // g.heads, hidx % g.heads

@@ -374,8 +374,11 @@ def dkv_order_pays(meta, geometry, num_sms: int) -> bool:
     g = geometry
     if int(meta.header[M.H_RANK_KIND]) == M.RANK_RUN:
         return True  # a group's heads of a KV tile follow each other on one CTA (.runs)
-    if int(meta.header[M.H_DISPATCH]) != M.DISPATCH_STATIC or g.block_m > 64:
+    if g.block_m > 64:
         return False
+    if int(meta.header[M.H_DISPATCH]) != M.DISPATCH_STATIC:
+        # sections queues a group's heads one place apart (schedules._dynamic_tasks)
+        return SCHEDULES[int(meta.header[M.H_SCHEDULE])] == "sections"
     pot, span, _ = _row_potential(meta, g, num_sms)
     t = meta.tasks.astype(np.int64)
     order = np.lexsort((t[:, M.C_HEAD], t[:, M.C_KV], t[:, M.C_HEAD_KV], t[:, M.C_BATCH]))
