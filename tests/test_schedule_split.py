@@ -175,8 +175,9 @@ def test_sections_is_spt_queued_section_by_section(shape, sms):
 
 
 @pytest.mark.parametrize("shape,turns", [
-    ((8, 16, 2, 256, 8192, 128, True), True), ((2, 16, 4, 1024, 8192, 128, False), True),
-    ((1, 32, 8, 333, 4000, 128, True), True),
+    ((2, 16, 4, 1024, 8192, 128, True), True), ((2, 16, 4, 1024, 8192, 128, False), True),
+    ((1, 32, 8, 1000, 4000, 128, True), True),
+    ((8, 16, 2, 256, 8192, 128, True), False),  # 4 Q tiles: the group's tasks of a tile overlap
     ((4, 16, 4, 512, 4096, 64, True), False),   # 128-row steps: the turns measured slower (dkv_order_pays)
     ((4, 16, 16, 512, 4096, 128, True), False)])  # MHA: no group
 def test_sections_adds_a_groups_dkv_in_turns(shape, turns):

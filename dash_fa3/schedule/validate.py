@@ -361,6 +361,10 @@ def dkv_order_ok(meta, geometry, num_sms: int) -> bool:
     return not bool(bad.any())
 
 
+#: Q tiles per head from which ``sections`` adds a GQA group's dK/dV in turns (:func:`dkv_order_pays`).
+SECTIONS_TURNS_MIN_Q_TILES = 16
+
+
 def dkv_order_pays(meta, geometry, num_sms: int) -> bool:
     """Whether adding a GQA group's dK/dV in turns is expected to cost no time against the slabs
     (it always saves (group - 1) / group of their bytes), by the H100 A/B behind this rule
@@ -370,15 +374,21 @@ def dkv_order_pays(meta, geometry, num_sms: int) -> bool:
     and consecutive heads of every KV tile planned at most a wave apart, so the accumulator is
     still in L2 when the next head adds into it (two waves apart: 2-5% slower). ``runs``
     always: it places a group's heads of a KV tile one after the other on one CTA for the
-    turns. Presumes :func:`dkv_order_ok`."""
+    turns. ``sections``, a queue, from ``SECTIONS_TURNS_MIN_Q_TILES`` Q tiles per head: it
+    queues a group's heads one place apart, a place being a KV tile of every head of its L2
+    section, and tasks that long end before the next head's task of the tile reaches its
+    epilogue. Presumes :func:`dkv_order_ok`."""
     g = geometry
     if int(meta.header[M.H_RANK_KIND]) == M.RANK_RUN:
         return True  # a group's heads of a KV tile follow each other on one CTA (.runs)
     if g.block_m > 64:
         return False
     if int(meta.header[M.H_DISPATCH]) != M.DISPATCH_STATIC:
-        # sections queues a group's heads one place apart (schedules._dynamic_tasks)
-        return SCHEDULES[int(meta.header[M.H_SCHEDULE])] == "sections"
+        # sections queues a group's heads one place apart (schedules._dynamic_tasks); with
+        # tasks of few steps the group's tasks of a KV tile still run side by side and each
+        # waits for the adds before its own (journal/rect-bwd.md, run 10)
+        return (SCHEDULES[int(meta.header[M.H_SCHEDULE])] == "sections"
+                and g.n_q >= SECTIONS_TURNS_MIN_Q_TILES)
     pot, span, _ = _row_potential(meta, g, num_sms)
     t = meta.tasks.astype(np.int64)
     order = np.lexsort((t[:, M.C_HEAD], t[:, M.C_KV], t[:, M.C_HEAD_KV], t[:, M.C_BATCH]))
