@@ -46,6 +46,9 @@ def test_narrowing_with_space_or_comma_lists():
             (128, "causal", 512, 32, 16), (128, "causal", 8192, 2, 16)]
     args = bp.parse_args(["--schedules", "shift,spt", "--peers", "cudnn"])
     assert args.schedules == ["shift", "spt"] and args.peers == ["cudnn"]
+    # every schedule of the package can be timed, beyond the default six
+    assert bp.parse_args(["--schedules", "sections,runs"]).schedules == ["sections", "runs"]
+    assert bp.parse_args([]).schedules == list(bp.DEFAULT_SCHEDULES)
     assert bp.parse_args(["--peers", ""]).peers == []
 
 
