@@ -140,15 +140,18 @@ def test_heads_alike_are_decoded_once(monkeypatch):
 def test_dkv_turns_where_the_order_lets_them_come_and_pays():
     """GQA under full and causal masks: every schedule's order lets a group's query heads add
     dK/dV in turns; the kernel metadata asks for them (header dkv_ordered) where the plan is
-    static and keeps a group's heads of a KV tile within a wave, never for MHA or windows; a
-    table whose head h + 1 would finish a KV tile before head h is refused when flagged."""
-    from dash_fa3.schedule.validate import dkv_order_ok, dkv_order_pays, with_dkv_order
+    static and keeps a group's heads of a KV tile within a wave, or is ``sections`` (a group's
+    heads a place apart in its queue) with at least SECTIONS_TURNS_MIN_Q_TILES Q tiles, never
+    for MHA or windows; a table whose head h + 1 would finish a KV tile before head h is refused
+    when flagged."""
+    from dash_fa3.schedule.validate import SECTIONS_TURNS_MIN_Q_TILES, dkv_order_ok, dkv_order_pays, with_dkv_order
 
     for name in SCHEDULES:
         meta = get_kernel_metadata(name, G_CAUSAL, 132, "dynamic")
         assert dkv_order_ok(meta, G_CAUSAL, 132), name
         static = int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC
-        assert int(meta.header[M.H_DKV_ORDERED]) == int(static), name
+        sections = name == "sections" and G_CAUSAL.n_q >= SECTIONS_TURNS_MIN_Q_TILES
+        assert int(meta.header[M.H_DKV_ORDERED]) == int(static or sections), name
         check_metadata(meta, G_CAUSAL, 132)
     # 256 KV tiles per head on 132 CTAs: a group's heads of a KV tile two waves apart
     far = Geometry(1, 8, 2, 2048, 32768, 64, 128, "causal")
