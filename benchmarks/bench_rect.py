@@ -68,7 +68,15 @@ FEW_SHAPES = [
     (4, 512, 4096, 16, 16, 64, "causal"),
     (8, 256, 8192, 16, 2, 128, "causal"),
 ]
-SETS = {"issue": ISSUE_SHAPES, "extra": EXTRA_SHAPES, "edge": EDGE_SHAPES, "few": FEW_SHAPES,
+# Square GQA: where a group's heads on one CTA (the groups schedule) may pay without few queries.
+GQA_SHAPES = [
+    (4, 4096, 4096, 32, 8, 128, "causal"),
+    (4, 4096, 4096, 32, 8, 128, "full"),
+    (8, 2048, 2048, 16, 4, 64, "causal"),
+    (2, 8192, 8192, 32, 4, 128, "causal"),
+    (16, 1024, 1024, 32, 8, 128, "causal"),
+]
+SETS = {"issue": ISSUE_SHAPES, "extra": EXTRA_SHAPES, "edge": EDGE_SHAPES, "few": FEW_SHAPES, "gqa": GQA_SHAPES,
         "all": ISSUE_SHAPES + EXTRA_SHAPES + EDGE_SHAPES}
 
 

@@ -117,21 +117,22 @@ RECT_SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
 ]
 
 
-@pytest.mark.parametrize("schedule", ["split", "interleave", "sections", "runs"])
+@pytest.mark.parametrize("schedule", ["split", "interleave", "sections", "runs", "groups"])
 @pytest.mark.parametrize("shape", RECT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
 def test_rect_schedules_on_rectangular_problems(v, shape, schedule):
     require_built(v, "bwd")
     check_case(v, shape, seed=sum(shape), schedule=schedule, deterministic=True)
     # non-deterministic GQA here adds into one dK/dV accumulator per KV head (runs: one add per
-    # chain of a group's heads)
-    check_case(v, shape, seed=sum(shape) + 1, schedule="auto" if schedule != "runs" else schedule,
+    # chain of a group's heads; groups: none, each chain stores its whole group's)
+    check_case(v, shape, seed=sum(shape) + 1, schedule=schedule if schedule in ("runs", "groups") else "auto",
                deterministic=False)
     q, k, vv, dout = make_inputs(v, shape, 7)
     assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, v.causal, deterministic=True, schedule=schedule)[1:], 9)
 
 
-@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift", "split", "interleave", "sections", "runs"])
+@pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift", "split", "interleave", "sections", "runs",
+                                      "groups"])
 def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     v = variants.Variant(128, "bf16", "causal")
     require_built(v, "bwd")

@@ -60,13 +60,21 @@ def test_bench_grid_kernel_path(label, g):
         assert same_meta(meta, build_schedule(name, g, 132).meta), name
 
 
-def test_static_dispatch_of_queue_schedules_keeps_the_lowering():
+def test_static_dispatch_of_queue_schedules_is_certified_by_queue_place():
+    """A queue dealt to CTAs by the claim model (the lowering, groups) is certified by each row's
+    place in the queue, recovered from the table; a CTA that runs its rows out of queue order is
+    refused."""
     g = Geometry(2, 4, 2, 1000, 1000, 64, 128, "causal")
     for name in ("fa3", "spt", "lpt"):
-        meta = get_kernel_metadata(name, g, 20, "static")
-        assert int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC
-        with pytest.raises(ValueError, match="build_schedule"):
-            check_metadata(meta, g, 20)     # not a task list it can certify: the lowering validates it
+        for sms in (3, 20):
+            meta = get_kernel_metadata(name, g, sms, "static")
+            assert int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC
+            check_metadata(meta, g, sms)
+    meta = get_kernel_metadata("fa3", g, 3, "static")
+    t = meta.tasks.copy()
+    t[meta.offsets[0]:meta.offsets[1]] = t[meta.offsets[0]:meta.offsets[1]][::-1]  # CTA 0 backwards
+    with pytest.raises(ScheduleError, match="deadlock risk"):
+        check_metadata(M.ScheduleMeta(meta.header, meta.offsets, t), g, 3)
 
 
 # ---------------------------------------------------------------- what it refuses
@@ -142,8 +150,8 @@ def test_dkv_turns_where_the_order_lets_them_come_and_pays():
     dK/dV in turns; the kernel metadata asks for them (header dkv_ordered) where the plan is
     static and keeps a group's heads of a KV tile within a wave, or is ``sections`` (a group's
     heads a place apart in its queue) with at least SECTIONS_TURNS_MIN_Q_TILES Q tiles, never
-    for MHA or windows; a table whose head h + 1 would finish a KV tile before head h is refused
-    when flagged."""
+    for MHA or windows, nor for ``groups``, whose whole-group chains store dK/dV (no turns); a
+    table whose head h + 1 would finish a KV tile before head h is refused when flagged."""
     from dash_fa3.schedule.validate import SECTIONS_TURNS_MIN_Q_TILES, dkv_order_ok, dkv_order_pays, with_dkv_order
 
     for name in SCHEDULES:
@@ -151,7 +159,9 @@ def test_dkv_turns_where_the_order_lets_them_come_and_pays():
         assert dkv_order_ok(meta, G_CAUSAL, 132), name
         static = int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC
         sections = name == "sections" and G_CAUSAL.n_q >= SECTIONS_TURNS_MIN_Q_TILES
-        assert int(meta.header[M.H_DKV_ORDERED]) == int(static or sections), name
+        whole = int(meta.header[M.H_DKV_CHAINED]) == M.DKV_CHAINED_WHOLE
+        assert whole == (name == "groups"), name
+        assert int(meta.header[M.H_DKV_ORDERED]) == int((static or sections) and not whole), name
         check_metadata(meta, G_CAUSAL, 132)
     # 256 KV tiles per head on 132 CTAs: a group's heads of a KV tile two waves apart
     far = Geometry(1, 8, 2, 2048, 32768, 64, 128, "causal")

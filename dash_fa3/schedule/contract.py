@@ -29,8 +29,9 @@ MAGIC = 0x44415348  # 'DASH'
 # its own fp32 dQ accumulator, with the per-row rectangle of the SPLIT rank kind;
 # 6: dkv_ordered, a GQA group's dK/dV added in head order into one accumulator;
 # 7: the runs schedule, its RUN rank kind, and chains of a group's heads on one CTA;
-# 8: head_section, the interleave schedule's unit order).
-METADATA_VERSION = 8
+# 8: head_section, the interleave schedule's unit order; 9: the groups schedule and
+# dkv_chained = DKV_CHAINED_WHOLE).
+METADATA_VERSION = 9
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -56,8 +57,10 @@ HEADER_FIELDS = (
     "num_splits",      # dQ splits: fp32 dQ accumulators (and semaphore sets) the postprocess sums in order
     "dkv_ordered",     # 1: deterministic GQA adds each KV tile's dK/dV into one accumulator per KV head,
                        # the group's query heads in ascending order (a turn counter per KV tile)
-    "dkv_chained",     # 1: rows form chains (columns chain_before/after): consecutive query heads of a
-                       # group at one KV tile on one CTA, dK/dV summed in registers, one epilogue each
+    "dkv_chained",     # DKV_CHAINED_*: rows form chains (columns chain_before/after): consecutive query
+                       # heads of a group at one KV tile on one CTA, dK/dV summed in registers, one
+                       # epilogue each; ADD: it adds into the KV head's accumulator; WHOLE: every
+                       # row is in a chain of its whole group, which stores dK/dV in 16 bits
     "head_section",    # static units: 0 head by head (unit u = head * units + p); s > 0: heads in sections
                        # of s, a section's units KV tile by KV tile, its heads side by side (metadata.planned_wave)
 )
@@ -93,10 +96,11 @@ NUM_COLS = len(COLUMNS)
 
 # Codes stored in the header and the rows (C++ enum name, codes in order).
 SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split", "runs",
-                              "interleave", "sections")
+                              "interleave", "sections", "groups")
 DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
 RANK_ASC, RANK_DESC, RANK_SHIFT, RANK_SPLIT, RANK_RUN = 0, 1, 2, 3, 4
 ROLE_LO, ROLE_HI = 0, 1
+DKV_UNCHAINED, DKV_CHAINED_ADD, DKV_CHAINED_WHOLE = 0, 1, 2
 # Mask kinds by name (dash_fa3.variants.MASKS; C++: csrc/common/params.h MaskKind has the same values).
 MASK_FULL, MASK_CAUSAL, MASK_LOCAL = 0, 1, 2
 MASK_CODES = {"full": MASK_FULL, "causal": MASK_CAUSAL, "local": MASK_LOCAL}
@@ -105,6 +109,8 @@ ENUMS = {
     "RankKind": (("kRankAsc", RANK_ASC), ("kRankDesc", RANK_DESC), ("kRankShift", RANK_SHIFT),
                  ("kRankSplit", RANK_SPLIT), ("kRankRun", RANK_RUN)),
     "Role": (("kRoleLo", ROLE_LO), ("kRoleHi", ROLE_HI)),
+    "DkvChained": (("kDkvUnchained", DKV_UNCHAINED), ("kDkvChainedAdd", DKV_CHAINED_ADD),
+                   ("kDkvChainedWhole", DKV_CHAINED_WHOLE)),
     "MaskCode": (("kMaskFull", MASK_FULL), ("kMaskCausal", MASK_CAUSAL), ("kMaskLocal", MASK_LOCAL)),
 }
 

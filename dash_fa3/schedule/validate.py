@@ -177,8 +177,9 @@ def _check_chains(s, h, t, g, dynamic: bool) -> None:
     under a full or causal mask, static dispatch."""
     chained = int(h[M.H_DKV_CHAINED])
     before, after = t[:, M.C_CHAIN_BEFORE], t[:, M.C_CHAIN_AFTER]
-    if chained not in (0, 1):
-        _fail(s, f"metadata header field dkv_chained = {chained} is neither 0 nor 1")
+    if chained not in (M.DKV_UNCHAINED, M.DKV_CHAINED_ADD, M.DKV_CHAINED_WHOLE):
+        _fail(s, f"metadata header field dkv_chained = {chained} is none of {M.DKV_UNCHAINED}, "
+                 f"{M.DKV_CHAINED_ADD}, {M.DKV_CHAINED_WHOLE}")
     if not chained:
         if np.any(before != 0) or np.any(after != 0):
             _fail(s, "task rows carry chain columns, but the header's dkv_chained is 0")
@@ -204,6 +205,11 @@ def _check_chains(s, h, t, g, dynamic: bool) -> None:
         _fail(s, "a row says its chain goes on, but the next row does not continue it")
     if np.any(t[(before > 0) | (after > 0), M.C_N_STEPS] <= 0):
         _fail(s, "a chained row has no steps")
+    # WHOLE: each chain is its whole group, heads ascending from the group's first, so the
+    # chain's last row holds the group's dK/dV and stores them (no accumulator, no slab).
+    if chained == M.DKV_CHAINED_WHOLE and (np.any(before + after + 1 != g.group)
+                                           or np.any(t[:, M.C_HEAD] % g.group != before)):
+        _fail(s, "header dkv_chained = WHOLE, but a row is not in a chain of its whole group, heads ascending")
 
 
 def unchained(meta):
@@ -282,6 +288,8 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
     place among its head's rows matters (a wait never leaves its head), which check_metadata
     derives from the table order, so no per-row potential is returned (None).
     ``runs``: the row's planned start within its CTA's run (steps before it there).
+    A queue dealt to CTAs ahead of the launch (``groups``): the row's place in the queue
+    (:func:`_queue_potential`).
     Static shift schedules: the planned time (wave, step within the unit) they rank dQ adds by
     (:func:`.metadata.planned_wave`); ties in a dQ tile are allowed there, since a cycle would
     need a program-order edge, and those rise strictly."""
@@ -291,6 +299,8 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
     span = 2 * g.n_q + 1
     if int(h[M.H_RANK_KIND]) == M.RANK_RUN:
         return _run_potential(t), span, False
+    if int(h[M.H_RANK_KIND]) in (M.RANK_ASC, M.RANK_DESC):
+        return _queue_potential(t) * span, span, False
     if int(h[M.H_RANK_KIND]) not in (M.RANK_SHIFT, M.RANK_SPLIT):
         raise ValueError("check_metadata certifies queue schedules dispatched dynamically and the static shift "
                          "schedules; validate other static task lists with build_schedule(...).validate()")
@@ -300,6 +310,27 @@ def _row_potential(meta, g, num_sms: int) -> tuple[np.ndarray | None, int, bool]
         raise ScheduleError(f"header head_section = {section}: sections are for the SPLIT rank kind only")
     wave = M.planned_wave(hidx, t[:, M.C_UNIT], int(h[M.H_UNITS_PER_HEAD]), num_sms, section, g.num_heads_total)
     return wave * span + M.planned_t0(g, t[:, M.C_ROLE], t[:, M.C_UNIT]), span, False
+
+
+def _queue_potential(t: np.ndarray) -> np.ndarray:
+    """The rows' places in the queue a static table was dealt from by the claim model
+    (:func:`.schedules.greedy_assignment`, costs :func:`.schedules.task_claim_cost`; a chain's rows
+    claimed as one). The model hands out queue entries in strictly increasing (start, CTA) order,
+    so sorting the chains by their planned start on their CTA, then by CTA, recovers the queue;
+    a chain's rows follow its first. Where the table was dealt otherwise the potential is still
+    some order, and the checks on it fail rather than pass wrongly."""
+    T = t.shape[0]
+    cost = np.maximum(t[:, M.C_N_STEPS], 1)
+    cta = t[:, M.C_CTA]
+    i = np.arange(T, dtype=np.int64)
+    ends = np.cumsum(cost)
+    first_of_cta = np.maximum.accumulate(np.where(np.r_[True, cta[1:] != cta[:-1]], i, 0))
+    start = ends - cost - (ends[first_of_cta] - cost[first_of_cta])
+    chain_start = start[i - t[:, M.C_CHAIN_BEFORE]]
+    order = np.lexsort((t[:, M.C_CHAIN_BEFORE], cta, chain_start))
+    pot = np.empty(T, dtype=np.int64)
+    pot[order] = i
+    return pot
 
 
 def _turn_predecessors(t: np.ndarray) -> np.ndarray:
@@ -402,6 +433,8 @@ def with_dkv_order(meta, geometry, num_sms: int):
     """``meta`` with its header's ``dkv_ordered`` set where the turns are safe
     (:func:`dkv_order_ok`) and pay (:func:`dkv_order_pays`) (a new header). Chains go between
     turns, so a table whose turns are not safe loses its chains (:func:`unchained`)."""
+    if int(meta.header[M.H_DKV_CHAINED]) == M.DKV_CHAINED_WHOLE:
+        return meta  # a whole group's chain stores its dK/dV: no turns to order
     ordered = dkv_order_ok(meta, geometry, num_sms) and dkv_order_pays(meta, geometry, num_sms)
     if not ordered and int(meta.header[M.H_DKV_CHAINED]):
         meta = unchained(meta)
@@ -430,8 +463,10 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
     if int(h[M.H_DKV_ORDERED]) not in (0, 1) or (int(h[M.H_DKV_ORDERED]) and not dkv_order_ok(meta, g, num_sms)):
         _fail(s, f"header dkv_ordered = {int(h[M.H_DKV_ORDERED])}, but dK/dV turns need GQA under a full or causal "
                  f"mask, every task with steps, and each head of a group finishing no earlier than the one before")
-    if int(h[M.H_DKV_CHAINED]) and not int(h[M.H_DKV_ORDERED]):
-        _fail(s, "header dkv_chained = 1 without dkv_ordered: a chain adds its dK/dV in the turn of its first head")
+    if int(h[M.H_DKV_CHAINED]) == M.DKV_CHAINED_ADD and not int(h[M.H_DKV_ORDERED]):
+        _fail(s, "header dkv_chained = ADD without dkv_ordered: a chain adds its dK/dV in the turn of its first head")
+    if int(h[M.H_DKV_CHAINED]) == M.DKV_CHAINED_WHOLE and int(h[M.H_DKV_ORDERED]):
+        _fail(s, "header dkv_chained = WHOLE with dkv_ordered: a whole group's chain stores, it takes no turn")
     if int(h[M.H_DISPATCH]) == M.DISPATCH_STATIC:
         # program order: each CTA runs its rows in table order, each row its steps in order
         has = np.flatnonzero(n_steps > 0)

@@ -227,7 +227,11 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   require(params.lse_log2 && params.dpsum && params.dq_accum && params.dq_semaphore,
           "lse_log2, dpsum, dq_accum and dq_semaphore (from the preprocess) must be given");
   bool const gqa = params.heads != params.heads_kv;
-  require(!gqa || (params.dk_partial && params.dv_partial), "GQA/MQA needs dk_partial and dv_partial");
+  int const chained = params.schedule_header_host[schedule::kHDkvChained];
+  // Chains of whole groups store dK/dV from their last row, as MHA tasks do: no partials.
+  bool const whole_groups = gqa && chained == schedule::kDkvChainedWhole;
+  require(!gqa || whole_groups || (params.dk_partial && params.dv_partial),
+          "GQA/MQA needs dk_partial and dv_partial, or a schedule of whole-group chains");
   require(!params.dkv_accumulate || !params.deterministic,
           "dK/dV accumulated across a group's query heads have no fixed order: non-deterministic mode only");
   require(!params.dkv_ordered || (params.deterministic && gqa && !kPacked && !params.dkv_accumulate &&
@@ -235,13 +239,19 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
                                   params.schedule_header_host[schedule::kHDkvOrdered] == 1),
           "dK/dV in turns need deterministic dense GQA, turn counters and a schedule that orders them "
           "(header dkv_ordered)");
-  // Chains (header dkv_chained): a chain's last row adds the sum of its heads' dK/dV, so it needs
-  // the one accumulator per KV head (in turns, or non-deterministic adds) and a static table.
-  require(params.schedule_header_host[schedule::kHDkvChained] == 0 ||
-              (gqa && !kPacked && params.schedule_header_host[schedule::kHDispatch] == schedule::kDispatchStatic &&
-               (params.deterministic ? params.dkv_ordered : params.dkv_accumulate)),
+  // Chains (header dkv_chained): dense GQA on a static table. A chain's last row adds the sum of
+  // its heads' dK/dV (kDkvChainedAdd: into the one accumulator per KV head, in turns or by
+  // non-deterministic adds), or stores it, the whole group's (kDkvChainedWhole: no partials).
+  bool const static_table = params.schedule_header_host[schedule::kHDispatch] == schedule::kDispatchStatic;
+  require(chained == schedule::kDkvUnchained ||
+              (gqa && !kPacked && static_table &&
+               (chained == schedule::kDkvChainedWhole
+                    ? params.dk_partial == nullptr && !params.dkv_accumulate && !params.dkv_ordered
+                    : chained == schedule::kDkvChainedAdd &&
+                          (params.deterministic ? params.dkv_ordered : params.dkv_accumulate))),
           "a schedule with chains of a group's heads (header dkv_chained) needs dense GQA, static dispatch and "
-          "one dK/dV accumulator per KV head (dkv_ordered, or non-deterministic dkv_accumulate)");
+          "one dK/dV accumulator per KV head (dkv_ordered, or non-deterministic dkv_accumulate), or, with chains "
+          "of whole groups, no dK/dV partials");
   bwd::check_schedule_header<Traits>(params);
 
   typename Traits::Params p = bwd::make_bwd_params<Traits>(params);

@@ -171,7 +171,8 @@ def pre_post_bytes(geometry: Geometry, headdim: int, *, deterministic: bool = Tr
     (one set per dQ split) and, non-deterministic, the fp32 dQ accumulators (deterministic, each
     tile's first add stores) and, with GQA adding into one dK/dV accumulator per KV head, those. Postprocess: reads the dQ accumulators, writes dQ;
     with GQA reads the fp32 dK/dV partials (a slab per query head, or one accumulator per KV head
-    where the schedule orders the turns or the non-deterministic mode adds) and writes dK, dV.
+    where the schedule orders the turns or the non-deterministic mode adds) and writes dK, dV;
+    a schedule of whole-group chains (``groups``) has none: the main kernel stores dK, dV.
     ``header``: the schedule's metadata header (num_splits, dkv_ordered, dkv_chained); None: one
     split, no turns, no chains. ``dq_zeroed``: whether the preprocess zeroes the dQ accumulators
     (None: as this kernel does, non-deterministic only; the grid measured before the deterministic
@@ -180,14 +181,15 @@ def pre_post_bytes(geometry: Geometry, headdim: int, *, deterministic: bool = Tr
     g = geometry
     splits = int(header[M.H_NUM_SPLITS]) if header is not None else 1
     ordered = header is not None and int(header[M.H_DKV_ORDERED]) == 1
-    chained = header is not None and int(header[M.H_DKV_CHAINED]) == 1
+    chained = header is not None and int(header[M.H_DKV_CHAINED]) == M.DKV_CHAINED_ADD
+    whole = header is not None and int(header[M.H_DKV_CHAINED]) == M.DKV_CHAINED_WHOLE
     rows = g.batch * g.heads * g.n_q * g.block_m     # statistics and accumulator rows
     q_elems = g.batch * g.seqlen_q * g.heads * headdim
     acc = rows * headdim * 4
     zeroed = (not deterministic) if dq_zeroed is None else dq_zeroed
     pre = 2 * q_elems * 2 + rows * 4 * 2 + splits * ((acc if zeroed else 0) + g.batch * g.heads * g.n_q * 4)
     post = splits * acc + q_elems * 2
-    if g.heads != g.heads_kv:
+    if g.heads != g.heads_kv and not whole:
         kv_rows = g.batch * g.seqlen_k
         accumulate = not deterministic and (2 * g.seqlen_q <= g.seqlen_k or chained)
         per_kv = accumulate or (deterministic and ordered)
