@@ -25,6 +25,9 @@ from .metadata import ScheduleMeta
 from .schedules import SCHEDULE_NAMES, Schedule, _check_num_sms
 
 AUTO_POLICIES = ("table", "model")
+#: A non-deterministic GQA ``auto`` is ``groups`` where its plan's busiest CTA holds at most this
+#: many times the steps of ``lpt``'s (:func:`nd_pick`).
+GROUPS_MAX_LOAD_RATIO = 1.10
 #: Keys per query from which a full or causal ``auto`` is ``sections`` (:func:`table_pick`).
 SECTIONS_KEYS_PER_QUERY = 2
 #: Within that region, under GQA, ``runs`` where a head has at most this many Q tiles and the runs'
@@ -108,13 +111,42 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132) -> s
     return "shift" if keys_within and shift_kv[0] <= g.n_kv <= shift_kv[1] else "fa3"
 
 
+def nd_pick(g: Geometry, num_sms: int = 132) -> str:
+    """The non-deterministic ``auto``: ``groups`` under GQA where its chains fit the CTAs about as
+    evenly as ``lpt``'s tasks, else ``lpt``.
+
+    ``groups`` runs a group's query heads at a KV tile back to back on one CTA and stores their
+    dK/dV once (no fp32 partials); ``lpt`` claims (query head, KV tile) tasks one by one, the
+    best-balanced order, and carries each task's fp32 dK/dV out. Measured on the H200 and H100
+    (docs/journal/rect-bwd.md, run 11), ``groups`` was 0.56-0.94 of ``lpt``'s time on every
+    rectangular GQA shape and on square ones whose chains balanced, and up to 1.2x slower where its
+    plan's busiest CTA held 1.23x the steps of ``lpt``'s (long causal chains, few per CTA). Both
+    plans come from the claim model (:func:`.schedules.claim_loads`), so the rule is their
+    ratio: ``groups`` up to ``GROUPS_MAX_LOAD_RATIO``."""
+    from . import groups
+    from .schedules import claim_loads, task_claim_cost
+    import numpy as np
+
+    if not groups.chainable(g):
+        return "lpt"
+    num_ctas = max(1, min(num_sms, g.num_heads_total * g.n_kv))
+    _, ckv, _ = groups.chain_queue(g, num_sms)
+    chains = claim_loads(g.group * task_claim_cost(g.task_len[ckv]), num_ctas).max()
+    hidx = np.repeat(np.arange(g.num_heads_total, dtype=np.int64), g.n_kv)
+    kv = np.tile(np.arange(g.n_kv, dtype=np.int64), g.num_heads_total)
+    order, _ = schedules.lpt_order(g, hidx, kv, num_sms)
+    tasks = claim_loads(task_claim_cost(g.task_len[kv[order]]), num_ctas).max()
+    return "groups" if chains <= GROUPS_MAX_LOAD_RATIO * tasks else "lpt"
+
+
 def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = True, *,
                           num_sms: int | None = None, headdim: int | None = None,
                           policy: str | None = None) -> str:
     """Map ``auto`` to a concrete schedule; check the name.
 
-    Non-deterministic, the accumulation order is free and ``auto`` is ``lpt``,
-    the best-balanced task order. Deterministic with a local (window) mask, it
+    Non-deterministic, the accumulation order is free and ``auto`` is :func:`nd_pick`:
+    ``groups`` under GQA where its chains balance, else ``lpt``, the best-balanced task
+    order. Deterministic with a local (window) mask, it
     is ``spt``: the calibration and the table cover full and causal masks only,
     and a band's KV tiles reach a Q tile in descending order when they start
     together (a later KV tile's Q range starts no earlier), which is ``spt``'s
@@ -126,7 +158,7 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     if name == "auto":
         g = geometry
         if not deterministic:
-            return "lpt"
+            return nd_pick(g, num_sms or 132)
         policy = policy or _auto_policy
         if policy not in AUTO_POLICIES:
             raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
