@@ -2,6 +2,9 @@
 // of each task: dK = softmax_scale * (sum over steps of dS^T Q) and dV.
 //
 // MHA (heads == heads_kv): each (batch, head, KV tile) has exactly one task.
+// So does each (batch, KV head, KV tile) under a schedule of whole-group chains
+// (header dkv_chained = kDkvChainedWhole, the groups schedule): the chain's
+// last row holds its group's dK/dV and takes this path (no dk_partial).
 // store_tma: the task's dK and dV go through shared memory (stmatrix from the
 // accumulators) and leave with one TMA store each. They are staged in sdS
 // where it holds them (Traits::kDkStagedInDs, kDvStagedInDs: its last reader,

@@ -132,7 +132,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
         // so releasing sK/sV only lets it announce that row.
         Mainloop::release_kv();
       } else if (p.dk_partial == nullptr && !BwdEpilogue<Traits>::needs_direct_store(p, row)) {
-        // MHA: dK/dV leave through sK/sV, which are released to the producer afterwards.
+        // MHA, or a whole group's chain: dK/dV leave through sK/sV, which are released to the
+        // producer afterwards.
         BwdEpilogue<Traits>::store_tma(p, smem, tdKrdK, tdVrdV, row, mma_tid);
       } else {
         // Every GEMM of the task has retired: sK and sV are free for the next task.
