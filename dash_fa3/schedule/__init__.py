@@ -32,6 +32,7 @@ from .geometry import MASKS, Geometry, bwd_block_sizes
 from .metadata import ScheduleMeta, decode_all, decode_step
 from .schedules import SCHEDULE_NAMES, SCHEDULES, Schedule, clear_cache
 from . import groups as _groups  # noqa: F401  (registers the groups schedule)
+from . import grouped as _grouped  # noqa: F401  (registers the grouped_* schedules)
 from . import runs as _runs  # noqa: F401  (registers the runs schedule)
 from . import split as _split  # noqa: F401  (registers the split schedule)
 from .validate import ScheduleError, ValidationReport, validate

@@ -255,6 +255,7 @@ def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, unit
     h[M.H_CYC_STRIDE_LOG2] = cyc_stride_log2
     h[M.H_NUM_SPLITS] = num_splits
     h[M.H_HEAD_SECTION] = head_section
+    h[M.H_GROUP_INTERLEAVE_LOG2] = g.q_interleave.bit_length() - 1
     return _i32(h)
 
 
