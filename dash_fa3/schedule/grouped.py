@@ -34,7 +34,7 @@ from __future__ import annotations
 from . import metadata as M
 from .contract import SCHEDULES
 from .geometry import Geometry
-from .schedules import EXTRA_BUILDERS, Schedule, build_metadata as _build_metadata, build_schedule
+from .schedules import APPLIES, EXTRA_BUILDERS, Schedule, build_metadata as _build_metadata, build_schedule
 
 PREFIX = "grouped_"
 #: The schedules with a grouped form.
@@ -79,3 +79,4 @@ def build(name: str, g: Geometry, num_sms: int) -> Schedule:
 
 for _base in BASES:
     EXTRA_BUILDERS[PREFIX + _base] = (build, build_metadata)
+    APPLIES[PREFIX + _base] = applies

@@ -41,6 +41,14 @@ STATIC_SCHEDULES = ("shift", "symmetric_shift")
 #: Builders of schedules defined in their own module (:mod:`.split`), which registers
 #: itself here on import (the package imports it): name -> (build, build_metadata).
 EXTRA_BUILDERS: dict = {}
+#: Schedules defined for some calls only, with the test of a Geometry (the grouped ones:
+#: power-of-two GQA groups, :mod:`.grouped`); registered with their builders.
+APPLIES: dict = {}
+
+
+def schedules_for(g: Geometry) -> tuple[str, ...]:
+    """The concrete schedules defined for ``g`` (every one but those whose :data:`APPLIES` test fails)."""
+    return tuple(n for n in SCHEDULES if n not in APPLIES or APPLIES[n](g))
 
 
 def _concrete(name: str) -> str:
