@@ -34,7 +34,8 @@ from __future__ import annotations
 from . import metadata as M
 from .contract import SCHEDULES
 from .geometry import Geometry
-from .schedules import APPLIES, EXTRA_BUILDERS, Schedule, build_metadata as _build_metadata, build_schedule
+from .schedules import (APPLIES, EXTRA_BUILDERS, EXTRA_QUEUES, Schedule, build_metadata as _build_metadata,
+                        build_schedule, is_queue)
 
 PREFIX = "grouped_"
 #: The schedules with a grouped form.
@@ -80,3 +81,5 @@ def build(name: str, g: Geometry, num_sms: int) -> Schedule:
 for _base in BASES:
     EXTRA_BUILDERS[PREFIX + _base] = (build, build_metadata)
     APPLIES[PREFIX + _base] = applies
+    if is_queue(_base):
+        EXTRA_QUEUES.add(PREFIX + _base)

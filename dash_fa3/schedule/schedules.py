@@ -44,6 +44,13 @@ EXTRA_BUILDERS: dict = {}
 #: Schedules defined for some calls only, with the test of a Geometry (the grouped ones:
 #: power-of-two GQA groups, :mod:`.grouped`); registered with their builders.
 APPLIES: dict = {}
+#: Schedules registered with their builders that are queues too (``grouped_sections``).
+EXTRA_QUEUES: set = set()
+
+
+def is_queue(name: str) -> bool:
+    """Whether schedule ``name`` is a queue that CTAs claim from (dynamic dispatch unless lowered)."""
+    return name in DYNAMIC_SCHEDULES or name in EXTRA_QUEUES
 
 
 def schedules_for(g: Geometry) -> tuple[str, ...]:
