@@ -41,10 +41,9 @@ STATIC_SCHEDULES = ("shift", "symmetric_shift")
 #: Builders of schedules defined in their own module (:mod:`.split`), which registers
 #: itself here on import (the package imports it): name -> (build, build_metadata).
 EXTRA_BUILDERS: dict = {}
-#: Schedules defined for some calls only, with the test of a Geometry (the grouped ones:
-#: power-of-two GQA groups, :mod:`.grouped`); registered with their builders.
+#: Registered with the builders: schedules defined for some calls only, with their test of a
+#: Geometry (:mod:`.grouped`: power-of-two groups), and those that are queues too.
 APPLIES: dict = {}
-#: Schedules registered with their builders that are queues too (``grouped_sections``).
 EXTRA_QUEUES: set = set()
 
 
