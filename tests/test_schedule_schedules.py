@@ -104,9 +104,17 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=6144, **causal128)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=8192, **causal128)) == "sections"
-    # few Q tiles per head: runs under GQA (its chains add a group's dK/dV once), sections without
+    # few Q tiles per head: under GQA grouped_sections with a power-of-two group, else runs (its
+    # chains add a group's dK/dV once); sections without GQA
     gqa = dict(batch=8, heads=16, heads_kv=2, headdim=128, causal=True)
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa)) == "runs"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa)) == "grouped_sections"
+    gqa3 = dict(batch=8, heads=12, heads_kv=4, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa3)) == "runs"
+    # long tasks (64 Q tiles per head): sections; MQA whose KV head fills L2 alone: grouped_split
+    big = dict(batch=1, heads=32, heads_kv=8, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=65536, **big)) == "sections"
+    mqa = dict(batch=2, heads=32, heads_kv=1, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, seqlen_k=16384, **mqa)) == "grouped_split"
     mha64 = dict(batch=4, heads=16, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, seqlen_k=4096, **mha64)) == "sections"
     # head dim 96 shares head dim 128's tiles; the op passes headdim, and causal masks get spt there

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 
-from . import lowering, schedules
+from . import grouped, lowering, schedules
 from .contract import SCHEDULES
-from .geometry import Geometry
+from .geometry import Geometry, head_section
 from .metadata import ScheduleMeta
 from .schedules import SCHEDULE_NAMES, Schedule, _check_num_sms
 
@@ -34,6 +34,9 @@ SECTIONS_KEYS_PER_QUERY = 2
 #: dQ accumulators stay within RUNS_MAX_DQ_BYTES_PER_KV_BYTE of K's and V's bytes (:func:`table_pick`).
 RUNS_MAX_Q_TILES = 4
 RUNS_MAX_DQ_BYTES_PER_KV_BYTE = 4
+#: Within that region, under GQA with a power-of-two group, a grouped schedule (:mod:`.grouped`)
+#: where a head has at most this many Q tiles (:func:`table_pick`).
+GROUPED_MAX_Q_TILES = 32
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
 if _auto_policy not in AUTO_POLICIES:
     raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
@@ -95,8 +98,21 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132) -> s
     KV tile. So with GQA, at most ``RUNS_MAX_Q_TILES`` Q tiles per head, and
     the runs' dQ accumulators (one per run a head meets) within
     ``RUNS_MAX_DQ_BYTES_PER_KV_BYTE`` of K's and V's bytes, ``runs``.
+
+    Where the group is a power of two, the grouped schedules make a task of a KV tile's whole
+    group instead (:mod:`.grouped`): no fp32 dK/dV at all. Measured on the H100 (run 13 of
+    docs/journal/rect-bwd.md) on 11 rectangular GQA shapes, ``grouped_sections`` took 0.44-0.91
+    of the time of the better of ``sections`` and ``runs`` on 10, but 1.05x ``sections``' with 64
+    Q tiles per head (1 x 4096 x 65536: with long tasks the epilogue weighs little); under MQA
+    with two KV heads ``grouped_split`` took 0.93x ``grouped_sections``' time: there a KV head's
+    virtual Q tiles fill the L2 budget alone (:func:`.geometry.head_section` of the grouped view
+    is 1), and ``sections``' queue runs its KV tiles side by side from the same dQ tiles, which
+    ``split``'s cyclic starts avoid. So under such GQA, at most ``GROUPED_MAX_Q_TILES`` Q tiles per head:
+    ``grouped_split`` where the view's sections hold one head, else ``grouped_sections``.
     """
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
+        if g.heads > g.heads_kv and grouped.applies(g) and g.n_q <= GROUPED_MAX_Q_TILES:
+            return "grouped_split" if head_section(g.grouped()) == 1 else "grouped_sections"
         if (g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
                 and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
             return "runs"
