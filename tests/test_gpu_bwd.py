@@ -13,8 +13,8 @@ import torch
 from attn_utils import assert_bitwise_repeatable, assert_close_to_ref, attention_lowp, make_inputs, require_built
 from conftest import poison_cuda_allocator
 import dash_fa3
-from dash_fa3 import reference, variants
-from dash_fa3.schedule import SCHEDULES
+from dash_fa3 import _ext, reference, variants
+from dash_fa3.schedule import SCHEDULES, Geometry, resolve_schedule_name
 
 pytestmark = pytest.mark.gpu
 
@@ -287,7 +287,12 @@ def test_fp32_dkv_partials_are_the_deterministic_calls_before_rounding(shape, ca
     q, k, vv, dout = make_inputs(v, shape, 17)
     scale = 1.0 / math.sqrt(v.hdim)
     out, lse = ops.fwd(q, k, vv, scale, causal, 0)
-    dq, dk, dv = ops.bwd(dout, q, k, vv, out, lse, scale, causal, True, "auto", 0)
+    # the schedule bwd_dkv_fp32 runs: auto among those with fp32 dK/dV partials
+    g = Geometry.from_shape(batch=shape[0], heads=shape[3], heads_kv=shape[4], seqlen_q=shape[1],
+                            seqlen_k=shape[2], headdim=v.hdim, causal=causal)
+    name = resolve_schedule_name("auto", g, num_sms=_ext.num_sms(torch.cuda.current_device()), headdim=v.hdim,
+                                 dkv_fp32=True)
+    dq, dk, dv = ops.bwd(dout, q, k, vv, out, lse, scale, causal, True, name, 0)
     dq32, dk32, dv32 = ops.bwd_dkv_fp32(dout, q, k, vv, out, lse, scale, causal)
     assert dk32.dtype == dv32.dtype == torch.float32 and dk32.shape == k.shape and dv32.shape == vv.shape
     assert torch.equal(dq32, dq)

@@ -116,3 +116,20 @@ def test_head_parallel_restriction_stays_valid():
     sub = Geometry(2, 8, 2, 512, 4096, 64, 128, "causal")
     check_metadata(part, sub, 132)
     assert np.array_equal(part.tasks[:, M.C_HEAD], part.tasks[:, M.C_HEAD_KV] * 4)
+
+
+def test_auto_for_fp32_dkv_partials_is_never_a_whole_group_schedule():
+    """ops.bwd_dkv_fp32 (context parallelism's partials) needs fp32 dK/dV, which whole-group rows
+    do not write: its auto leaves them out, and naming one is an error, not a silent substitute."""
+    from dash_fa3.schedule import resolve_schedule_name
+    from dash_fa3.schedule.policy import WHOLE_GROUP_SCHEDULES
+
+    for g in GQA[:4]:
+        assert resolve_schedule_name("auto", g, dkv_fp32=True) not in WHOLE_GROUP_SCHEDULES
+    g = GQA[0]
+    assert resolve_schedule_name("auto", g) in WHOLE_GROUP_SCHEDULES  # the plain call takes them
+    for name in WHOLE_GROUP_SCHEDULES:
+        with pytest.raises(ValueError, match="no fp32 dK/dV"):
+            resolve_schedule_name(name, g, dkv_fp32=True)
+    mha = Geometry(2, 4, 4, 256, 4096, 64, 128, "causal")
+    assert resolve_schedule_name("grouped_sections", mha, dkv_fp32=True) == "grouped_sections"

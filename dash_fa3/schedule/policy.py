@@ -63,7 +63,7 @@ def runs_dq_bytes_per_kv_byte(g: Geometry, num_sms: int = 132) -> float:
     return num_splits * g.seqlen_q * g.heads * 4 / (g.seqlen_k * g.heads_kv * 2 * 2)
 
 
-def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132) -> str:
+def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, whole_groups: bool = True) -> str:
     """The ``table`` policy's deterministic schedule for a full or causal mask.
 
     The rule is the best measured deterministic schedule per region of the H100
@@ -108,10 +108,11 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132) -> s
     virtual Q tiles fill the L2 budget alone (:func:`.geometry.head_section` of the grouped view
     is 1), and ``sections``' queue runs its KV tiles side by side from the same dQ tiles, which
     ``split``'s cyclic starts avoid. So under such GQA, at most ``GROUPED_MAX_Q_TILES`` Q tiles per head:
-    ``grouped_split`` where the view's sections hold one head, else ``grouped_sections``.
+    ``grouped_split`` where the view's sections hold one head, else ``grouped_sections``;
+    ``whole_groups=False`` (a call that wants fp32 dK/dV partials) leaves them out.
     """
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
-        if g.heads > g.heads_kv and grouped.applies(g) and g.n_q <= GROUPED_MAX_Q_TILES:
+        if whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.n_q <= GROUPED_MAX_Q_TILES:
             return "grouped_split" if head_section(g.grouped()) == 1 else "grouped_sections"
         if (g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
                 and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
@@ -155,9 +156,13 @@ def nd_pick(g: Geometry, num_sms: int = 132) -> str:
     return "groups" if chains <= GROUPS_MAX_LOAD_RATIO * tasks else "lpt"
 
 
+#: Schedules whose rows hold a whole GQA group's dK/dV and store them in 16 bits: no fp32 partials.
+WHOLE_GROUP_SCHEDULES = ("groups", "grouped_sections", "grouped_shift", "grouped_split")
+
+
 def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = True, *,
                           num_sms: int | None = None, headdim: int | None = None,
-                          policy: str | None = None) -> str:
+                          policy: str | None = None, dkv_fp32: bool = False) -> str:
     """Map ``auto`` to a concrete schedule; check the name.
 
     Non-deterministic, the accumulation order is free and ``auto`` is :func:`nd_pick`:
@@ -169,7 +174,9 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     dQ order. Otherwise ``policy`` (default :func:`get_auto_policy`) decides:
     ``model`` picks the calibrated model's fastest deterministic schedule for
     ``num_sms`` SMs (default 132) and ``headdim`` (default: from the tile
-    sizes); ``table`` is :func:`table_pick`.
+    sizes); ``table`` is :func:`table_pick`. ``dkv_fp32``: the call keeps dK/dV as fp32
+    partials (``ops.bwd_dkv_fp32``), which a GQA schedule of whole-group rows
+    (:data:`WHOLE_GROUP_SCHEDULES`) does not write: ``auto`` picks none, and naming one raises.
     """
     if name == "auto":
         g = geometry
@@ -183,9 +190,12 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         if policy == "model":
             from .model.calibration import best_schedule  # the model loads only for this policy
             return best_schedule(g, num_sms or 132, headdim)
-        return table_pick(g, headdim, num_sms or 132)
+        return table_pick(g, headdim, num_sms or 132, whole_groups=not dkv_fp32)
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
+    if dkv_fp32 and name in WHOLE_GROUP_SCHEDULES and geometry.heads != geometry.heads_kv:
+        raise ValueError(f"schedule {name!r} stores each GQA group's dK/dV in 16 bits: it has no fp32 dK/dV "
+                         f"partials to give")
     return name
 
 
