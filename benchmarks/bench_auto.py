@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_peers import rotated  # noqa: E402
 
-from dash_fa3.schedule import SCHEDULES, Geometry, build_schedule, resolve_schedule_name  # noqa: E402
+from dash_fa3.schedule import SCHEDULES, Geometry, build_schedule, resolve_schedule_name, schedules_for  # noqa: E402
 
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, headdim, causal): none is a grid point
 # (the grid: 16k tokens, hidden 2048, MHA, seqlen_q == seqlen_k).
@@ -94,7 +94,7 @@ def picks(shape, num_sms: int) -> dict[str, str]:
 def dry_run(shapes, num_sms: int) -> None:
     for shape in shapes:
         g = geometry_of(shape)
-        for name in SCHEDULES:
+        for name in schedules_for(g):
             build_schedule(name, g, num_sms)  # raises ScheduleError if a check fails
         p = picks(shape, num_sms)
         print(f"{label(shape)}: {g.n_q} Q x {g.n_kv} KV tiles, {g.num_steps} steps; "
@@ -121,7 +121,7 @@ def measure(shape, rounds: int, iters: int) -> dict[str, float]:
     out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
     scale = d ** -0.5
-    calls = {"nd": (False, "auto")} | {f"det {n}": (True, n) for n in SCHEDULES}
+    calls = {"nd": (False, "auto")} | {f"det {n}": (True, n) for n in schedules_for(geometry_of(shape))}
     flops = bwd_flops(shape)
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(rounds):
@@ -134,7 +134,7 @@ def measure(shape, rounds: int, iters: int) -> dict[str, float]:
 
 
 def report_row(shape, tf: dict[str, float], num_sms: int) -> dict:
-    det = {n: tf[f"det {n}"] for n in SCHEDULES}
+    det = {n: tf[f"det {n}"] for n in SCHEDULES if f"det {n}" in tf}  # those the shape has (schedules_for)
     best = max(det, key=det.get)
     p = picks(shape, num_sms)
     return {"shape": label(shape), "nd": tf["nd"], "det": det, "best": best,
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         row = report_row(shape, measure(shape, args.rounds, args.iters), num_sms) | {"set": set_name}
         rows.append(row)
         print(f"| {set_name} | {row['shape']} | {row['nd']:.0f} | "
-              + " | ".join(f"{row['det'][n]:.0f}" for n in SCHEDULES)
+              + " | ".join(f"{row['det'][n]:.0f}" if n in row["det"] else "-" for n in SCHEDULES)
               + f" | {row['best']} | {row['table']} ({row['table_vs_best']:.3f}) | {row['model']} "
               f"({row['model_vs_best']:.3f}) | {row['best_det_vs_nd']:.3f} |", flush=True)
     for set_name in sets:

@@ -86,8 +86,9 @@ def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False, soft
 
 
 def _bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule,
-                  sm_margin, device, hdim_v=None):
-    """(schedule metadata, the C++ op) of one backward call: see :func:`_bwd_plan`."""
+                  sm_margin, device, hdim_v=None, dkv_fp32=False):
+    """(schedule metadata, the C++ op) of one backward call: see :func:`_bwd_plan`; ``dkv_fp32``:
+    for :func:`bwd_dkv_fp32` (a schedule that writes fp32 dK/dV partials)."""
     from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
     from .schedule.lowering import get_kernel_metadata
 
@@ -99,7 +100,8 @@ def _bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap: b
                         block_m=block_m, block_n=block_n, mask=mask, window_left=window_left,
                         window_right=window_right)
     # "auto" depends on the mode: without ordering constraints the best-balanced order wins.
-    name = resolve_schedule_name(schedule, geometry, deterministic, num_sms=total - sm_margin, headdim=hdim)
+    name = resolve_schedule_name(schedule, geometry, deterministic, num_sms=total - sm_margin, headdim=hdim,
+                                 dkv_fp32=dkv_fp32)
     return get_kernel_metadata(name, geometry, total - sm_margin), _ext.ops().bwd.default
 
 
@@ -110,14 +112,14 @@ def _as_plan(meta, run, device):
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule, sm_margin,
-              device, hdim_v=None):
+              device, hdim_v=None, dkv_fp32=False):
     """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
     (-1, 0) causal) runs, on the softcap kernels if ``softcap``, built once per shape (the
     cap's value is the C++ op's argument, not the plan's): (schedule on the device, its header on
     the host, the C++ op). A variant this build lacks is an error that says how to build it:
     nothing falls back to a slow path."""
     return _as_plan(*_bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap, deterministic,
-                                   schedule, sm_margin, device, hdim_v), device)
+                                   schedule, sm_margin, device, hdim_v, dkv_fp32), device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -146,7 +148,8 @@ def bwd_heads_part(dout, q, k, v, out, lse, softmax_scale, causal, deterministic
 
 
 def bwd_dkv_fp32(dout, q, k, v, out, lse, softmax_scale, causal):
-    """The deterministic backward (schedule "auto") with dK and dV in fp32, not rounded: (dq in q's
+    """The deterministic backward (schedule "auto" among those with fp32 dK/dV partials:
+    ``resolve_schedule_name(..., dkv_fp32=True)``) with dK and dV in fp32, not rounded: (dq in q's
     dtype, dk, dv fp32 shaped like k, v). A partial that context parallelism adds to other calls'
     before rounding once (``distributed/superblocks.py``); its bits depend only on the call's
     shapes and values. CUDA: the Hopper kernels (dK/dV are each KV head's group sum of the fp32
@@ -154,7 +157,7 @@ def bwd_dkv_fp32(dout, q, k, v, out, lse, softmax_scale, causal):
     thread, so the bits do not depend on the thread count."""
     if q.device.type == "cuda":
         flat, header, _ = _bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, 0 if causal else -1, False, True,
-                                    "auto", 0, q.device, v.shape[-1])
+                                    "auto", 0, q.device, v.shape[-1], True)
         return _ext.ops().bwd_dkv_fp32.default(dout, q, k, v, out, lse, flat, header, softmax_scale, -1,
                                                 0 if causal else -1)
     with reference.one_thread():

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dash_fa3 import bwd_layouts, fwd_order
-from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule
+from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule, schedules_for
 from dash_fa3.schedule.export import DEFAULT_GRID, grid_geometries, read_bundle, write_bundle
 from dash_fa3.schedule.contract import BWD_BLOCK_SIZES
 from dash_fa3.schedule.geometry import TileGeometry
@@ -78,7 +78,7 @@ def check_decode(exe, tmp_path, metas, what):
 @pytest.mark.parametrize("sms", SMS)
 @pytest.mark.parametrize("label,g", GRID, ids=[lbl for lbl, _ in GRID])
 def test_decode_bench_grid(driver, tmp_path, label, g, sms):
-    metas = [build_schedule(name, g, sms, validate=False).meta for name in SCHEDULES]
+    metas = [build_schedule(name, g, sms, validate=False).meta for name in schedules_for(g)]
     check_decode(driver, tmp_path, metas, f"{label} sms={sms}")
 
 
@@ -90,12 +90,14 @@ RECT = [(2, 4, 2, 1024, 8192, 64, 128, "causal"), (4, 16, 16, 512, 4096, 128, 12
 @pytest.mark.parametrize("sms", [132, 16])
 def test_decode_rect_schedules(driver, tmp_path, sms):
     """The C++ decode of the schedules for few queries and many keys on their shapes: several dQ
-    splits, heads side by side in sections (interleave, sections), runs and chains."""
+    splits, heads side by side in sections (interleave, sections), runs and chains, rows of whole
+    groups over their virtual Q tiles (grouped_*)."""
     metas = []
     for b, h, hkv, sq, sk, bm, bn, mask in RECT:
         g = Geometry(b, h, hkv, sq, sk, bm, bn, mask)
-        metas += [build_schedule(name, g, sms, validate=False).meta for name in ("split", "interleave", "sections",
-                                                                                  "runs", "spt")]
+        names = ("split", "interleave", "sections", "runs", "spt", "grouped_sections", "grouped_shift",
+                 "grouped_split")
+        metas += [build_schedule(name, g, sms, validate=False).meta for name in names if name in schedules_for(g)]
     check_decode(driver, tmp_path, metas, f"rect sms={sms}")
 
 
@@ -119,7 +121,7 @@ def test_decode_random_shapes(driver, tmp_path, seed):
     for _ in range(8):
         g = random_geometry(rng)
         for sms in (132, 114, int(rng.integers(1, 10))):
-            metas += [build_schedule(name, g, sms, validate=False).meta for name in SCHEDULES]
+            metas += [build_schedule(name, g, sms, validate=False).meta for name in schedules_for(g)]
     check_decode(driver, tmp_path, metas, f"seed {seed}")
 
 
@@ -144,7 +146,7 @@ def test_decode_window_edges(driver, tmp_path, sms):
     for sq, sk, left, right in WINDOW_EDGES:
         for bm, bn in ((64, 128), (128, 128)):
             g = Geometry(2, 4, 2, sq, sk, bm, bn, "local", left, right)
-            metas += [build_schedule(name, g, sms, validate=False).meta for name in SCHEDULES]
+            metas += [build_schedule(name, g, sms, validate=False).meta for name in schedules_for(g)]
     check_decode(driver, tmp_path, metas, f"windows sms={sms}")
 
 
@@ -196,7 +198,7 @@ def test_bwd_block_sizes(driver):
 
 def test_bundle_round_trip(tmp_path):
     g = Geometry(2, 4, 2, 700, 300, 64, 128, "causal")
-    metas = [build_schedule(name, g, 5).meta for name in SCHEDULES]
+    metas = [build_schedule(name, g, 5).meta for name in schedules_for(g)]
     write_bundle(tmp_path / "b.i32", metas)
     back = read_bundle(tmp_path / "b.i32")
     assert len(back) == len(metas)

@@ -13,8 +13,8 @@ import torch
 from attn_utils import assert_bitwise_repeatable, assert_close_to_ref, attention_lowp, make_inputs, require_built
 from conftest import poison_cuda_allocator
 import dash_fa3
-from dash_fa3 import reference, variants
-from dash_fa3.schedule import SCHEDULES
+from dash_fa3 import _ext, reference, variants
+from dash_fa3.schedule import SCHEDULES, Geometry, resolve_schedule_name
 
 pytestmark = pytest.mark.gpu
 
@@ -92,8 +92,11 @@ def test_random_shapes(v):
     rng = random.Random(v.name)
     for i in range(3):
         hkv = rng.choice([1, 2])
-        shape = (rng.randint(1, 2), rng.randint(1, 900), rng.randint(1, 900), hkv * rng.choice([1, 2, 3]), hkv)
-        check_case(v, shape, seed=i, schedule=rng.choice(SCHEDULES), deterministic=bool(i % 2))
+        schedule = rng.choice(SCHEDULES)
+        # grouped_* need power-of-two groups
+        group = rng.choice([1, 2, 4] if schedule.startswith("grouped_") else [1, 2, 3])
+        shape = (rng.randint(1, 2), rng.randint(1, 900), rng.randint(1, 900), hkv * group, hkv)
+        check_case(v, shape, seed=i, schedule=schedule, deterministic=bool(i % 2))
 
 
 def test_schedules_agree_within_rounding():
@@ -117,7 +120,8 @@ RECT_SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv
 ]
 
 
-@pytest.mark.parametrize("schedule", ["split", "interleave", "sections", "runs", "groups"])
+@pytest.mark.parametrize("schedule", ["split", "interleave", "sections", "runs", "groups", "grouped_sections",
+                                      "grouped_shift", "grouped_split"])
 @pytest.mark.parametrize("shape", RECT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
 def test_rect_schedules_on_rectangular_problems(v, shape, schedule):
@@ -132,12 +136,25 @@ def test_rect_schedules_on_rectangular_problems(v, shape, schedule):
 
 
 @pytest.mark.parametrize("schedule", ["fa3", "spt", "descending", "symmetric_shift", "split", "interleave", "sections", "runs",
-                                      "groups"])
+                                      "groups", "grouped_sections", "grouped_shift", "grouped_split"])
 def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     v = variants.Variant(128, "bf16", "causal")
     require_built(v, "bwd")
     q, k, vv, dout = make_inputs(v, (2, 2048, 2048, 8, 4), 5)
     assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:], 99)
+
+
+# Rows of whole groups of 8 and 32 query heads (grouped_*): the kernel reads a step's virtual tile as
+# (query head, Q tile) for the loads, the mask and the dQ adds.
+@pytest.mark.parametrize("schedule", ["grouped_sections", "grouped_shift", "grouped_split"])
+@pytest.mark.parametrize("shape", [(2, 256, 2048, 16, 2), (1, 200, 3000, 32, 1)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
+def test_grouped_schedules_on_large_groups(v, shape, schedule):
+    require_built(v, "bwd")
+    check_case(v, shape, seed=sum(shape), schedule=schedule, deterministic=True)
+    check_case(v, shape, seed=sum(shape) + 1, schedule=schedule, deterministic=False)
+    q, k, vv, dout = make_inputs(v, shape, 9)
+    assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, v.causal, deterministic=True, schedule=schedule)[1:], 5)
 
 
 @pytest.mark.parametrize("shape", [(2, 512, 2048, 8, 2), (1, 700, 1300, 6, 3), (2, 256, 4096, 16, 2),
@@ -270,7 +287,12 @@ def test_fp32_dkv_partials_are_the_deterministic_calls_before_rounding(shape, ca
     q, k, vv, dout = make_inputs(v, shape, 17)
     scale = 1.0 / math.sqrt(v.hdim)
     out, lse = ops.fwd(q, k, vv, scale, causal, 0)
-    dq, dk, dv = ops.bwd(dout, q, k, vv, out, lse, scale, causal, True, "auto", 0)
+    # the schedule bwd_dkv_fp32 runs: auto among those with fp32 dK/dV partials
+    g = Geometry.from_shape(batch=shape[0], heads=shape[3], heads_kv=shape[4], seqlen_q=shape[1],
+                            seqlen_k=shape[2], headdim=v.hdim, causal=causal)
+    name = resolve_schedule_name("auto", g, num_sms=_ext.num_sms(torch.cuda.current_device()), headdim=v.hdim,
+                                 dkv_fp32=True)
+    dq, dk, dv = ops.bwd(dout, q, k, vv, out, lse, scale, causal, True, name, 0)
     dq32, dk32, dv32 = ops.bwd_dkv_fp32(dout, q, k, vv, out, lse, scale, causal)
     assert dk32.dtype == dv32.dtype == torch.float32 and dk32.shape == k.shape and dv32.shape == vv.shape
     assert torch.equal(dq32, dq)

@@ -5,7 +5,7 @@ task tables (coverage, ranks, the deadlock certificate) that it is handed."""
 import numpy as np
 import pytest
 
-from dash_fa3.schedule import SCHEDULES, Geometry, build_schedule
+from dash_fa3.schedule import SCHEDULES, Geometry, build_schedule, schedules_for
 from dash_fa3.schedule import metadata as M
 from dash_fa3.schedule.export import DEFAULT_GRID, grid_geometries
 from dash_fa3.schedule.lowering import get_kernel_metadata
@@ -46,7 +46,7 @@ def test_random_shapes_same_metadata_and_accepted(chunk):
     for _ in range(100):
         g = random_geometry(rng)
         sms = int(rng.choice([132, 114])) if rng.random() < 0.5 else int(rng.integers(1, 40))
-        for name in SCHEDULES:
+        for name in schedules_for(g):
             full = build_schedule(name, g, sms)     # the full validation, on the explicit orders
             meta = build_metadata(name, g, sms)
             assert same_meta(meta, full.meta), (name, g.describe(), sms)
@@ -150,7 +150,7 @@ def test_dkv_turns_where_the_order_lets_them_come_and_pays():
     dK/dV in turns; the kernel metadata asks for them (header dkv_ordered) where the plan is
     static and keeps a group's heads of a KV tile within a wave, or is ``sections`` (a group's
     heads a place apart in its queue) with at least SECTIONS_TURNS_MIN_Q_TILES Q tiles, never
-    for MHA or windows, nor for ``groups``, whose whole-group chains store dK/dV (no turns); a
+    for MHA or windows, nor for ``groups`` and ``grouped_*``, whose whole-group rows store dK/dV (no turns); a
     table whose head h + 1 would finish a KV tile before head h is refused when flagged."""
     from dash_fa3.schedule.validate import SECTIONS_TURNS_MIN_Q_TILES, dkv_order_ok, dkv_order_pays, with_dkv_order
 
@@ -160,7 +160,7 @@ def test_dkv_turns_where_the_order_lets_them_come_and_pays():
         static = int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC
         sections = name == "sections" and G_CAUSAL.n_q >= SECTIONS_TURNS_MIN_Q_TILES
         whole = int(meta.header[M.H_DKV_CHAINED]) == M.DKV_CHAINED_WHOLE
-        assert whole == (name == "groups"), name
+        assert whole == (name == "groups" or name.startswith("grouped_")), name
         assert int(meta.header[M.H_DKV_ORDERED]) == int((static or sections) and not whole), name
         check_metadata(meta, G_CAUSAL, 132)
     # 256 KV tiles per head on 132 CTAs: a group's heads of a KV tile two waves apart

@@ -19,7 +19,9 @@ def decoded(meta):
     """{(batch, head, q tile, kv tile): rank} of every step of a kernel schedule."""
     row, step, q, rank = meta.decode_all()
     t = meta.tasks
-    return {(int(t[r, M.C_BATCH]), int(t[r, M.C_HEAD]), int(qq), int(t[r, M.C_KV])): int(k)
+    lg = meta.field("group_interleave_log2")  # grouped rows: virtual tile v is (head + v % group, v // group)
+    return {(int(t[r, M.C_BATCH]), int(t[r, M.C_HEAD]) + (int(qq) & ((1 << lg) - 1)), int(qq) >> lg,
+             int(t[r, M.C_KV])): int(k)
             for r, qq, k in zip(row, q, rank)}
 
 
@@ -31,15 +33,16 @@ def test_restricted_schedule_gives_each_head_its_order_in_the_whole_call(name, m
     so the shift orders differ from head to head): every kept step decodes to the whole call's
     (q, rank), heads renumbered from 0; CTAs keep their rows' order."""
     bm, bn = bwd_block_sizes(128)
-    g = Geometry(batch=2, heads=12, heads_kv=4, seqlen_q=5120, seqlen_k=5120, block_m=bm, block_n=bn, mask=mask)
+    grp = 2 if name.startswith("grouped_") else 3  # grouped_*: power-of-two groups
+    g = Geometry(batch=2, heads=4 * grp, heads_kv=4, seqlen_q=5120, seqlen_k=5120, block_m=bm, block_n=bn, mask=mask)
     full = get_kernel_metadata(name, g, 132, dispatch)
     whole = decoded(full)
     for lo, hi in ((0, 1), (1, 3), (3, 4), (0, 4)):
         part = M.restrict_heads(full, lo, hi)
-        assert part.field("heads") == 3 * (hi - lo) and part.field("heads_kv") == hi - lo
-        assert part.num_tasks == 2 * 3 * (hi - lo) * g.n_kv
+        assert part.field("heads") == grp * (hi - lo) and part.field("heads_kv") == hi - lo
+        assert part.num_tasks == 2 * (1 if name.startswith("grouped_") else grp) * (hi - lo) * g.n_kv
         assert part.field("num_steps") == int(part.tasks[:, M.C_N_STEPS].sum())
-        want = {(b, h - 3 * lo, q, kv): r for (b, h, q, kv), r in whole.items() if 3 * lo <= h < 3 * hi}
+        want = {(b, h - grp * lo, q, kv): r for (b, h, q, kv), r in whole.items() if grp * lo <= h < grp * hi}
         assert decoded(part) == want
         if not part.dynamic:
             assert part.offsets[0] == 0 and part.offsets[-1] == part.num_tasks

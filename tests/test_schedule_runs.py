@@ -166,9 +166,10 @@ def test_kernel_path_refuses_a_broken_chain():
 
 @pytest.mark.parametrize("shape,want", [
     ((4, 16, 16, 512, 4096, 64, True), "sections"),  # 4 Q tiles, MHA: sections measured faster
-    ((8, 16, 2, 256, 8192, 128, True), "runs"),      # 4 Q tiles of 64 rows, GQA chains
-    ((2, 32, 1, 256, 16384, 128, True), "sections"),  # MQA: a run per CTA per head, 33x K's and V's bytes
-    ((2, 16, 4, 1024, 8192, 128, False), "sections"),  # 16 Q tiles: the CTAs no longer share Q and dO in L2
+    ((8, 12, 4, 256, 8192, 128, True), "runs"),      # 4 Q tiles of 64 rows, GQA chains (a group of 3)
+    ((8, 16, 2, 256, 8192, 128, True), "grouped_sections"),  # a power-of-two group: whole-group tasks
+    ((2, 24, 1, 256, 16384, 128, True), "sections"),  # MQA of 24: a run per CTA per head, 25x K's and V's bytes
+    ((2, 16, 4, 1024, 8192, 128, False), "grouped_sections"),  # 16 Q tiles, a group of 4
     ((4, 16, 16, 2048, 2048, 128, True), None),      # square: neither
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_auto_picks_runs_for_a_few_q_tiles(shape, want):

@@ -104,9 +104,17 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=6144, **causal128)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=8192, **causal128)) == "sections"
-    # few Q tiles per head: runs under GQA (its chains add a group's dK/dV once), sections without
+    # few Q tiles per head: under GQA grouped_sections with a power-of-two group, else runs (its
+    # chains add a group's dK/dV once); sections without GQA
     gqa = dict(batch=8, heads=16, heads_kv=2, headdim=128, causal=True)
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa)) == "runs"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa)) == "grouped_sections"
+    gqa3 = dict(batch=8, heads=12, heads_kv=4, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa3)) == "runs"
+    # long tasks (64 Q tiles per head): sections; MQA whose KV head fills L2 alone: grouped_split
+    big = dict(batch=1, heads=32, heads_kv=8, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=65536, **big)) == "sections"
+    mqa = dict(batch=2, heads=32, heads_kv=1, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, seqlen_k=16384, **mqa)) == "grouped_split"
     mha64 = dict(batch=4, heads=16, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, seqlen_k=4096, **mha64)) == "sections"
     # head dim 96 shares head dim 128's tiles; the op passes headdim, and causal masks get spt there
@@ -199,10 +207,12 @@ def test_cache_and_sm_count():
 
 
 @pytest.mark.parametrize("heads_kv", [2, 1])  # groups of 4 q heads, MQA
-# runs and sections order a group's heads for the dK/dV turns, groups chains them: their GQA rows
+# runs and sections order a group's heads for the dK/dV turns, groups chains them, grouped_* make
+# a row of each group: their GQA rows
 # differ from MHA's by design (tests/test_schedule_runs.py, tests/test_schedule_split.py,
 # tests/test_schedule_groups.py)
-@pytest.mark.parametrize("name", [n for n in SCHEDULES if n not in ("runs", "sections", "groups")])
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n not in ("runs", "sections", "groups")
+                                  and not n.startswith("grouped_")])
 def test_gqa_epilogue_waits_for_nothing(name, heads_kv):
     """Each q head stores its own dK/dV partials (the postprocess sums a group),
     so GQA adds no wait: the schedule and its simulated timeline are those of

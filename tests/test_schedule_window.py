@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dash_fa3.schedule import (SCHEDULES, CostModel, Geometry, build_schedule, critical_path,
+from dash_fa3.schedule import (SCHEDULES, CostModel, Geometry, build_schedule, critical_path, schedules_for,
                                resolve_schedule_name, simulate)
 from dash_fa3.schedule.lowering import get_kernel_metadata, lower_to_static
 
@@ -40,9 +40,9 @@ def test_random_window_shapes_validate(chunk):
     for _ in range(100):
         g = random_window_geometry(rng)
         sms = int(rng.choice(SMS)) if rng.random() < 0.5 else int(rng.integers(1, 40))
-        for name in SCHEDULES:
+        for name in schedules_for(g):
             s = build_schedule(name, g, sms)  # raises ScheduleError on any failed check
-            assert s.num_tasks == g.num_tasks and s.num_steps == g.num_steps
+            assert s.num_tasks == s.geometry.num_tasks and s.num_steps == g.num_steps
             lowered = lower_to_static(s)  # what the kernel runs, validated again
             assert lowered.num_steps == g.num_steps
 
@@ -70,17 +70,17 @@ EDGES = [
 def test_window_edge_cases_validate(shape, heads, sms):
     sq, sk, bm, bn, left, right = shape
     g = Geometry(2, heads[0], heads[1], sq, sk, bm, bn, "local", left, right)
-    for name in SCHEDULES:
+    for name in schedules_for(g):
         s = build_schedule(name, g, sms)
         inactive = np.flatnonzero(g.task_len == 0)
-        for kv in inactive:  # a tile no query sees: a task without steps
-            assert s.task_steps[s.find_task(1, heads[0] - 1, int(kv))] == 0
+        for kv in inactive:  # a tile no query sees: a task without steps (grouped_*: of the grouped view)
+            assert s.task_steps[s.find_task(1, s.geometry.heads - 1, int(kv))] == 0
         sim = simulate(s, CostModel(1.0, 0.5, latency=0.3, epilogue=0.2, pipeline="serial"))
         assert sim.makespan >= sim.lower_bound - 1e-9
         w = simulate(s, CostModel(1.0, 0.5, latency=0.0, epilogue=0.2))  # the kernel's writer pipeline
         assert w.makespan >= w.lower_bound - 1e-9
         meta = get_kernel_metadata(name, g, sms)
-        assert meta.num_tasks == g.num_tasks
+        assert meta.num_tasks == s.geometry.num_tasks
 
 
 def test_first_kv_tiles_without_queries_get_empty_tasks():

@@ -105,16 +105,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_dispatch(
   // adds into a shared accumulator (docs/journal/results.md, GQA dK/dV without ordered adds).
   // A schedule whose rows chain a group's heads (header dkv_chained) adds each chain's sum once:
   // into the accumulator, never a slab (which would leave the chain's other heads' slabs unwritten).
-  // Where every chain is its whole group (kDkvChainedWhole), the chain's last row stores dK/dV in
-  // 16 bits as an MHA task does: no partials at all.
+  // Where every chain is its whole group, or every row is (grouped schedules), (kDkvChainedWhole)
+  // the chain's last row stores dK/dV in 16 bits as an MHA task does: no partials at all.
   const bool chained = hdr[schedule::kHDkvChained] == schedule::kDkvChainedAdd;
   const bool whole_groups = gqa && hdr[schedule::kHDkvChained] == schedule::kDkvChainedWhole;
   const bool dkv_accumulate = gqa && !deterministic && !whole_groups && (2 * seqlen_q <= seqlen_k || chained);
   TORCH_CHECK(!dkv_fp32 || (deterministic && packed == nullptr),
               "dash_fa3: fp32 dK/dV partials come from dense deterministic calls only");
   TORCH_CHECK(!(dkv_fp32 && whole_groups),
-              "dash_fa3: the schedule's whole-group chains (groups) store 16-bit dK/dV; fp32 dK/dV partials need "
-              "another schedule");
+              "dash_fa3: the schedule's whole-group rows (groups, grouped_*) store 16-bit dK/dV; fp32 dK/dV "
+              "partials need another schedule");
   // The main kernel writes fp32 slabs whenever it has them (BwdParams::dk_partial), MHA included.
   const bool slabs = (gqa && !whole_groups) || dkv_fp32;
   // Deterministic dense GQA whose schedule orders the turns: one accumulator per KV head that

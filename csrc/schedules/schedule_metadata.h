@@ -30,10 +30,25 @@ struct RankParams {
   int rect_begin;  // R, the first Q tile of the dense rectangle (SHIFT)
   int pairs_hi;    // units that carry a second ("hi") KV tile (SHIFT)
   int cyc_stride_log2;  // slot i's cyclic leg starts i << cyc_stride_log2 tiles into the rectangle (SHIFT)
+  int group_log2;       // > 0: rows are whole groups of 2^group_log2 query heads (GroupTile)
 };
 
 DASH_FA3_HD RankParams rank_params_of(int32_t const* header) {
-  return {header[kHRankKind], header[kHRectBegin], header[kHPairsHi], header[kHCycStrideLog2]};
+  return {header[kHRankKind], header[kHRectBegin], header[kHPairsHi], header[kHCycStrideLog2],
+          header[kHGroupInterleaveLog2]};
+}
+
+// The (query head, Q tile) of a step's tile v. A grouped row (header group_interleave_log2 > 0,
+// dash_fa3/schedule/grouped.py) is a KV tile of a whole group, named by the group's first query
+// head; its steps visit the group's virtual Q tiles v = q * 2^g + j: Q tile q of query head
+// first + j. Elsewhere g = 0 and v is the row's own head's Q tile. Ranks and orders are
+// decoded in v; every Q-shaped address (Q, dO, their statistics, dQ) and the mask take (j, q).
+struct GroupTile {
+  int head;  // j: query heads after the row's
+  int q;     // the Q tile
+};
+DASH_FA3_HD GroupTile group_tile(int v, int group_log2) {
+  return {v & ((1 << group_log2) - 1), v >> group_log2};
 }
 
 DASH_FA3_HD TileGeometry tile_geometry_of(int32_t const* header) {
@@ -54,7 +69,7 @@ DASH_FA3_HD int32_t const* tasks_of(int32_t const* buffer, int32_t const* header
 DASH_FA3_HD int32_t const* task_row(int32_t const* tasks, int task) { return tasks + int64_t(task) * kNumCols; }
 
 struct StepInfo {
-  int q_tile;  // Q tile this step visits
+  int q_tile;  // Q tile this step visits (a grouped row's: virtual, see GroupTile)
   int rank;    // position of this contribution in dQ tile q_tile's accumulation order
 };
 
@@ -76,10 +91,10 @@ struct StepOrder {
 
 // Step `step` of task row `row` (0 <= step < row[kCNSteps]).
 DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, int32_t const* row, int step) {
-  int const q = StepOrder::of(row).q_tile(step);
+  int const q = StepOrder::of(row).q_tile(step);  // virtual in grouped rows (GroupTile)
   int const kv = row[kCKvTile];
-  // ---- dQ tile q receives contributions from KV tiles [kv_begin, kv_end)
-  BlockRange const kvs = geo.kv_range(q);
+  // ---- dQ tile q receives contributions from KV tiles [kv_begin, kv_end): its Q tile's
+  BlockRange const kvs = geo.kv_range(q >> rp.group_log2);
   int const kv_begin = kvs.begin;
   int const kv_end = kvs.end;
   // ---- rank in the accumulation order of dQ tile q
@@ -121,7 +136,7 @@ DASH_FA3_HD StepInfo decode_step(TileGeometry const& geo, RankParams const& rp, 
     // segment has at most width / k slots, so reps = 0 then); lt counts the
     // slots that reach it before this step, unwrapped and wrapped.
     int const sh = rp.cyc_stride_log2;
-    int const width = geo.n_q() - rect;
+    int const width = (geo.n_q() << rp.group_log2) - rect;
     int const qq = q - rect;
     int const slot = kv - pa;
     int const reps = seg / width;

@@ -17,7 +17,8 @@ Public API (all importable from here):
 
 * :class:`Geometry`, :func:`bwd_block_sizes` -- tile geometry of one backward call;
 * :func:`get_schedule` / :func:`get_metadata` (cached), :func:`build_schedule`, :class:`Schedule`,
-  ``SCHEDULES`` / ``SCHEDULE_NAMES``, :func:`resolve_schedule_name`, :func:`set_auto_policy`,
+  ``SCHEDULES`` / ``SCHEDULE_NAMES``, :func:`schedules_for` (those defined for a call),
+  :func:`resolve_schedule_name`, :func:`set_auto_policy`,
   :func:`get_auto_policy`;
 * :func:`validate`, :class:`ScheduleError`, :class:`ValidationReport`;
 * :class:`ScheduleMeta`, :func:`decode_step`, :func:`decode_all` -- the kernel's input;
@@ -30,8 +31,9 @@ Public API (all importable from here):
 from .contract import BWD_BLOCK_SIZES
 from .geometry import MASKS, Geometry, bwd_block_sizes
 from .metadata import ScheduleMeta, decode_all, decode_step
-from .schedules import SCHEDULE_NAMES, SCHEDULES, Schedule, clear_cache
+from .schedules import SCHEDULE_NAMES, SCHEDULES, Schedule, clear_cache, schedules_for
 from . import groups as _groups  # noqa: F401  (registers the groups schedule)
+from . import grouped as _grouped  # noqa: F401  (registers the grouped_* schedules)
 from . import runs as _runs  # noqa: F401  (registers the runs schedule)
 from . import split as _split  # noqa: F401  (registers the split schedule)
 from .validate import ScheduleError, ValidationReport, validate
@@ -63,7 +65,8 @@ def __getattr__(name):
 __all__ = [
     "BWD_BLOCK_SIZES", "MASKS", "Geometry", "bwd_block_sizes",
     "ScheduleMeta", "decode_all", "decode_step",
-    "SCHEDULE_NAMES", "SCHEDULES", "Schedule", "build_schedule", "build_metadata", "clear_cache", "get_metadata",
+    "SCHEDULE_NAMES", "SCHEDULES", "Schedule", "schedules_for", "build_schedule", "build_metadata", "clear_cache",
+    "get_metadata",
     "get_schedule", "resolve_schedule_name", "set_auto_policy", "get_auto_policy",
     "ScheduleError", "ValidationReport", "validate",
     "CostModel", "SimResult", "simulate", "unit_model",

@@ -30,8 +30,9 @@ MAGIC = 0x44415348  # 'DASH'
 # 6: dkv_ordered, a GQA group's dK/dV added in head order into one accumulator;
 # 7: the runs schedule, its RUN rank kind, and chains of a group's heads on one CTA;
 # 8: head_section, the interleave schedule's unit order; 9: the groups schedule and
-# dkv_chained = DKV_CHAINED_WHOLE).
-METADATA_VERSION = 9
+# dkv_chained = DKV_CHAINED_WHOLE; 10: group_interleave_log2, a row's steps over its whole
+# group's Q tiles).
+METADATA_VERSION = 10
 
 # Header fields, by index.
 HEADER_FIELDS = (
@@ -47,7 +48,7 @@ HEADER_FIELDS = (
     "mask",            # MASK_FULL / MASK_CAUSAL / MASK_LOCAL: the kernel family the schedule is for
     "window_left",     # the window (bottom-right aligned, -1 unbounded): (-1, -1) full,
     "window_right",    # (-1, 0) causal, anything for local (csrc/common/block_range.h)
-    "n_q", "n_kv",     # Q and KV tiles per head
+    "n_q", "n_kv",     # Q and KV tiles per head (n_q: the Q tiles the steps index, see group_interleave_log2)
     "rect_begin",      # R: first Q tile of the dense rectangle (SHIFT)
     "units_per_head",  # CTA units (KV tile pairs) per head (SHIFT; n_kv otherwise)
     "pairs_hi",        # units that carry a second ("hi") KV tile (SHIFT)
@@ -60,14 +61,20 @@ HEADER_FIELDS = (
     "dkv_chained",     # DKV_CHAINED_*: rows form chains (columns chain_before/after): consecutive query
                        # heads of a group at one KV tile on one CTA, dK/dV summed in registers, one
                        # epilogue each; ADD: it adds into the KV head's accumulator; WHOLE: every
-                       # row is in a chain of its whole group, which stores dK/dV in 16 bits
+                       # row is in a chain of its whole group (or, group_interleave_log2 > 0, is its
+                       # whole group), which stores dK/dV in 16 bits
     "head_section",    # static units: 0 head by head (unit u = head * units + p); s > 0: heads in sections
                        # of s, a section's units KV tile by KV tile, its heads side by side (metadata.planned_wave)
+    "group_interleave_log2",  # g > 0: a row is a KV tile of a whole group of 2^g query heads (columns head =
+                       # the group's first, head_kv); its steps index the group's *virtual* Q tiles
+                       # v = q * 2^g + j (query head head + j, Q tile q), whose KV ranges are Q tile q's,
+                       # and every rank rule reads v as a Q tile of n_q * 2^g (.grouped); n_q is that count
 )
 (H_MAGIC, H_VERSION, H_SCHEDULE, H_DISPATCH, H_RANK_KIND, H_NUM_CTAS, H_NUM_TASKS, H_NUM_COLS,
  H_BATCH, H_HEADS, H_HEADS_KV, H_SEQLEN_Q, H_SEQLEN_K, H_BLOCK_M, H_BLOCK_N, H_MASK, H_WINDOW_LEFT,
  H_WINDOW_RIGHT, H_N_Q, H_N_KV, H_RECT_BEGIN, H_UNITS_PER_HEAD, H_PAIRS_HI, H_NUM_STEPS, H_OFFSETS_LEN,
- H_CYC_STRIDE_LOG2, H_NUM_SPLITS, H_DKV_ORDERED, H_DKV_CHAINED, H_HEAD_SECTION) = range(len(HEADER_FIELDS))
+ H_CYC_STRIDE_LOG2, H_NUM_SPLITS, H_DKV_ORDERED, H_DKV_CHAINED, H_HEAD_SECTION,
+ H_GROUP_INTERLEAVE_LOG2) = range(len(HEADER_FIELDS))
 HEADER_LEN = len(HEADER_FIELDS)
 
 # Task-table columns, by index; one row per task (batch, q head, KV tile).
@@ -96,7 +103,8 @@ NUM_COLS = len(COLUMNS)
 
 # Codes stored in the header and the rows (C++ enum name, codes in order).
 SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split", "runs",
-                              "interleave", "sections", "groups")
+                              "interleave", "sections", "groups", "grouped_sections", "grouped_shift",
+                              "grouped_split")
 DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
 RANK_ASC, RANK_DESC, RANK_SHIFT, RANK_SPLIT, RANK_RUN = 0, 1, 2, 3, 4
 ROLE_LO, ROLE_HI = 0, 1

@@ -222,6 +222,10 @@ class Geometry:
     mask: str = "full"
     window_left: int = -1
     window_right: int = -1
+    #: 2^g > 1: the *grouped* view of a GQA call (:mod:`.grouped`): each head is a KV head that
+    #: stands for its group of ``q_interleave`` query heads, and its Q tiles are the group's,
+    #: interleaved: tile v is Q tile v // q_interleave of query head v % q_interleave.
+    q_interleave: int = 1
 
     def __post_init__(self):
         if self.heads_kv is None:
@@ -246,6 +250,13 @@ class Geometry:
             object.__setattr__(self, "window_right", fixed[1])
         if self.heads % self.heads_kv:
             raise ValueError(f"heads ({self.heads}) must be a multiple of heads_kv ({self.heads_kv})")
+        qi = self.q_interleave
+        if isinstance(qi, bool) or not isinstance(qi, (int, np.integer)) or qi < 1 or qi & (qi - 1):
+            raise ValueError(f"Geometry.q_interleave must be a power of two >= 1, got {qi!r}")
+        object.__setattr__(self, "q_interleave", int(qi))
+        if qi > 1 and self.heads != self.heads_kv:
+            raise ValueError("Geometry.q_interleave > 1 is the grouped view of a call: one head per KV head "
+                             f"(heads == heads_kv), got {self.heads} / {self.heads_kv}")
 
     # ------------------------------------------------------------------ shape
     @classmethod
@@ -287,7 +298,8 @@ class Geometry:
 
     @property
     def n_q(self) -> int:
-        return self.tiles.n_q
+        """Q tiles per head (grouped view: per KV head, its group's)."""
+        return self.tiles.n_q * self.q_interleave
 
     @property
     def n_kv(self) -> int:
@@ -298,6 +310,19 @@ class Geometry:
         """q-heads per kv head (GQA group size)."""
         return self.heads // self.heads_kv
 
+    def grouped(self) -> "Geometry":
+        """The grouped view of this call (:attr:`q_interleave`): one head per KV head, its group's
+        Q tiles interleaved into one range. Needs a power-of-two group."""
+        if self.q_interleave > 1:
+            return self
+        G = self.group
+        if G & (G - 1):
+            raise ValueError(f"the grouped view needs a power-of-two GQA group, got {self.heads} / {self.heads_kv} "
+                             f"query heads per KV head")
+        return Geometry(batch=self.batch, heads=self.heads_kv, heads_kv=self.heads_kv, seqlen_q=self.seqlen_q,
+                        seqlen_k=self.seqlen_k, block_m=self.block_m, block_n=self.block_n, mask=self.mask,
+                        window_left=self.window_left, window_right=self.window_right, q_interleave=G)
+
     @property
     def num_heads_total(self) -> int:
         """batch * heads: the number of independent dQ tensors."""
@@ -306,18 +331,23 @@ class Geometry:
     @property
     def key(self) -> tuple:
         return (self.batch, self.heads, self.heads_kv, self.seqlen_q, self.seqlen_k,
-                self.block_m, self.block_n, self.mask, self.window_left, self.window_right)
+                self.block_m, self.block_n, self.mask, self.window_left, self.window_right, self.q_interleave)
 
     # ------------------------------------------------------------ block ranges
     @cached_property
     def tiles(self) -> TileGeometry:
-        """The per-head block ranges (shared with the kernels)."""
+        """The per-head block ranges of the query heads (shared with the kernels); the grouped view's
+        tile v is their Q tile ``v // q_interleave``."""
         return TileGeometry(self.seqlen_q, self.seqlen_k, self.block_m, self.block_n, self.window_left,
                             self.window_right)
 
+    def real_q(self, q):
+        """The query heads' Q tile of tile ``q`` (itself but in the grouped view)."""
+        return np.asarray(q, dtype=np.int64) // self.q_interleave if self.q_interleave > 1 else q
+
     def kv_end_of(self, q: int) -> int:
         """One past the last KV tile contributing to Q tile ``q``; they are ``[kv_begin[q], kv_end)``."""
-        return self.tiles.kv_range(q)[1]
+        return int(self.tiles.kv_range(self.real_q(q))[1])
 
     def q_begin_of(self, kv: int) -> int:
         """First Q tile KV tile ``kv`` meets (``n_q`` if none)."""
@@ -328,13 +358,14 @@ class Geometry:
     def _q_ranges(self) -> tuple[np.ndarray, np.ndarray]:
         begin, end = self.tiles.q_range(np.arange(self.n_kv, dtype=np.int64))
         end = np.maximum(begin, end)  # an empty range as [b, b)
+        begin, end = begin * self.q_interleave, end * self.q_interleave
         begin.setflags(write=False)
         end.setflags(write=False)
         return begin, end
 
     @cached_property
     def _kv_ranges(self) -> tuple[np.ndarray, np.ndarray]:
-        begin, end = self.tiles.kv_range(np.arange(self.n_q, dtype=np.int64))
+        begin, end = self.tiles.kv_range(self.real_q(np.arange(self.n_q, dtype=np.int64)))
         end = np.maximum(begin, end)
         begin.setflags(write=False)
         end.setflags(write=False)
@@ -405,7 +436,7 @@ class Geometry:
         """Number of (row, col) elements of tile (kv, q) inside both sequences
         and the mask (int64, same shape as ``kv``)."""
         kv = np.asarray(kv, dtype=np.int64)
-        q = np.asarray(q, dtype=np.int64)
+        q = np.asarray(self.real_q(q), dtype=np.int64)
         r0 = q * self.block_m
         r1 = np.minimum(r0 + self.block_m, self.seqlen_q)
         c0 = kv * self.block_n
@@ -425,13 +456,14 @@ class Geometry:
         return seen - (_clamp_sum(r1 + a, w) - _clamp_sum(r0 + a, w))
 
     def valid_rows(self, q: np.ndarray) -> np.ndarray:
-        q = np.asarray(q, dtype=np.int64)
+        q = np.asarray(self.real_q(q), dtype=np.int64)
         return np.minimum(q * self.block_m + self.block_m, self.seqlen_q) - q * self.block_m
 
     def describe(self) -> str:
         mask = f"local{self.window}" if self.local else self.mask
+        grouped = f" grouped x{self.q_interleave}" if self.q_interleave > 1 else ""
         return (f"b={self.batch} h={self.heads} hkv={self.heads_kv} sq={self.seqlen_q} sk={self.seqlen_k} "
-                f"bm={self.block_m} bn={self.block_n} {mask} -> {self.n_kv} kv x {self.n_q} q tiles")
+                f"bm={self.block_m} bn={self.block_n} {mask}{grouped} -> {self.n_kv} kv x {self.n_q} q tiles")
 
 
 #: Bytes of L2 that heads run side by side in (``interleave``, ``sections``: :func:`head_section`):

@@ -22,8 +22,8 @@ import numpy as np
 
 from . import metadata as M
 from .geometry import Geometry
-from .schedules import (DYNAMIC_SCHEDULES, Schedule, _check_num_sms, _concrete, _i32, build_metadata,
-                        get_schedule, greedy_assignment, task_claim_cost)
+from .schedules import (Schedule, _check_num_sms, _concrete, _i32, build_metadata, get_schedule,
+                        greedy_assignment, is_queue, task_claim_cost)
 from .validate import check_metadata, with_dkv_order
 
 
@@ -79,7 +79,7 @@ if KERNEL_DISPATCH not in KERNEL_DISPATCHES:
 
 @lru_cache(maxsize=1024)
 def _kernel_metadata_cached(name: str, geometry: Geometry, num_sms: int, dispatch: str) -> M.ScheduleMeta:
-    if dispatch == "static" and name in DYNAMIC_SCHEDULES:
+    if dispatch == "static" and is_queue(name):
         return lower_to_static(get_schedule(name, geometry, num_sms)).meta
     # From the rows alone, checked on what the kernel decodes: time and memory grow with the steps
     # of one head, not of the whole call (build_schedule's full check held 12 GB and took a minute
@@ -99,4 +99,4 @@ def get_kernel_metadata(name: str, geometry: Geometry, num_sms: int, dispatch: s
         raise ValueError(f"dispatch must be one of {KERNEL_DISPATCHES}, got {dispatch!r}")
     name = _concrete(name)
     # a static schedule runs its own CTA lists whatever the dispatch: one cache entry
-    return _kernel_metadata_cached(name, geometry, num_sms, dispatch if name in DYNAMIC_SCHEDULES else "static")
+    return _kernel_metadata_cached(name, geometry, num_sms, dispatch if is_queue(name) else "static")

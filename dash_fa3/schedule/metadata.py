@@ -44,7 +44,7 @@ from .contract import (C_BATCH, C_CTA, C_CYC_BASE, C_CYC_LEN, C_CYC_OFF, C_HEAD,
                        METADATA_VERSION, NUM_COLS, RANK_ASC, RANK_DESC,
                        RANK_SHIFT, RANK_SPLIT, RANK_RUN, ROLE_HI, ROLE_LO, C_SPLIT, C_SPLIT_BEGIN, C_RECT, H_NUM_SPLITS,
                        H_DKV_ORDERED, H_DKV_CHAINED, H_HEAD_SECTION, C_CHAIN_BEFORE, C_CHAIN_AFTER,
-                       DKV_UNCHAINED, DKV_CHAINED_ADD, DKV_CHAINED_WHOLE)
+                       DKV_UNCHAINED, DKV_CHAINED_ADD, DKV_CHAINED_WHOLE, H_GROUP_INTERLEAVE_LOG2)
 from .geometry import TileGeometry
 
 
@@ -88,14 +88,15 @@ def _decode(header, col, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     the divisors of branches an element does not take are made safe first.
     """
     tiles = tile_geometry_of(header)
-    # ---- which Q tile
+    # ---- which Q tile (grouped rows: a virtual tile of the group, whose KV range is its Q tile's)
+    lg = int(header[H_GROUP_INTERLEAVE_LOG2])
     cyc_len = col(C_CYC_LEN)
     safe_len = np.where(cyc_len > 0, cyc_len, 1)
     q = np.where(step < cyc_len, col(C_CYC_BASE) + (col(C_CYC_OFF) + step) % safe_len,
                  col(C_LIN_BASE) + col(C_LIN_DIR) * (step - cyc_len))
     kv = col(C_KV)
     # ---- dQ tile q receives contributions from KV tiles [kv_begin, kv_end)
-    kv_begin, kv_end = (np.broadcast_to(x, q.shape) for x in tiles.kv_range(q))
+    kv_begin, kv_end = (np.broadcast_to(x, q.shape) for x in tiles.kv_range(q >> lg))
     # ---- rank in the accumulation order of dQ tile q
     kind = int(header[H_RANK_KIND])
     if kind == RANK_ASC:
@@ -116,7 +117,7 @@ def _decode(header, col, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     pairs_hi = int(header[H_PAIRS_HI])
     split = kind == RANK_SPLIT
     rect = col(C_RECT) if split else int(header[H_RECT_BEGIN])
-    width = np.maximum(tiles.n_q - rect, 1)  # rect == n_q: no rectangle, its branch is never taken
+    width = np.maximum((tiles.n_q << lg) - rect, 1)  # rect == n_q: no rectangle, its branch is never taken
 
     def units_before(x):
         # contributions to q from units [0, x): lo tiles kv_begin <= p < kv_end, and hi
@@ -236,6 +237,51 @@ class ScheduleMeta:
 
     def header_dict(self) -> dict[str, int]:
         return {k: int(v) for k, v in zip(HEADER_FIELDS, self.header)}
+
+
+def grouped_view(meta: ScheduleMeta, g):
+    """``(meta, g)`` as the rank rules and the checks read them: for a grouped schedule (header
+    ``group_interleave_log2`` > 0, :mod:`.grouped`), the table of its grouped view (one head per
+    KV head, each row an MHA task over its group's Q tiles, unchained) and that view's geometry
+    (:meth:`.Geometry.grouped`); otherwise both unchanged. ``g`` may be the call's geometry or
+    already the grouped view. Raises ValueError where the header and ``g`` disagree."""
+    lg = int(meta.header[H_GROUP_INTERLEAVE_LOG2])
+    if lg == 0:
+        if g.q_interleave > 1:
+            raise ValueError("a grouped geometry with metadata that is not grouped (group_interleave_log2 = 0)")
+        return meta, g
+    gv = g.grouped()
+    if lg < 0 or (1 << lg) != gv.q_interleave:
+        raise ValueError(f"metadata group_interleave_log2 = {lg}, but the call's group is {gv.q_interleave}")
+    header, tasks = meta.header.copy(), meta.tasks.copy()
+    if int(header[H_DKV_CHAINED]) != DKV_CHAINED_WHOLE or int(header[H_DKV_ORDERED]) != 0:
+        raise ValueError("a grouped schedule's rows are whole groups: header dkv_chained must be WHOLE, "
+                         "dkv_ordered 0")
+    if np.any(tasks[:, C_CHAIN_BEFORE] != 0) or np.any(tasks[:, C_CHAIN_AFTER] != 0):
+        raise ValueError("a grouped schedule's rows are not chained")
+    if np.any(tasks[:, C_HEAD].astype(np.int64) != tasks[:, C_HEAD_KV].astype(np.int64) << lg):
+        raise ValueError("a grouped row's head must be its group's first query head (head_kv * group)")
+    header[H_HEADS] = header[H_HEADS_KV]
+    header[H_DKV_CHAINED] = DKV_UNCHAINED
+    tasks[:, C_HEAD] = tasks[:, C_HEAD_KV]
+    return ScheduleMeta(header, meta.offsets.copy(), tasks), gv
+
+
+def from_grouped_view(meta: ScheduleMeta, g, schedule: int) -> ScheduleMeta:
+    """The kernel's metadata of a schedule built on the grouped view of ``g`` (``meta``, whose header
+    has ``group_interleave_log2``): header ``schedule`` (an index into SCHEDULES), the call's heads,
+    rows named by their group's first query head, and, under GQA, ``dkv_chained`` = WHOLE (each row
+    holds its whole group's dK/dV and stores them in 16 bits)."""
+    header, tasks = meta.header.copy(), meta.tasks.copy()
+    lg = int(header[H_GROUP_INTERLEAVE_LOG2])
+    if (1 << lg) != g.group or g.q_interleave != 1:
+        raise ValueError(f"metadata of a grouped view of {1 << lg} query heads per KV head for a call with "
+                         f"{g.heads} / {g.heads_kv}")
+    header[H_SCHEDULE] = schedule
+    header[H_HEADS], header[H_HEADS_KV] = g.heads, g.heads_kv
+    header[H_DKV_CHAINED] = DKV_CHAINED_WHOLE if lg > 0 else DKV_UNCHAINED
+    tasks[:, C_HEAD] = tasks[:, C_HEAD_KV].astype(np.int64) << lg
+    return ScheduleMeta(header, meta.offsets.copy(), tasks)
 
 
 def restrict_heads(meta: ScheduleMeta, kv_lo: int, kv_hi: int) -> ScheduleMeta:

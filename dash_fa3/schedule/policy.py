@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 
-from . import lowering, schedules
+from . import grouped, lowering, schedules
 from .contract import SCHEDULES
-from .geometry import Geometry
+from .geometry import Geometry, head_section
 from .metadata import ScheduleMeta
 from .schedules import SCHEDULE_NAMES, Schedule, _check_num_sms
 
@@ -34,6 +34,9 @@ SECTIONS_KEYS_PER_QUERY = 2
 #: dQ accumulators stay within RUNS_MAX_DQ_BYTES_PER_KV_BYTE of K's and V's bytes (:func:`table_pick`).
 RUNS_MAX_Q_TILES = 4
 RUNS_MAX_DQ_BYTES_PER_KV_BYTE = 4
+#: Within that region, under GQA with a power-of-two group, a grouped schedule (:mod:`.grouped`)
+#: where a head has at most this many Q tiles (:func:`table_pick`).
+GROUPED_MAX_Q_TILES = 32
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
 if _auto_policy not in AUTO_POLICIES:
     raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
@@ -60,7 +63,7 @@ def runs_dq_bytes_per_kv_byte(g: Geometry, num_sms: int = 132) -> float:
     return num_splits * g.seqlen_q * g.heads * 4 / (g.seqlen_k * g.heads_kv * 2 * 2)
 
 
-def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132) -> str:
+def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, whole_groups: bool = True) -> str:
     """The ``table`` policy's deterministic schedule for a full or causal mask.
 
     The rule is the best measured deterministic schedule per region of the H100
@@ -95,8 +98,22 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132) -> s
     KV tile. So with GQA, at most ``RUNS_MAX_Q_TILES`` Q tiles per head, and
     the runs' dQ accumulators (one per run a head meets) within
     ``RUNS_MAX_DQ_BYTES_PER_KV_BYTE`` of K's and V's bytes, ``runs``.
+
+    Where the group is a power of two, the grouped schedules make a task of a KV tile's whole
+    group instead (:mod:`.grouped`): no fp32 dK/dV at all. Measured on the H100 (run 13 of
+    docs/journal/rect-bwd.md) on 11 rectangular GQA shapes, ``grouped_sections`` took 0.44-0.91
+    of the time of the better of ``sections`` and ``runs`` on 10, but 1.05x ``sections``' with 64
+    Q tiles per head (1 x 4096 x 65536: with long tasks the epilogue weighs little); under MQA
+    with two KV heads ``grouped_split`` took 0.93x ``grouped_sections``' time: there a KV head's
+    virtual Q tiles fill the L2 budget alone (:func:`.geometry.head_section` of the grouped view
+    is 1), and ``sections``' queue runs its KV tiles side by side from the same dQ tiles, which
+    ``split``'s cyclic starts avoid. So under such GQA, at most ``GROUPED_MAX_Q_TILES`` Q tiles per head:
+    ``grouped_split`` where the view's sections hold one head, else ``grouped_sections``;
+    ``whole_groups=False`` (a call that wants fp32 dK/dV partials) leaves them out.
     """
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
+        if whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.n_q <= GROUPED_MAX_Q_TILES:
+            return "grouped_split" if head_section(g.grouped()) == 1 else "grouped_sections"
         if (g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
                 and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
             return "runs"
@@ -139,9 +156,13 @@ def nd_pick(g: Geometry, num_sms: int = 132) -> str:
     return "groups" if chains <= GROUPS_MAX_LOAD_RATIO * tasks else "lpt"
 
 
+#: Schedules whose rows hold a whole GQA group's dK/dV and store them in 16 bits: no fp32 partials.
+WHOLE_GROUP_SCHEDULES = ("groups", "grouped_sections", "grouped_shift", "grouped_split")
+
+
 def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = True, *,
                           num_sms: int | None = None, headdim: int | None = None,
-                          policy: str | None = None) -> str:
+                          policy: str | None = None, dkv_fp32: bool = False) -> str:
     """Map ``auto`` to a concrete schedule; check the name.
 
     Non-deterministic, the accumulation order is free and ``auto`` is :func:`nd_pick`:
@@ -153,7 +174,9 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     dQ order. Otherwise ``policy`` (default :func:`get_auto_policy`) decides:
     ``model`` picks the calibrated model's fastest deterministic schedule for
     ``num_sms`` SMs (default 132) and ``headdim`` (default: from the tile
-    sizes); ``table`` is :func:`table_pick`.
+    sizes); ``table`` is :func:`table_pick`. ``dkv_fp32``: the call keeps dK/dV as fp32
+    partials (``ops.bwd_dkv_fp32``), which a GQA schedule of whole-group rows
+    (:data:`WHOLE_GROUP_SCHEDULES`) does not write: ``auto`` picks none, and naming one raises.
     """
     if name == "auto":
         g = geometry
@@ -167,9 +190,12 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
         if policy == "model":
             from .model.calibration import best_schedule  # the model loads only for this policy
             return best_schedule(g, num_sms or 132, headdim)
-        return table_pick(g, headdim, num_sms or 132)
+        return table_pick(g, headdim, num_sms or 132, whole_groups=not dkv_fp32)
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
+    if dkv_fp32 and name in WHOLE_GROUP_SCHEDULES and geometry.heads != geometry.heads_kv:
+        raise ValueError(f"schedule {name!r} stores each GQA group's dK/dV in 16 bits: it has no fp32 dK/dV "
+                         f"partials to give")
     return name
 
 

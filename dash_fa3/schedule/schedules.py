@@ -41,6 +41,20 @@ STATIC_SCHEDULES = ("shift", "symmetric_shift")
 #: Builders of schedules defined in their own module (:mod:`.split`), which registers
 #: itself here on import (the package imports it): name -> (build, build_metadata).
 EXTRA_BUILDERS: dict = {}
+#: Registered with the builders: schedules defined for some calls only, with their test of a
+#: Geometry (:mod:`.grouped`: power-of-two groups), and those that are queues too.
+APPLIES: dict = {}
+EXTRA_QUEUES: set = set()
+
+
+def is_queue(name: str) -> bool:
+    """Whether schedule ``name`` is a queue that CTAs claim from (dynamic dispatch unless lowered)."""
+    return name in DYNAMIC_SCHEDULES or name in EXTRA_QUEUES
+
+
+def schedules_for(g: Geometry) -> tuple[str, ...]:
+    """The concrete schedules defined for ``g`` (every one but those whose :data:`APPLIES` test fails)."""
+    return tuple(n for n in SCHEDULES if n not in APPLIES or APPLIES[n](g))
 
 
 def _concrete(name: str) -> str:
@@ -255,6 +269,7 @@ def _header(name, geometry, num_ctas, num_tasks, dispatch, rank_kind, rect, unit
     h[M.H_CYC_STRIDE_LOG2] = cyc_stride_log2
     h[M.H_NUM_SPLITS] = num_splits
     h[M.H_HEAD_SECTION] = head_section
+    h[M.H_GROUP_INTERLEAVE_LOG2] = g.q_interleave.bit_length() - 1
     return _i32(h)
 
 

@@ -212,6 +212,15 @@ def _check_chains(s, h, t, g, dynamic: bool) -> None:
         _fail(s, "header dkv_chained = WHOLE, but a row is not in a chain of its whole group, heads ascending")
 
 
+def _view(s, meta, g):
+    """(meta, g) as checked: a grouped schedule's grouped view (:func:`.metadata.grouped_view`), whose
+    rows are MHA tasks over a group's virtual Q tiles; anything else as it is."""
+    try:
+        return M.grouped_view(meta, g)
+    except ValueError as e:
+        _fail(s, str(e))
+
+
 def unchained(meta):
     """``meta`` without chains (a new table and header)."""
     header, tasks = meta.header.copy(), meta.tasks.copy()
@@ -222,9 +231,11 @@ def unchained(meta):
 
 def check_structure(s) -> None:
     """Checks 1-4 (everything but deadlock)."""
-    g = s.geometry
     T, N = s.num_tasks, s.num_steps
-    meta = s.meta
+    meta, g = _view(s, s.meta, s.geometry)
+    if g != s.geometry:
+        _fail(s, f"a grouped schedule's geometry must be its grouped view ({g.describe()}), got "
+                 f"{s.geometry.describe()}")
     # 1. tasks (on the metadata, whose columns must then be the schedule's)
     _check_rows(s, meta, g, s.num_sms)
     t = meta.tasks
@@ -453,9 +464,10 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
     fall along any semaphore wait. Heads whose rows are alike (the decode reads no head index) are
     decoded once. It does not compare the orders with the schedule's definition: that is
     :meth:`.schedules.Schedule.validate` (checks 3-4), which the tests run against this path."""
-    g = geometry
+    s = _Named(SCHEDULES[int(meta.header[M.H_SCHEDULE])] if 0 <= int(meta.header[M.H_SCHEDULE]) < len(SCHEDULES)
+               else "?", geometry, num_sms)
+    meta, g = _view(s, meta, geometry)
     h = meta.header
-    s = _Named(SCHEDULES[int(h[M.H_SCHEDULE])] if 0 <= int(h[M.H_SCHEDULE]) < len(SCHEDULES) else "?", g, num_sms)
     _check_rows(s, meta, g, num_sms)
     t = meta.tasks.astype(np.int64)
     pot, span, strict = _row_potential(meta, g, num_sms)
@@ -490,8 +502,7 @@ def check_metadata(meta, geometry, num_sms: int) -> None:
     keep = [c for c in range(M.NUM_COLS) if c not in (M.C_BATCH, M.C_HEAD, M.C_HEAD_KV, M.C_CTA)]
     sig = np.concatenate([rows[:, :, keep].reshape(H, -1), hpot], axis=1)
     _, reps = np.unique(sig, axis=0, return_index=True)
-    tiles = M.tile_geometry_of(h)
-    kvb, kve = tiles.kv_range(np.arange(n_q))
+    kvb, kve = g.kv_begin, g.kv_end
     n_sp = int(h[M.H_NUM_SPLITS])
 
     def check_head(head: int) -> None:

@@ -112,10 +112,13 @@ struct BwdDqWriter {
       // The task's problem: its ranks follow its own tiles.
       TileGeometry const geo = Traits::tile_geometry(p, Traits::seqlens(p, b));
       // Tile q of this (batch, head): rows [q kBlockM, (q + 1) kBlockM) from its first, contiguous.
+      // The next head's rows follow seqlen_q_rounded rows on (Traits::stat_row), so a grouped
+      // row's tile (j, q) (schedule::GroupTile) is tile j * tiles_per_head + q from the row's head.
       int64_t const stat_row = Traits::stat_row(p, b, h);
       int64_t const split = row[schedule::kCSplit];
       float* dq_bh = p.dq_accum + split * p.dq_split_floats + stat_row * kHeadDim;
       int* sem_bh = p.dq_semaphore + split * p.dq_split_sems + stat_row / kBlockM;
+      int const tiles_per_head = p.seqlen_q_rounded / kBlockM;
 
       // First step of this task that falls on this writer.
       int const first = (writer - cta_step % Traits::kDqWriters + Traits::kDqWriters) % Traits::kDqWriters;
@@ -129,14 +132,16 @@ struct BwdDqWriter {
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterWait, tracing::now_clock());
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterWaitNs, tracing::now_ns());
         }
+        schedule::GroupTile const gt = schedule::group_tile(st.q_tile, p.rank.group_log2);
+        int const tile = gt.head * tiles_per_head + gt.q;
         if (leader && deterministic) {
           // Our turn: every contribution of lower rank has completed its add.
-          semaphore_wait_for(sem_bh + st.q_tile, st.rank);
+          semaphore_wait_for(sem_bh + tile, st.rank);
           fence_proxy_async_global();
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterAcquired, tracing::now_clock());
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterAcquiredNs, tracing::now_ns());
         }
-        float* dq_tile = dq_bh + int64_t(st.q_tile) * Traits::kDqTileFloats;
+        float* dq_tile = dq_bh + int64_t(tile) * Traits::kDqTileFloats;
         // The tile's first contribution stores: the accumulator is not zeroed (bwd_semaphore.h).
         bool const store = deterministic && st.rank == 0;
         if constexpr (Traits::kDqSharedHalf) {
@@ -192,7 +197,7 @@ struct BwdDqWriter {
         if (leader && deterministic) {
           bulk_wait_all_complete();  // both adds have landed in global memory
           fence_proxy_async_global();
-          semaphore_release_increment(sem_bh + st.q_tile);  // hand the turn to rank + 1
+          semaphore_release_increment(sem_bh + tile);  // hand the turn to rank + 1
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterReleased, tracing::now_clock());
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterReleasedNs, tracing::now_ns());
         }

@@ -243,13 +243,23 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   // its heads' dK/dV (kDkvChainedAdd: into the one accumulator per KV head, in turns or by
   // non-deterministic adds), or stores it, the whole group's (kDkvChainedWhole: no partials).
   bool const static_table = params.schedule_header_host[schedule::kHDispatch] == schedule::kDispatchStatic;
+  // Grouped rows (header group_interleave_log2 = g > 0, schedule::GroupTile): each row is a
+  // whole group of 2^g query heads, unchained, so any dispatch will do; dense GQA only.
+  int const group_log2 = params.schedule_header_host[schedule::kHGroupInterleaveLog2];
+  bool const grouped = group_log2 > 0;
+  require(group_log2 >= 0 && group_log2 < 31 &&
+              (!grouped || (!kPacked && int64_t(params.heads_kv) << group_log2 == params.heads &&
+                            chained == schedule::kDkvChainedWhole)),
+          "a grouped schedule (header group_interleave_log2) needs dense GQA with 2^group_interleave_log2 query "
+          "heads per KV head and rows that store whole groups (dkv_chained = WHOLE)");
   require(chained == schedule::kDkvUnchained ||
-              (gqa && !kPacked && static_table &&
+              (gqa && !kPacked && (static_table || grouped) &&
                (chained == schedule::kDkvChainedWhole
                     ? params.dk_partial == nullptr && !params.dkv_accumulate && !params.dkv_ordered
                     : chained == schedule::kDkvChainedAdd &&
                           (params.deterministic ? params.dkv_ordered : params.dkv_accumulate))),
-          "a schedule with chains of a group's heads (header dkv_chained) needs dense GQA, static dispatch and "
+          "a schedule with chains of a group's heads (header dkv_chained) needs dense GQA, static dispatch (but "
+          "grouped rows) and "
           "one dK/dV accumulator per KV head (dkv_ordered, or non-deterministic dkv_accumulate), or, with chains "
           "of whole groups, no dK/dV partials");
   bwd::check_schedule_header<Traits>(params);

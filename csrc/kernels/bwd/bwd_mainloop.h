@@ -281,7 +281,7 @@ struct BwdMainloop {
       bool need_mask = mask_every_step;
       int m0 = 0;
       if constexpr (kCausal || kLocal) {
-        int const q = order.q_tile(s);
+        int const q = order.q_tile(s) >> p.rank.group_log2;  // a grouped row's: schedule::GroupTile
         need_mask = kLocal ? (q < q_unmasked || q >= q_unmasked_end) : q < q_unmasked;
         m0 = q * kBlockM;
       }
@@ -509,12 +509,12 @@ struct BwdMainloop {
       bool need_mask = mask_every_step;
       int m0 = 0;  // first row of the Q tile; only the causal and window masks read it
       if constexpr (kCausal) {
-        int const q = order.q_tile(s);
+        int const q = order.q_tile(s) >> p.rank.group_log2;  // a grouped row's: schedule::GroupTile
         need_mask = q < q_unmasked;
         m0 = q * kBlockM;
       }
       if constexpr (kLocal) {
-        int const q = order.q_tile(s);
+        int const q = order.q_tile(s) >> p.rank.group_log2;  // a grouped row's: schedule::GroupTile
         need_mask = q < q_unmasked || q >= q_unmasked_end;
         m0 = q * kBlockM;
       }

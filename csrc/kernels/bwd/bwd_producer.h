@@ -110,32 +110,34 @@ struct BwdProducer {
       // A packed document's Q tiles start at its first row; its last tile
       // also reads the next document's rows, whose statistics rows are
       // padding (common/seqlen_info.h).
-      auto q_rows = [&](auto const& tma, auto const& shape) {
-        return rows_from<Traits::kPacked>(tma.get_tma_tensor(shape)(_, _, h, sl.tensor_batch), sl.offset_q);
+      auto q_rows = [&](auto const& tma, auto const& shape, int head) {
+        return rows_from<Traits::kPacked>(tma.get_tma_tensor(shape)(_, _, head, sl.tensor_batch), sl.offset_q);
       };
-      Tensor gQ = local_tile(q_rows(p.tma_q, p.shape_q), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(q_rows(p.tma_do, Traits::shape_do(p)),
-                              Shape<Int<kBlockM>, Int<Traits::kHeadDimV>>{},
-                              make_coord(_, _0{}));
+      // The Q tiles (TMA, TMA_M, TMA_D, m) of query head `head`: the row's, or in a grouped
+      // row the step's (schedule::GroupTile).
+      auto q_tiles = [&](int head) {
+        return tma_q.partition_S(local_tile(q_rows(p.tma_q, p.shape_q, head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                            make_coord(_, _0{})));
+      };
+      auto do_tiles = [&](int head) {
+        return tma_do.partition_S(local_tile(q_rows(p.tma_do, Traits::shape_do(p), head),
+                                             Shape<Int<kBlockM>, Int<Traits::kHeadDimV>>{}, make_coord(_, _0{})));
+      };
       Tensor gK = Traits::template kv_tile<false>(p.tma_k, p, sl, h_kv, kv);
       Tensor gV = Traits::template kv_tile<true>(p.tma_v, p, sl, h_kv, kv);
-      Tensor tQgQ = tma_q.partition_S(gQ);    // (TMA, TMA_M, TMA_D, m)
-      Tensor tdOgdO = tma_do.partition_S(gdO);
       Tensor tKgK = tma_k.partition_S(gK);
       Tensor tVgV = tma_v.partition_S(gV);
-      int64_t const stat_offset = Traits::stat_row(p, b, h);
 
-      // Loads Q tile q's rows of one Q-shaped tensor (Q or dO) and its per-row
-      // statistic (LSE or dPsum) into the next stage of `pipeline`. Q and dO
+      // Loads Q tile q's rows of one Q-shaped tensor (Q or dO) of query head `head` and its
+      // per-row statistic (LSE or dPsum) into the next stage of `pipeline`. Q and dO
       // of one tile are read by every KV tile of the head: keep them in L2.
       auto load_stage = [&](auto& pipeline, auto& write, auto const& tma, auto const& tXgX,
-                            auto& tXsX, float const* stat, auto& smem_stat, int q) {
+                            auto& tXsX, float const* stat, auto& smem_stat, int head, int q) {
         pipeline.producer_acquire(write);
         if (leader) {
           uint64_t* bar = pipeline.producer_get_barrier(write);
           copy(tma.with(*bar, 0, TMA::CacheHintSm90::EVICT_LAST), tXgX(_, _, _, q), tXsX(_, _, _, write.index()));
-          SM90_BULK_COPY_G2S::copy(stat + stat_offset + q * kBlockM, bar, smem_stat[write.index()],
+          SM90_BULK_COPY_G2S::copy(stat + Traits::stat_row(p, b, head) + q * kBlockM, bar, smem_stat[write.index()],
                                    Traits::kRowStatBytes);
         }
         ++write;
@@ -143,21 +145,23 @@ struct BwdProducer {
       // The task's Q-tile order, read from the row once.
       schedule::StepOrder const order = schedule::StepOrder::of(row);
       auto load_step = [&](int s) {
-        int const q = order.q_tile(s);
+        schedule::GroupTile const t = schedule::group_tile(order.q_tile(s), p.rank.group_log2);
+        int const head = h + t.head;
+        int const q = t.q;
         if constexpr (Traits::kStagesDo >= Traits::kStagesQ) {
           // dO first: the MMA warpgroups free a dO stage in the middle of a step
           // (when dV retires) and a Q stage only at its end, so loading dO first
           // lets it start half a step earlier instead of queueing behind Q.
-          load_stage(pipeline_do, write_do, p.tma_do, tdOgdO, tdOsdO, p.dpsum, smem.dpsum, q);
-          load_stage(pipeline_q, write_q, p.tma_q, tQgQ, tQsQ, p.lse_log2, smem.lse, q);
+          load_stage(pipeline_do, write_do, p.tma_do, do_tiles(head), tdOsdO, p.dpsum, smem.dpsum, head, q);
+          load_stage(pipeline_q, write_q, p.tma_q, q_tiles(head), tQsQ, p.lse_log2, smem.lse, head, q);
         } else {
           // Fewer dO stages than Q stages (d = 192: one): Q first. Its stage
           // for step s is free a step ahead (step s - 2 has ended), while dO's
           // waits for step s - 1's dV; behind that wait, Q's load comes late
           // and the MMA warps stall on it (measured:
           // docs/journal/code-comments.md).
-          load_stage(pipeline_q, write_q, p.tma_q, tQgQ, tQsQ, p.lse_log2, smem.lse, q);
-          load_stage(pipeline_do, write_do, p.tma_do, tdOgdO, tdOsdO, p.dpsum, smem.dpsum, q);
+          load_stage(pipeline_q, write_q, p.tma_q, q_tiles(head), tQsQ, p.lse_log2, smem.lse, head, q);
+          load_stage(pipeline_do, write_do, p.tma_do, do_tiles(head), tdOsdO, p.dpsum, smem.dpsum, head, q);
         }
       };
       // The first steps' Q and dO go out before the wait for sK/sV: their

@@ -284,7 +284,7 @@ class Cell:
         self.pre_post_bytes = pre_post_bytes(g, hdim, deterministic=column != "nd", header=s.meta.header,
                                              dq_zeroed=True)
         kv = s.task_kv[s.step_task]
-        self.masked = np.asarray(g.tiles.needs_mask(s.step_q, kv), dtype=float)[self.prog.step_perm]
+        self.masked = np.asarray(g.tiles.needs_mask(g.real_q(s.step_q), kv), dtype=float)[self.prog.step_perm]
 
     def makespan(self, hc: HeadDimCosts) -> float:
         import numpy as np

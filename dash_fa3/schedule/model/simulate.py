@@ -139,7 +139,7 @@ class CostModel:
         c = np.full(N, float(self.compute))
         if self.masked_compute is not None and N:
             kv = schedule.task_kv[schedule.step_task]
-            c[g.tiles.needs_mask(schedule.step_q, kv)] = float(self.masked_compute)
+            c[g.tiles.needs_mask(g.real_q(schedule.step_q), kv)] = float(self.masked_compute)
         if self.scale == "constant":
             return c, np.full(N, float(self.reduce))
         kv = schedule.task_kv[schedule.step_task]
