@@ -133,3 +133,21 @@ def test_auto_for_fp32_dkv_partials_is_never_a_whole_group_schedule():
             resolve_schedule_name(name, g, dkv_fp32=True)
     mha = Geometry(2, 4, 4, 256, 4096, 64, 128, "causal")
     assert resolve_schedule_name("grouped_sections", mha, dkv_fp32=True) == "grouped_sections"
+
+
+def test_auto_takes_them_only_where_measured():
+    """The deterministic auto picks a grouped schedule for few queries under a power-of-two GQA group
+    with the tiles of head dims up to 128; elsewhere (head dim 256's 64 x 64 tiles, a group of 3,
+    64 Q tiles per head, MHA) another."""
+    from dash_fa3.schedule import resolve_schedule_name
+
+    def pick(d, h=16, hkv=2, sq=256, sk=8192):
+        g = Geometry.from_shape(batch=4, heads=h, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, headdim=d, causal=True)
+        return resolve_schedule_name("auto", g, headdim=d)
+
+    assert pick(128) == pick(64) == "grouped_sections"
+    assert pick(128, h=32, hkv=1, sq=1024, sk=16384) == "grouped_split"  # a KV head fills L2 alone
+    assert not pick(256).startswith("grouped_")
+    assert not pick(128, h=12, hkv=4).startswith("grouped_")
+    assert not pick(128, sq=4096, sk=65536).startswith("grouped_")
+    assert not pick(128, hkv=16).startswith("grouped_")

@@ -108,11 +108,13 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     virtual Q tiles fill the L2 budget alone (:func:`.geometry.head_section` of the grouped view
     is 1), and ``sections``' queue runs its KV tiles side by side from the same dQ tiles, which
     ``split``'s cyclic starts avoid. So under such GQA, at most ``GROUPED_MAX_Q_TILES`` Q tiles per head:
-    ``grouped_split`` where the view's sections hold one head, else ``grouped_sections``;
+    ``grouped_split`` where the view's sections hold one head, else ``grouped_sections``; for the
+    tiles of head dims up to 128 (block_n 128), the ones measured and GPU-tested with them.
     ``whole_groups=False`` (a call that wants fp32 dK/dV partials) leaves them out.
     """
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
-        if whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.n_q <= GROUPED_MAX_Q_TILES:
+        if (whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.n_q <= GROUPED_MAX_Q_TILES
+                and g.block_n == 128):
             return "grouped_split" if head_section(g.grouped()) == 1 else "grouped_sections"
         if (g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
                 and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
