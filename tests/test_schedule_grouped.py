@@ -151,3 +151,15 @@ def test_auto_takes_them_only_where_measured():
     assert not pick(128, h=12, hkv=4).startswith("grouped_")
     assert not pick(128, sq=4096, sk=65536).startswith("grouped_")
     assert not pick(128, hkv=16).startswith("grouped_")
+
+
+def test_model_working_set_counts_the_view_heads():
+    """The model's L2 working set (model.calibration.working_set_bytes) of a grouped schedule: the
+    KV heads its first tasks touch, each with its group's Q, dO and fp32 dQ accumulator."""
+    from dash_fa3.schedule import get_schedule
+    from dash_fa3.schedule.model.calibration import working_set_bytes
+
+    g = Geometry(8, 16, 2, 256, 8192, 64, 128, "causal")  # 16 (batch, KV head) pairs, all in the first wave
+    s = get_schedule("grouped_sections", g, 132)
+    per_kv_head = g.group * g.n_q * g.block_m * 128 * (2 + 2 + 4)
+    assert working_set_bytes(s, 128) == g.batch * g.heads_kv * per_kv_head

@@ -207,8 +207,7 @@ def working_set_bytes(schedule, headdim: int) -> int:
     keep their concurrency pattern from wave to wave."""
     import numpy as np
     from .. import metadata as M
-    g = schedule.geometry
-    meta = schedule.meta
+    meta, g = M.grouped_view(schedule.meta, schedule.geometry)  # a grouped schedule: per KV head
     t = meta.tasks
     if int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC:
         first = np.asarray(meta.offsets[:-1], dtype=np.int64)
