@@ -1,10 +1,10 @@
 """Deterministic `auto` against every schedule on shapes off the bench grid (issue 15).
 
-    python benchmarks/bench_auto.py [--set first|held_out|all] [--rounds 3] [--iters 10] [--json out.json]
+    python benchmarks/bench_auto.py [--set first|held_out|probe|all] [--rounds 3] [--iters 10] [--json out.json]
                                     [--shapes 0,3,5]
     python benchmarks/bench_auto.py --dry-run        # CPU: build and validate, print the picks
 
-Per shape (two sets, SHAPES and HELD_OUT: other lengths, batch and head counts,
+Per shape (three sets, SHAPES, HELD_OUT and PROBE: other lengths, batch and head counts,
 GQA and MQA, ragged lengths, seqlen_q != seqlen_k; bf16; HELD_OUT was chosen
 after the table was revised on SHAPES' first measurement), ours only: the non-deterministic backward
 (`auto`, i.e. `lpt`) and the deterministic backward with every schedule,
@@ -72,7 +72,24 @@ HELD_OUT = [
     (6, 2048, 2048, 24, 24, 128, True),
     (2, 16384, 16384, 16, 16, 64, False),
 ]
-SETS = {"first": SHAPES, "held_out": HELD_OUT}
+# A third set, chosen after the rule's revision on the first two (docs/journal/rect-bwd.md run 14:
+# grouped schedules for square GQA, symmetric_shift for causal tasks of a few waves), to measure
+# the revision where it was not fitted: each shape sits inside one of the new regions or at its edge.
+PROBE = [
+    (8, 2048, 2048, 32, 8, 128, False),    # GQA 4, 32 Q tiles: grouped_split
+    (2, 3072, 3072, 16, 2, 64, False),     # GQA 8, head dim 64
+    (4, 1024, 1536, 16, 4, 128, False),    # 1.5 keys per query
+    (1, 8192, 8192, 16, 4, 128, False),    # 128 Q tiles: past GROUPED_FULL_MAX_Q_TILES
+    (32, 256, 256, 32, 8, 128, True),      # GQA 4, 4 Q tiles: grouped_sections
+    (24, 384, 384, 16, 2, 64, True),       # GQA 8, 3 Q tiles
+    (8, 640, 640, 16, 4, 128, True),       # 10 Q tiles: past GROUPED_CAUSAL_MAX_Q_TILES
+    (1, 4096, 4096, 12, 12, 64, True),     # 2.9 waves: symmetric_shift
+    (2, 2560, 2560, 8, 8, 128, True),      # 20 KV tiles, 2.4 waves
+    (1, 8192, 4096, 16, 16, 64, True),     # seqlen_q > seqlen_k, 3.9 waves
+    (4, 2048, 2048, 8, 8, 64, True),       # 16 KV tiles, 3.9 waves
+    (2, 6144, 6144, 16, 16, 64, True),     # 11.6 waves: spt
+]
+SETS = {"first": SHAPES, "held_out": HELD_OUT, "probe": PROBE}
 
 
 def label(shape) -> str:
@@ -148,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--set", choices=(*SETS, "all"), default="all",
-                    help="SHAPES (first), HELD_OUT, or both (default)")
+                    help="SHAPES (first), HELD_OUT, PROBE, or all (default)")
     ap.add_argument("--shapes", default="", help="comma list of indices into the set (default: all)")
     ap.add_argument("--num-sms", type=int, default=132, help="SM count the picks are resolved for (dry run)")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: validate every schedule, print the picks")

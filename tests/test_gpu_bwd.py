@@ -144,10 +144,11 @@ def test_deterministic_is_bitwise_over_100_runs_and_streams(schedule):
     assert_bitwise_repeatable(lambda: grads(q, k, vv, dout, True, deterministic=True, schedule=schedule)[1:], 99)
 
 
-# Rows of whole groups of 8 and 32 query heads (grouped_*): the kernel reads a step's virtual tile as
-# (query head, Q tile) for the loads, the mask and the dQ adds.
+# Rows of whole groups of 4, 8 and 32 query heads (grouped_*): the kernel reads a step's virtual tile as
+# (query head, Q tile) for the loads, the mask and the dQ adds; few and many keys per query, ragged.
 @pytest.mark.parametrize("schedule", ["grouped_sections", "grouped_shift", "grouped_split"])
-@pytest.mark.parametrize("shape", [(2, 256, 2048, 16, 2), (1, 200, 3000, 32, 1)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(2, 256, 2048, 16, 2), (1, 200, 3000, 32, 1), (4, 640, 640, 16, 4), (2, 1024, 700, 8, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("v", BWD_VARIANTS, ids=lambda v: v.name)
 def test_grouped_schedules_on_large_groups(v, shape, schedule):
     require_built(v, "bwd")

@@ -99,7 +99,7 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=6144, **full64)) == "sections"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=6144, seqlen_k=2048, **full64)) == "shift"
     causal128 = dict(batch=1, heads=16, headdim=128, causal=True)
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal128)) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **(causal128 | dict(batch=8)))) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **causal128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=6144, **causal128)) == "spt"
@@ -117,12 +117,32 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, seqlen_k=16384, **mqa)) == "grouped_split"
     mha64 = dict(batch=4, heads=16, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, seqlen_k=4096, **mha64)) == "sections"
+    # square GQA with a power-of-two group: grouped_split for a full mask up to 64 Q tiles per head,
+    # grouped_sections for a causal one up to 4; past those, the MHA rule
+    sq_gqa = dict(batch=4, heads=16, heads_kv=4, headdim=64)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **sq_gqa)) == "grouped_split"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **sq_gqa)) == "grouped_split"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=9216, **sq_gqa)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, causal=True, **sq_gqa)) == "grouped_sections"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=640, causal=True, **sq_gqa)) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, heads=15, heads_kv=5, headdim=64,
+                                                              batch=4)) == "shift"  # a group of 3
+    # causal tasks of a few waves: symmetric_shift from 16 KV tiles at every tile shape but head dim 96's
+    few = dict(heads=8, headdim=64, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=2048, **few)) == "symmetric_shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=1920, **few)) == "spt"   # 15 KV tiles
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=8, seqlen_q=2048, **few)) == "spt"   # 7.8 waves
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=2048, **few), num_sms=64) == "spt"
+    few128 = dict(batch=2, heads=16, headdim=128, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=2048, **few128)) == "symmetric_shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=2048, **few128),
+                                 headdim=96) == "spt"
     # head dim 96 shares head dim 128's tiles; the op passes headdim, and causal masks get spt there
     causal96 = dict(batch=1, heads=21, headdim=96, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **causal96), headdim=96) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **causal96), headdim=128) == "symmetric_shift"
     causal64 = dict(batch=1, heads=32, headdim=64, causal=True)
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **causal64)) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **(causal64 | dict(batch=8)))) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal64)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=7168, **causal64)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **causal64)) == "spt"
@@ -202,8 +222,8 @@ def test_cache_and_sm_count():
     with pytest.raises(ValueError):
         get_schedule("shift", g, 0)
     meta = get_metadata("auto", g, 132)
-    assert meta is get_metadata("spt", g, 132)
-    assert np.array_equal(meta.tasks, get_schedule("spt", g, 132).meta.tasks)
+    assert meta is get_metadata(resolve_schedule_name("auto", g), g, 132)
+    assert np.array_equal(meta.tasks, get_schedule(resolve_schedule_name("auto", g), g, 132).meta.tasks)
 
 
 @pytest.mark.parametrize("heads_kv", [2, 1])  # groups of 4 q heads, MQA

@@ -37,6 +37,14 @@ RUNS_MAX_DQ_BYTES_PER_KV_BYTE = 4
 #: Within that region, under GQA with a power-of-two group, a grouped schedule (:mod:`.grouped`)
 #: where a head has at most this many Q tiles (:func:`table_pick`).
 GROUPED_MAX_Q_TILES = 32
+#: Outside it, the grouped schedules where a head has at most this many Q tiles: ``grouped_split``
+#: for a full mask, ``grouped_sections`` for a causal one (:func:`table_pick`).
+GROUPED_FULL_MAX_Q_TILES = 64
+GROUPED_CAUSAL_MAX_Q_TILES = 4
+#: Causal, otherwise ``spt``: ``symmetric_shift`` from this many KV tiles where the (query head,
+#: KV tile) tasks fill at most SYMMETRIC_MAX_WAVES waves of the SMs (:func:`table_pick`).
+SYMMETRIC_MIN_KV_TILES_FEW_WAVES = 16
+SYMMETRIC_MAX_WAVES = 6
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
 if _auto_policy not in AUTO_POLICIES:
     raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
@@ -111,19 +119,37 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     ``grouped_split`` where the view's sections hold one head, else ``grouped_sections``; for the
     tiles of head dims up to 128 (block_n 128), the ones measured and GPU-tested with them.
     ``whole_groups=False`` (a call that wants fp32 dK/dV partials) leaves them out.
+
+    The grouped view pays off with fewer keys too, wherever the per-query-head fp32 dK/dV
+    weighs against the work (run 14 of docs/journal/rect-bwd.md): under such GQA a full mask with
+    at most ``GROUPED_FULL_MAX_Q_TILES`` Q tiles per head takes ``grouped_split`` (0.80-0.93 of
+    ``shift``'s or ``sections``' time, 8-64 Q tiles per head), a causal one with at most
+    ``GROUPED_CAUSAL_MAX_Q_TILES`` ``grouped_sections`` (0.79 of ``spt``'s at 4). Causal with
+    more Q tiles keeps the MHA rule: the view's long triangular tasks ran 1.1-1.9x slower.
+
+    A causal ``spt`` queue runs its longest KV tiles last, and where the tasks fill only a few
+    waves their tail is the makespan; ``symmetric_shift`` pairs a long and a short KV tile per
+    CTA instead. So from ``SYMMETRIC_MIN_KV_TILES_FEW_WAVES`` KV tiles with at most
+    ``SYMMETRIC_MAX_WAVES`` waves of tasks it is ``symmetric_shift`` at every tile shape but
+    head dim 96's (measured 1.10x faster at 3.9 and 5.8 waves, run 14).
     """
+    grouped_ok = whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.block_n == 128
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
-        if (whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.n_q <= GROUPED_MAX_Q_TILES
-                and g.block_n == 128):
+        if grouped_ok and g.n_q <= GROUPED_MAX_Q_TILES:
             return "grouped_split" if head_section(g.grouped()) == 1 else "grouped_sections"
         if (g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
                 and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
             return "runs"
         return "sections"
+    if grouped_ok and g.n_q <= (GROUPED_CAUSAL_MAX_Q_TILES if g.causal else GROUPED_FULL_MAX_Q_TILES):
+        return "grouped_sections" if g.causal else "grouped_split"
     square = g.block_m == g.block_n == 128  # head dim 64
     keys_within = g.seqlen_k <= g.seqlen_q
     if g.causal:
-        sym = keys_within and g.n_kv >= 32 and g.block_n >= 128 and not square and headdim != 96
+        waves = g.num_heads_total * g.n_kv / num_sms
+        sym = keys_within and g.block_n >= 128 and headdim != 96 and (
+            (g.n_kv >= 32 and not square)
+            or (g.n_kv >= SYMMETRIC_MIN_KV_TILES_FEW_WAVES and waves <= SYMMETRIC_MAX_WAVES))
         return "symmetric_shift" if sym else "spt"
     # KV tiles where shift wins: square tiles 4..127; 64 x 96 (head dim 192) 5..171; 64 x 128 and 64 x 64 5..128
     shift_kv = (4, 127) if square else (5, 171) if g.block_n == 96 else (5, 128)
