@@ -71,7 +71,7 @@ def test_kernel_dispatch_is_checked():
 
 
 def test_kernel_metadata_is_cached():
-    g = Geometry.from_shape(batch=2, heads=16, seqlen_q=2048, headdim=128, causal=True)
+    g = Geometry.from_shape(batch=8, heads=16, seqlen_q=2048, headdim=128, causal=True)
     assert policy.get_kernel_metadata("auto", g, 132) is get_kernel_metadata("spt", g, 132)
     with pytest.raises(ValueError, match="'auto' is resolved"):   # the contract takes concrete names
         get_kernel_metadata("auto", g, 132)
