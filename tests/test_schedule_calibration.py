@@ -78,8 +78,8 @@ def test_predictions_follow_the_data_file(hdim, causal):
     want = {}
     for name in C.DETERMINISTIC_CANDIDATES:
         s = get_schedule(name, g, 16)
-        assert C.working_set_bytes(s, hdim) <= raw["l2_bytes"]  # in L2: no HBM floor on the steps
         sim = simulate(s, costs, num_sms=16)
+        assert C.working_set_bytes(s, hdim, sim) <= raw["l2_bytes"]  # in L2: no HBM floor on the steps
         moved = C.pre_post_bytes(g, hdim, deterministic=True, header=s.meta.header)
         want[name] = (raw["overhead"] + moved / raw["pre_post_bytes_per_us"] + sim.makespan) / 1000
         assert math.isclose(C.predict_ms(name, g, hdim, num_sms=16), want[name], rel_tol=1e-12)
@@ -222,8 +222,10 @@ def test_pre_post_bytes_follow_the_workspace():
 
 
 def test_steps_that_miss_l2_run_at_the_hbm_rate():
-    """runs over 8 Q tiles of 64 heads: its CTAs' first tasks span more Q, dO and dQ than l2_bytes, so
-    every step costs at least the HBM time of its tiles, all CTAs at once; split's do not."""
+    """runs over 16 Q tiles of 64 heads: each CTA returns to its own dQ accumulators after a pass
+    over them, so the median reuse distance of its reads (working_set_bytes) exceeds l2_bytes and
+    every step costs at least the HBM time of its tiles, all CTAs at once; split's does not.
+    Measured on the H100 (rect_grouped_h100_2026-12-06_c8e39d3.json): runs 1.31 ms, sections 0.65."""
     cal = C.H100
     g = Geometry.from_shape(batch=4, heads=16, seqlen_q=1024, seqlen_k=4096, headdim=128, causal=False)
     runs, split = get_schedule("runs", g, 132), get_schedule("split", g, 132)

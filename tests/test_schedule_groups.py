@@ -103,3 +103,26 @@ def test_model_counts_no_dkv_partials_for_whole_groups():
     for det in (True, False):
         assert pre_post_bytes(g, 64, deterministic=det, header=lpt) - pre_post_bytes(
             g, 64, deterministic=det, header=whole) >= kv_bytes
+
+
+@pytest.mark.parametrize("name", ["groups", "runs"])
+def test_model_stores_dkv_once_per_chain(name):
+    """The simulator charges a chain one epilogue (the dK/dV store or add), on its last row: the rows
+    before it hand K, V and dK/dV on in registers and the next row starts as their last step ends
+    (model.simulate.epilogue_weights). Unchained rows (lpt) each have theirs."""
+    from dash_fa3.schedule import CostModel, get_schedule, simulate
+
+    g = GQA[0]
+    costs = CostModel(compute=1.0, reduce=0.5, epilogue=3.0, deterministic=False)
+    s = get_schedule(name, g, 132)
+    after = s.meta.tasks[:, M.C_CHAIN_AFTER].astype(np.int64)
+    ends = int((after == 0).sum())
+    assert ends < s.num_tasks
+    sim = simulate(s, costs, num_sms=132)
+    assert sim.work == pytest.approx(s.num_steps + 3.0 * ends)
+    inner = np.flatnonzero(after > 0)
+    assert np.allclose(sim.task_end[inner], sim.epilogue_start[inner])
+    assert np.allclose(sim.task_start[inner + 1], sim.task_end[inner])
+    assert np.allclose(sim.task_end[after == 0] - sim.epilogue_start[after == 0], 3.0)
+    lpt = get_schedule("lpt", g, 132)
+    assert simulate(lpt, costs, num_sms=132).work == pytest.approx(lpt.num_steps + 3.0 * lpt.num_tasks)

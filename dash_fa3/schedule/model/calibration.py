@@ -83,7 +83,8 @@ class HeadDimCosts:
                       are read once per task); fitted on square problems, where seqlen_q = seqlen_k.
                       Past the L2: Calibration.l2_bytes
     masked_extra:     extra of a step whose tile needs the causal mask
-    epilogue:         per task: the dK/dV store and the next task's start
+    epilogue:         per task: the dK/dV store and the next task's start (a chain of a GQA
+                      group's rows: once, on its last row; simulate.epilogue_weights)
     reduce:           one 32 KiB fp32 reduce-add of a partial dQ, issue to completion
                       (deterministic: to the semaphore release)
     read:             from its issue until the add has read its sdQ buffer (frees it)
@@ -123,7 +124,8 @@ class Calibration:
     headdims: dict = field(default_factory=dict)   # head dim -> HeadDimCosts
     # the pre- and postprocess: their HBM bytes (pre_post_bytes) at this rate, bytes per us; 0: none
     # (overhead is then the whole cost outside the main kernel); not fitted. Also the rate of the
-    # main kernel's steps when their working set misses L2 (l2_bytes; 0: never, see predict_ms).
+    # main kernel's steps when their working set (working_set_bytes) exceeds l2_bytes (0: never,
+    # see predict_ms).
     pre_post_bytes_per_us: float = 0.0
     l2_bytes: int = 0
 
@@ -199,26 +201,25 @@ def pre_post_bytes(geometry: Geometry, headdim: int, *, deterministic: bool = Tr
     return int(pre + post)
 
 
-def working_set_bytes(schedule, headdim: int) -> int:
-    """Bytes the CTAs' first tasks read again and again at once: Q, dO (16-bit) and the fp32 dQ
-    accumulator of every distinct head (accumulator: every distinct (head, dQ split)); a task's K
-    and V tile is read once, into shared memory, and does not count. The first task of each CTA
-    (static) or the queue's first num_ctas tasks (dynamic) stand for the whole run: the schedules
-    keep their concurrency pattern from wave to wave."""
-    import numpy as np
-    from .. import metadata as M
-    meta, g = M.grouped_view(schedule.meta, schedule.geometry)  # a grouped schedule: per KV head
-    t = meta.tasks
-    if int(meta.header[M.H_DISPATCH]) == M.DISPATCH_STATIC:
-        first = np.asarray(meta.offsets[:-1], dtype=np.int64)
-        rows = t[first[first < len(t)]]
-    else:
-        rows = t[:int(meta.header[M.H_NUM_CTAS])]
-    hidx = rows[:, M.C_BATCH].astype(np.int64) * g.heads + rows[:, M.C_HEAD]
-    heads = np.unique(hidx).size
-    accumulators = np.unique(hidx * (1 << 20) + rows[:, M.C_SPLIT]).size
-    per_head = g.n_q * g.block_m * headdim
-    return int(heads * per_head * (2 + 2) + accumulators * per_head * 4)
+def working_set_bytes(schedule, headdim: int, sim=None, *, calibration: Calibration | None = None,
+                      deterministic: bool = True) -> int:
+    """The L2 size that would hold half of what the run of ``schedule`` reads again (Q, dO and the
+    fp32 dQ accumulators, one per dQ split) from one read to the next: the median reuse distance
+    of its steps' accesses (:func:`.reuse.schedule_working_set`). ``sim``: the run (a
+    :class:`SimResult` of ``schedule``); None: simulated here under ``calibration``'s costs
+    (default :data:`H100`).
+
+    Distances over a run's times, not the tiles its first tasks touch: CTAs that sweep a head's
+    Q range side by side read each tile one after another and need few of them in L2 at once
+    however long the range (the grouped view of an MQA shape), while a CTA that returns to its
+    own tiles only after a pass over all of them (``runs``' accumulators) needs every CTA's
+    pass in L2."""
+    from .reuse import schedule_working_set
+    if sim is None:
+        cal = calibration or H100
+        sms = max(int(cal.num_sms), int(schedule.num_ctas))
+        sim = simulate(schedule, cal.cost_model(headdim, schedule.geometry, deterministic), num_sms=sms)
+    return schedule_working_set(schedule, sim, headdim)
 
 
 def calibration_from_dict(d: dict) -> Calibration:
@@ -250,14 +251,16 @@ def predict_ms(name: str, geometry: Geometry, headdim: int, *, deterministic: bo
     sms = int(num_sms or cal.num_sms)
     s = get_schedule(name, geometry, sms)
     costs = cal.cost_model(headdim, geometry, deterministic)
-    if cal.l2_bytes and cal.pre_post_bytes_per_us and working_set_bytes(s, headdim) > cal.l2_bytes:
-        # The working set misses L2 (runs over more heads than it holds): every step streams its
-        # Q and dO tiles and its dQ tile's read and write from HBM, all CTAs at once.
+    sim = simulate(s, costs, num_sms=sms)
+    if cal.l2_bytes and cal.pre_post_bytes_per_us and working_set_bytes(s, headdim, sim) > cal.l2_bytes:
+        # Most of what the steps read again is gone from L2 by then (working_set_bytes, on the
+        # run at the L2 rates): every step streams its Q and dO tiles and its dQ tile's read and
+        # write from HBM, all CTAs at once.
         step_bytes = geometry.block_m * headdim * (2 + 2 + 4 + 4)
         floor = min(s.num_ctas, sms) * step_bytes / cal.pre_post_bytes_per_us
         costs = replace(costs, compute=max(costs.compute, floor),
                         masked_compute=max(costs.masked_compute or costs.compute, floor))
-    sim = simulate(s, costs, num_sms=sms)
+        sim = simulate(s, costs, num_sms=sms)
     overhead = cal.call_overhead_us(geometry, headdim, deterministic=deterministic, header=s.meta.header)
     return (overhead + sim.makespan) / 1000.0
 

@@ -14,7 +14,8 @@ Per CTA two resources run concurrently:
   fraction ``handoff_at`` of the step's compute (the rest, the dK GEMM, runs
   on during it) and the step ends at the later of its compute and the
   hand-off, when the writer may start the add.  A task ends with its epilogue
-  (``epilogue``: the dK/dV store; the next task starts after it);
+  (``epilogue``: the dK/dV store; the next task starts after it), except a
+  row that hands its chain on (:func:`epilogue_weights`): the chain stores once;
 * the dQ writer handles the CTA's steps in order, one buffer's steps per
   writer warp: writer ``b`` takes step j (``j % buffers == b``) once it has
   finished step ``j - buffers``; deterministic mode then waits until the
@@ -231,18 +232,20 @@ def unit_model(schedule) -> tuple[int, float]:
     return sim.waits, sim.makespan
 
 
-def epilogue_counts(lens: np.ndarray, offs: np.ndarray, cta: np.ndarray, num_steps: int):
+def epilogue_counts(lens: np.ndarray, offs: np.ndarray, cta: np.ndarray, num_steps: int, weight=None):
     """Where the task epilogues of a CTA program run (tasks in program order: their
     step counts ``lens``, step offsets ``offs``, CTAs ``cta``): (before, after, only).
     ``before[p]``: epilogues between step p and the CTA's previous step (at a
     task's first step the previous task's, plus those of tasks without steps in
     between; 0 elsewhere); ``after[i]``: for task i with steps, the epilogues
     that end its CTA's program behind its last step if it is the CTA's last task
-    with steps (its own and those of tasks without steps after it), else 1;
-    ``only``: the most epilogues of a CTA that has no step at all."""
+    with steps (its own and those of tasks without steps after it), else its own;
+    ``only``: the most epilogues of a CTA that has no step at all. ``weight``: the
+    epilogues each task counts (program order; None: one each)."""
     T = lens.size
+    w = np.ones(T) if weight is None else np.asarray(weight, dtype=float)
     before = np.zeros(num_steps)
-    after = np.ones(T)
+    after = w.copy()
     only = 0
     pending, last, cur = 0, -1, None
 
@@ -260,12 +263,25 @@ def epilogue_counts(lens: np.ndarray, offs: np.ndarray, cta: np.ndarray, num_ste
             cur, pending, last = cta[i], 0, -1
         if lens[i] > 0:
             before[offs[i]] = pending
-            pending, last = 1, i
+            pending, last = w[i], i
         else:
-            pending += 1
+            pending += w[i]
     if cur is not None:
         close()
     return before, after, float(only)
+
+
+def epilogue_weights(schedule) -> np.ndarray:
+    """Epilogues each task counts (task order): 0 for a row that hands its chain on (column
+    ``chain_after`` > 0, :mod:`..groups`, :mod:`..runs`): K and V stay in shared memory and dK/dV in
+    registers for the chain's next row, which starts at once; only the chain's last row stores or
+    adds them. 1 for every other row."""
+    from .. import metadata as M
+    t = schedule.meta.tasks
+    w = np.ones(schedule.num_tasks)
+    if int(schedule.meta.header[M.H_DKV_CHAINED]) != M.DKV_UNCHAINED and t.shape[0] == w.size:
+        w[t[:, M.C_CHAIN_AFTER] > 0] = 0.0
+    return w
 
 
 def kernel_program(schedule, num_sms: int | None = None):
@@ -318,7 +334,9 @@ class WriterProgram:
         # the tasks since the CTA's previous step (the previous task's; and with
         # windows tasks without steps, which are an epilogue alone); after a CTA's
         # last step, its last task's and those of the tasks without steps behind it.
-        self.epi_before, self.epi_after, self.epi_only = epilogue_counts(lens, offs, task_cta[task_perm], N)
+        self.task_epilogues = epilogue_weights(schedule)
+        self.epi_before, self.epi_after, self.epi_only = epilogue_counts(lens, offs, task_cta[task_perm], N,
+                                                                         self.task_epilogues[task_perm])
         inv = np.empty(N, dtype=np.int64)
         inv[step_perm] = np.arange(N, dtype=np.int64)
         self.inv = inv
@@ -441,16 +459,17 @@ def _simulate_writer(schedule, costs: CostModel, S: int) -> SimResult:
     tp = task_perm[nz]
     t_start[tp] = start_p[first_p]
     ep_start[tp] = E[last_p]
-    t_end[tp] = E[last_p] + e
+    we = prog.task_epilogues * e
+    t_end[tp] = E[last_p] + we[tp]
     if not nz.all():  # tasks without steps: their epilogue follows the previous task's on the CTA
         cta_p = task_cta[task_perm]
         for i in np.flatnonzero(~nz).tolist():
             t = task_perm[i]
             prev = t_end[task_perm[i - 1]] if i > 0 and cta_p[i - 1] == cta_p[i] else 0.0
             t_start[t] = ep_start[t] = prev
-            t_end[t] = prev + e
+            t_end[t] = prev + we[t]
     makespan = float(max(t_end.max() if T else 0.0, (A + r).max() if N else 0.0))
-    work = float(c.sum() + e * T)
+    work = float(c.sum() + we.sum())
     eps = 1e-9 * max(1.0, makespan)
     idle = max(0.0, 1.0 - work / (S * makespan)) if makespan > 0 else 0.0
     return SimResult(schedule=schedule.name, num_sms=S, makespan=makespan, work=work, lower_bound=work / S,
