@@ -48,7 +48,9 @@ struct GroupTile {
   int q;     // the Q tile
 };
 DASH_FA3_HD GroupTile group_tile(int v, int group_log2) {
-  return {v & ((1 << group_log2) - 1), v >> group_log2};
+  // j as v - (q << g), not v & mask: no mask to hold in the writer warps' 24 registers.
+  int const q = v >> group_log2;
+  return {v - (q << group_log2), q};
 }
 
 DASH_FA3_HD TileGeometry tile_geometry_of(int32_t const* header) {

@@ -113,12 +113,12 @@ struct BwdDqWriter {
       TileGeometry const geo = Traits::tile_geometry(p, Traits::seqlens(p, b));
       // Tile q of this (batch, head): rows [q kBlockM, (q + 1) kBlockM) from its first, contiguous.
       // The next head's rows follow seqlen_q_rounded rows on (Traits::stat_row), so a grouped
-      // row's tile (j, q) (schedule::GroupTile) is tile j * tiles_per_head + q from the row's head.
+      // row's tile (j, q) (schedule::GroupTile) starts j * seqlen_q_rounded + q * kBlockM rows
+      // from the row's head's first.
       int64_t const stat_row = Traits::stat_row(p, b, h);
       int64_t const split = row[schedule::kCSplit];
       float* dq_bh = p.dq_accum + split * p.dq_split_floats + stat_row * kHeadDim;
       int* sem_bh = p.dq_semaphore + split * p.dq_split_sems + stat_row / kBlockM;
-      int const tiles_per_head = p.seqlen_q_rounded / kBlockM;
 
       // First step of this task that falls on this writer.
       int const first = (writer - cta_step % Traits::kDqWriters + Traits::kDqWriters) % Traits::kDqWriters;
@@ -132,8 +132,9 @@ struct BwdDqWriter {
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterWait, tracing::now_clock());
           DASH_FA3_TRACE_STEP(p, row, s, tracing::kWriterWaitNs, tracing::now_ns());
         }
+        // Computed per step from the parameters, not kept: these warps run in 24 registers.
         schedule::GroupTile const gt = schedule::group_tile(st.q_tile, p.rank.group_log2);
-        int const tile = gt.head * tiles_per_head + gt.q;
+        int const tile = int(unsigned(gt.head * p.seqlen_q_rounded + gt.q * kBlockM) / kBlockM);
         if (leader && deterministic) {
           // Our turn: every contribution of lower rank has completed its add.
           semaphore_wait_for(sem_bh + tile, st.rank);
