@@ -121,17 +121,17 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     ``whole_groups=False`` (a call that wants fp32 dK/dV partials) leaves them out.
 
     The grouped view pays off with fewer keys too, wherever the per-query-head fp32 dK/dV
-    weighs against the work (run 14 of docs/journal/rect-bwd.md): under such GQA a full mask with
-    at most ``GROUPED_FULL_MAX_Q_TILES`` Q tiles per head takes ``grouped_split`` (0.80-0.93 of
+    weighs against the work (run 14a of docs/journal/rect-bwd.md): under such GQA a full mask with
+    at most ``GROUPED_FULL_MAX_Q_TILES`` Q tiles per head takes ``grouped_split`` (0.81-0.94 of
     ``shift``'s or ``sections``' time, 8-64 Q tiles per head), a causal one with at most
     ``GROUPED_CAUSAL_MAX_Q_TILES`` ``grouped_sections`` (0.79 of ``spt``'s at 4). Causal with
-    more Q tiles keeps the MHA rule: the view's long triangular tasks ran 1.1-1.9x slower.
+    more Q tiles keeps the MHA rule: the view's long triangular tasks ran 1.06-1.8x slower.
 
     A causal ``spt`` queue runs its longest KV tiles last, and where the tasks fill only a few
     waves their tail is the makespan; ``symmetric_shift`` pairs a long and a short KV tile per
     CTA instead. So from ``SYMMETRIC_MIN_KV_TILES_FEW_WAVES`` KV tiles with at most
     ``SYMMETRIC_MAX_WAVES`` waves of tasks it is ``symmetric_shift`` at every tile shape but
-    head dim 96's (measured 1.10x faster at 3.9 and 5.8 waves, run 14).
+    head dim 96's (measured 1.10x faster at 3.9 and 5.8 waves, run 14a).
     """
     grouped_ok = whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.block_n == 128
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
