@@ -1,10 +1,10 @@
 """Deterministic `auto` against every schedule on shapes off the bench grid (issue 15).
 
-    python benchmarks/bench_auto.py [--set first|held_out|probe|all] [--rounds 3] [--iters 10] [--json out.json]
+    python benchmarks/bench_auto.py [--set first|held_out|probe|probe2|all] [--rounds 3] [--iters 10] [--json out.json]
                                     [--shapes 0,3,5]
     python benchmarks/bench_auto.py --dry-run        # CPU: build and validate, print the picks
 
-Per shape (three sets, SHAPES, HELD_OUT and PROBE: other lengths, batch and head counts,
+Per shape (four sets, SHAPES, HELD_OUT, PROBE and PROBE2: other lengths, batch and head counts,
 GQA and MQA, ragged lengths, seqlen_q != seqlen_k; bf16; HELD_OUT was chosen
 after the table was revised on SHAPES' first measurement), ours only: the non-deterministic backward
 (`auto`, i.e. `lpt`) and the deterministic backward with every schedule,
@@ -89,7 +89,23 @@ PROBE = [
     (4, 2048, 2048, 8, 8, 64, True),       # 16 KV tiles, 3.9 waves
     (2, 6144, 6144, 16, 16, 64, True),     # 11.6 waves: spt
 ]
-SETS = {"first": SHAPES, "held_out": HELD_OUT, "probe": PROBE}
+# A fourth set, chosen after PROBE's first measurement (H200, docs/journal/rect-bwd.md run 15) moved
+# the rule again (grouped tasks that fill a wave, causal grouped tasks of at most 48 steps, sections
+# under 3 waves of causal tasks), at the edges of the moved regions.
+PROBE2 = [
+    (3, 2048, 2048, 16, 2, 64, False),     # 96 grouped tasks: under a wave, shift
+    (6, 2048, 2048, 16, 2, 64, False),     # 192 grouped tasks: grouped_split
+    (8, 768, 768, 32, 8, 128, True),       # 48 Q tiles per group: grouped_sections
+    (4, 1024, 1024, 16, 4, 128, True),     # 64 Q tiles per group: spt
+    (16, 768, 768, 16, 8, 64, True),       # GQA 2, 12 Q tiles per group
+    (1, 8192, 8192, 4, 4, 128, True),      # 1.9 waves: sections
+    (1, 6144, 6144, 8, 8, 64, True),       # 2.9 waves
+    (1, 16384, 16384, 2, 2, 128, True),    # 1.9 waves, 128 KV tiles
+    (2, 3072, 3072, 8, 8, 128, True),      # 2.9 waves, 24 KV tiles
+    (2, 4096, 4096, 8, 8, 64, True),       # 3.9 waves: symmetric_shift
+    (1, 4096, 4096, 24, 24, 128, True),    # 5.8 waves
+]
+SETS = {"first": SHAPES, "held_out": HELD_OUT, "probe": PROBE, "probe2": PROBE2}
 
 
 def label(shape) -> str:

@@ -118,21 +118,32 @@ def test_auto_rule():
     mha64 = dict(batch=4, heads=16, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, seqlen_k=4096, **mha64)) == "sections"
     # square GQA with a power-of-two group: grouped_split for a full mask up to 64 Q tiles per head,
-    # grouped_sections for a causal one up to 4; past those, the MHA rule
+    # grouped_sections for a causal one up to 48 Q tiles per group; both only where the grouped
+    # view's tasks fill a wave of the SMs; past those, the MHA rule
     sq_gqa = dict(batch=4, heads=16, heads_kv=4, headdim=64)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **sq_gqa)) == "grouped_split"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **sq_gqa)) == "grouped_split"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=9216, **sq_gqa)) == "shift"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, causal=True, **sq_gqa)) == "grouped_sections"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=640, causal=True, **sq_gqa)) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **sq_gqa)) == "shift"  # 32 tasks
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **sq_gqa), num_sms=32) == "grouped_split"
+    sq_gqa_c = sq_gqa | dict(batch=16, causal=True)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **sq_gqa_c)) == "grouped_sections"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1536, **sq_gqa_c)) == "grouped_sections"  # 48
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1664, **sq_gqa_c)) == "spt"  # 52
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **(sq_gqa_c | dict(batch=4)))) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, heads=15, heads_kv=5, headdim=64,
                                                               batch=4)) == "shift"  # a group of 3
-    # causal tasks of a few waves: symmetric_shift from 16 KV tiles at every tile shape but head dim 96's
+    # causal tasks of a few waves, from 16 KV tiles at every tile shape but head dim 96's:
+    # sections under 3 waves, symmetric_shift up to 6
     few = dict(heads=8, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=2048, **few)) == "symmetric_shift"
-    assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=1920, **few)) == "spt"   # 15 KV tiles
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=2, seqlen_q=2048, **few)) == "sections"
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=2, seqlen_q=1920, **few)) == "spt"   # 15 KV tiles
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=1920, **few)) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(batch=8, seqlen_q=2048, **few)) == "spt"   # 7.8 waves
     assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=2048, **few), num_sms=64) == "spt"
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=2, seqlen_q=2048, **few),
+                                 num_sms=64) == "symmetric_shift"
     few128 = dict(batch=2, heads=16, headdim=128, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=2048, **few128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=2048, **few128),

@@ -37,13 +37,16 @@ RUNS_MAX_DQ_BYTES_PER_KV_BYTE = 4
 #: Within that region, under GQA with a power-of-two group, a grouped schedule (:mod:`.grouped`)
 #: where a head has at most this many Q tiles (:func:`table_pick`).
 GROUPED_MAX_Q_TILES = 32
-#: Outside it, the grouped schedules where a head has at most this many Q tiles: ``grouped_split``
-#: for a full mask, ``grouped_sections`` for a causal one (:func:`table_pick`).
+#: Outside it, ``grouped_split`` for a full mask where a head has at most GROUPED_FULL_MAX_Q_TILES
+#: Q tiles, ``grouped_sections`` for a causal one where a KV head's group has at most
+#: GROUPED_CAUSAL_MAX_GROUP_Q_TILES, its task's steps (:func:`table_pick`).
 GROUPED_FULL_MAX_Q_TILES = 64
-GROUPED_CAUSAL_MAX_Q_TILES = 4
-#: Causal, otherwise ``spt``: ``symmetric_shift`` from this many KV tiles where the (query head,
-#: KV tile) tasks fill at most SYMMETRIC_MAX_WAVES waves of the SMs (:func:`table_pick`).
-SYMMETRIC_MIN_KV_TILES_FEW_WAVES = 16
+GROUPED_CAUSAL_MAX_GROUP_Q_TILES = 48
+#: Causal, otherwise ``spt``: from this many KV tiles, where the (query head, KV tile) tasks fill
+#: fewer than SECTIONS_MAX_WAVES waves of the SMs ``sections``, else up to SYMMETRIC_MAX_WAVES
+#: waves ``symmetric_shift`` (:func:`table_pick`).
+FEW_WAVES_MIN_KV_TILES = 16
+SECTIONS_MAX_WAVES = 3
 SYMMETRIC_MAX_WAVES = 6
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
 if _auto_policy not in AUTO_POLICIES:
@@ -124,16 +127,25 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     weighs against the work (run 14a of docs/journal/rect-bwd.md): under such GQA a full mask with
     at most ``GROUPED_FULL_MAX_Q_TILES`` Q tiles per head takes ``grouped_split`` (0.81-0.94 of
     ``shift``'s or ``sections``' time, 8-64 Q tiles per head), a causal one with at most
-    ``GROUPED_CAUSAL_MAX_Q_TILES`` ``grouped_sections`` (0.79 of ``spt``'s at 4). Causal with
-    more Q tiles keeps the MHA rule: the view's long triangular tasks ran 1.06-1.8x slower.
+    ``GROUPED_CAUSAL_MAX_GROUP_Q_TILES`` Q tiles in a group (its longest task's steps)
+    ``grouped_sections`` (0.79 of ``spt``'s time at 16, run 14a; 0.94 at 40, run 15). Causal with
+    longer tasks keeps the MHA rule: the view's long triangular tasks ran 1.06-1.8x slower from
+    64 on (runs 14a, 15).
+
+    The grouped view has a group's worth fewer tasks, so it is picked only where its (KV head,
+    KV tile) tasks fill at least one wave of the SMs: with 96 of them on 132 SMs
+    ``grouped_split`` ran at 0.84 of ``shift``'s speed (H200, run 15 of docs/journal/rect-bwd.md).
 
     A causal ``spt`` queue runs its longest KV tiles last, and where the tasks fill only a few
-    waves their tail is the makespan; ``symmetric_shift`` pairs a long and a short KV tile per
-    CTA instead. So from ``SYMMETRIC_MIN_KV_TILES_FEW_WAVES`` KV tiles with at most
-    ``SYMMETRIC_MAX_WAVES`` waves of tasks it is ``symmetric_shift`` at every tile shape but
-    head dim 96's (measured 1.10x faster at 3.9 and 5.8 waves, run 14a).
+    waves their tail is the makespan. From ``FEW_WAVES_MIN_KV_TILES`` KV tiles, at most
+    ``SYMMETRIC_MAX_WAVES`` waves of tasks take ``symmetric_shift``, which pairs a long and a
+    short KV tile per CTA (measured 1.10x faster than ``spt`` at 3.9 and 5.8 waves, run 14a),
+    and fewer than ``SECTIONS_MAX_WAVES`` waves take ``sections``, whose heads side by side
+    keep the SMs on short KV tiles too (1.10-1.18x ``symmetric_shift``'s speed at 2.4 and 2.9
+    waves, run 15); neither at head dim 96's tiles.
     """
-    grouped_ok = whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.block_n == 128
+    grouped_ok = (whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.block_n == 128
+                  and g.batch * g.heads_kv * g.n_kv >= num_sms)
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
         if grouped_ok and g.n_q <= GROUPED_MAX_Q_TILES:
             return "grouped_split" if head_section(g.grouped()) == 1 else "grouped_sections"
@@ -141,16 +153,19 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
                 and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
             return "runs"
         return "sections"
-    if grouped_ok and g.n_q <= (GROUPED_CAUSAL_MAX_Q_TILES if g.causal else GROUPED_FULL_MAX_Q_TILES):
+    if grouped_ok and (g.grouped().n_q <= GROUPED_CAUSAL_MAX_GROUP_Q_TILES if g.causal
+                       else g.n_q <= GROUPED_FULL_MAX_Q_TILES):
         return "grouped_sections" if g.causal else "grouped_split"
     square = g.block_m == g.block_n == 128  # head dim 64
     keys_within = g.seqlen_k <= g.seqlen_q
     if g.causal:
         waves = g.num_heads_total * g.n_kv / num_sms
-        sym = keys_within and g.block_n >= 128 and headdim != 96 and (
-            (g.n_kv >= 32 and not square)
-            or (g.n_kv >= SYMMETRIC_MIN_KV_TILES_FEW_WAVES and waves <= SYMMETRIC_MAX_WAVES))
-        return "symmetric_shift" if sym else "spt"
+        few_waves = (keys_within and g.block_n >= 128 and headdim != 96 and g.n_kv >= FEW_WAVES_MIN_KV_TILES
+                     and waves <= SYMMETRIC_MAX_WAVES)
+        if few_waves and waves < SECTIONS_MAX_WAVES:
+            return "sections"
+        sym = keys_within and g.block_n >= 128 and headdim != 96 and g.n_kv >= 32 and not square
+        return "symmetric_shift" if sym or few_waves else "spt"
     # KV tiles where shift wins: square tiles 4..127; 64 x 96 (head dim 192) 5..171; 64 x 128 and 64 x 64 5..128
     shift_kv = (4, 127) if square else (5, 171) if g.block_n == 96 else (5, 128)
     return "shift" if keys_within and shift_kv[0] <= g.n_kv <= shift_kv[1] else "fa3"
