@@ -22,7 +22,7 @@ import pytest
 from dash_fa3 import bwd_layouts, fwd_order
 from dash_fa3.schedule import SCHEDULES, Geometry, bwd_block_sizes, build_schedule, schedules_for
 from dash_fa3.schedule.export import DEFAULT_GRID, grid_geometries, read_bundle, write_bundle
-from dash_fa3.schedule.contract import BWD_BLOCK_SIZES
+from dash_fa3.schedule.contract import BWD_BLOCK_SIZES, BWD_CHAINS, BWD_MMA_WARPGROUPS, bwd_entry
 from dash_fa3.schedule.geometry import TileGeometry
 from dash_fa3.schedule.metadata import decode_all
 
@@ -186,14 +186,15 @@ def test_block_ranges(driver):
 
 
 def test_bwd_block_sizes(driver):
+    """kernel_contract.h's bwd_block_m, bwd_block_n, bwd_mma_warpgroups and bwd_chains against
+    the contract's tables, on every head dim (0 / false: no kernel)."""
     dims = list(range(-1, 300))
-    got = run_driver(driver, "blocks", stdin=" ".join(map(str, dims))).reshape(-1, 2)
-    for d, (bm, bn) in zip(dims, got):
-        try:
-            want = bwd_block_sizes(d)
-        except ValueError:
-            want = (0, 0)
-        assert (int(bm), int(bn)) == want, f"head dim {d}: C++ {(int(bm), int(bn))}, Python {want}"
+    got = run_driver(driver, "blocks", stdin=" ".join(map(str, dims))).reshape(-1, 4)
+    for d, row in zip(dims, got):
+        entry = bwd_entry(d)
+        want = (0, 0, 0, 0) if entry is None else (*bwd_block_sizes(d), BWD_MMA_WARPGROUPS[entry],
+                                                     int(BWD_CHAINS[entry]))
+        assert tuple(int(x) for x in row) == want, f"head dim {d}: C++ {tuple(int(x) for x in row)}, Python {want}"
 
 
 def test_bundle_round_trip(tmp_path):

@@ -252,3 +252,16 @@ def test_export_rejects_bad_shape_lines(tmp_path, capsys):
             main(["export", "--out", str(tmp_path / "s.i32"), "--shapes", str(shapes)])
         assert exc.value.code == 2
         assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("headdim,heads", [(192, 8), (128, 6)])
+def test_all_is_the_schedules_a_shape_has(capsys, headdim, heads):
+    """``--schedule all`` lists the schedules defined for the shape (schedules_for): no runs or groups at
+    head dim 192, whose kernel has no chains; no grouped_* with a group of 3."""
+    from dash_fa3.schedule import schedules_for
+    assert main(["--seqlen", "512", "--headdim", str(headdim), "--heads", str(heads), "--heads-kv", "2",
+                 "--schedule", "all", "--no-gantt", "--no-critical-path", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    g = Geometry.from_shape(batch=1, heads=heads, heads_kv=2, seqlen_q=512, headdim=headdim)
+    assert [r["schedule"] for r in rows] == list(schedules_for(g)) and all(r["valid"] for r in rows)
+    assert ("runs" in schedules_for(g)) == (headdim != 192)

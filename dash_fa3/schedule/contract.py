@@ -139,11 +139,25 @@ BWD_BLOCK_SIZES: dict[int, tuple[int, int]] = {
 }
 # MMA warpgroups of the backward kernel per head dim (same entries).
 BWD_MMA_WARPGROUPS: dict[int, int] = {64: 2, 96: 2, 128: 2, 192: 3, 256: 2}
+# Whether the backward kernel of each entry runs chains (header dkv_chained, columns
+# chain_before / chain_after: consecutive rows of one CTA sum their dK/dV in registers). Not with
+# three MMA warpgroups: a chain keeps the dK/dV accumulators live across the MMA warps' task
+# loop, and in their 160 registers that spills (csrc/kernels/bwd/bwd_traits.h, kChains). There
+# every task clears and stores its own dK/dV, the launcher refuses chained tables, and the
+# chaining schedules (groups, runs) are not defined for those tiles.
+BWD_CHAINS: dict[int, bool] = {d: w != 3 for d, w in BWD_MMA_WARPGROUPS.items()}
 
 
 def bwd_entry(headdim: int) -> int | None:
-    """The entry of BWD_BLOCK_SIZES / BWD_MMA_WARPGROUPS that ``headdim`` uses: the first >= it (None: none)."""
+    """The entry of BWD_BLOCK_SIZES / BWD_MMA_WARPGROUPS / BWD_CHAINS that ``headdim`` uses: the first >= it
+    (None: none)."""
     return next((d for d in sorted(BWD_BLOCK_SIZES) if 0 < headdim <= d), None)
+
+
+def bwd_tiles_chain(block_m: int, block_n: int) -> bool:
+    """Whether the backward kernel of (block_m, block_n) tiles runs chains (:data:`BWD_CHAINS`): every
+    head dim with those tiles does; tiles of no head dim (the research model's) count as chaining."""
+    return all(BWD_CHAINS[d] for d, tiles in BWD_BLOCK_SIZES.items() if tiles == (block_m, block_n))
 
 
 def _check() -> None:
@@ -206,15 +220,17 @@ def cpp_header() -> str:
         "",
         "}  // namespace schedule",
         "",
-        "// Backward tile sizes and MMA warpgroups (contract.BWD_BLOCK_SIZES,",
-        "// BWD_MMA_WARPGROUPS): a head dim uses the first entry >= it; 0 means no",
-        "// backward kernel for that head dim.",
+        "// Backward tile sizes, MMA warpgroups and chains (contract.BWD_BLOCK_SIZES,",
+        "// BWD_MMA_WARPGROUPS, BWD_CHAINS): a head dim uses the first entry >= it; 0",
+        "// (false) means no backward kernel for that head dim.",
     ]
     dims = sorted(BWD_BLOCK_SIZES)
-    for fn, table in (("bwd_block_m", {d: BWD_BLOCK_SIZES[d][0] for d in dims}),
-                      ("bwd_block_n", {d: BWD_BLOCK_SIZES[d][1] for d in dims}),
-                      ("bwd_mma_warpgroups", BWD_MMA_WARPGROUPS)):
-        body = " : ".join(f"headdim <= {d} ? {table[d]}" for d in dims)
-        out.append(f"constexpr int {fn}(int headdim) {{ return headdim <= 0 ? 0 : {body} : 0; }}")
+    for fn, kind, none, table in (("bwd_block_m", "int", 0, {d: BWD_BLOCK_SIZES[d][0] for d in dims}),
+                                  ("bwd_block_n", "int", 0, {d: BWD_BLOCK_SIZES[d][1] for d in dims}),
+                                  ("bwd_mma_warpgroups", "int", 0, BWD_MMA_WARPGROUPS),
+                                  ("bwd_chains", "bool", False, BWD_CHAINS)):
+        body = " : ".join(f"headdim <= {d} ? {str(table[d]).lower()}" for d in dims)
+        none = str(none).lower()
+        out.append(f"constexpr {kind} {fn}(int headdim) {{ return headdim <= 0 ? {none} : {body} : {none}; }}")
     out += ["", "}  // namespace dash_fa3", ""]
     return "\n".join(out)

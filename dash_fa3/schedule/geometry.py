@@ -39,7 +39,7 @@ from functools import cached_property
 import numpy as np
 
 from ..variants import MASK_WINDOWS, MASKS, fold_causal, mask_of_window
-from .contract import BWD_BLOCK_SIZES, bwd_entry
+from .contract import BWD_BLOCK_SIZES, bwd_entry, bwd_tiles_chain
 
 
 def bwd_block_sizes(headdim: int) -> tuple[int, int]:
@@ -50,6 +50,17 @@ def bwd_block_sizes(headdim: int) -> tuple[int, int]:
     if entry is None:
         raise ValueError(f"headdim {headdim} > {max(BWD_BLOCK_SIZES)} is not supported")
     return BWD_BLOCK_SIZES[entry]
+
+
+def require_kernel_chains(name: str, g: Geometry) -> None:
+    """ValueError unless the backward kernel of ``g``'s tiles runs chains (:attr:`.Geometry.kernel_chains`):
+    schedule ``name`` chains rows, and is not defined (:data:`.schedules.APPLIES`) for a kernel without them."""
+    if not g.kernel_chains:
+        dims = [d for d, tiles in BWD_BLOCK_SIZES.items() if tiles == (g.block_m, g.block_n)]
+        raise ValueError(f"schedule {name!r} chains a GQA group's heads on one CTA (dK/dV summed in registers), "
+                         f"which the backward kernel of head dim {', '.join(map(str, dims))} "
+                         f"({g.block_m} x {g.block_n} tiles, three MMA warpgroups) does not run; "
+                         f"schedules_for(geometry) lists the schedules it does")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -322,6 +333,13 @@ class Geometry:
         return Geometry(batch=self.batch, heads=self.heads_kv, heads_kv=self.heads_kv, seqlen_q=self.seqlen_q,
                         seqlen_k=self.seqlen_k, block_m=self.block_m, block_n=self.block_n, mask=self.mask,
                         window_left=self.window_left, window_right=self.window_right, q_interleave=G)
+
+    @property
+    def kernel_chains(self) -> bool:
+        """Whether the backward kernel of these tiles runs chains (schedule columns chain_before /
+        chain_after, header dkv_chained): all but head dim 192's three-warpgroup kernel
+        (:data:`.contract.BWD_CHAINS`). The chaining schedules (``groups``, ``runs``) need it."""
+        return bwd_tiles_chain(self.block_m, self.block_n)
 
     @property
     def num_heads_total(self) -> int:

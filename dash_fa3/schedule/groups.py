@@ -22,7 +22,8 @@ dQ adds go by ascending KV tile (``RANK_ASC``), ``fa3``'s ranks: the schedule
 is valid in deterministic mode, with ``fa3``'s waits between the KV tiles of
 a head, and meant for the non-deterministic one. Without GQA, under a window,
 or where a task has no steps, there are no chains: ``lpt``'s queue, dealt
-statically.
+statically. Not defined for the tiles of a kernel without chains (head dim 192:
+:attr:`.Geometry.kernel_chains`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import metadata as M
-from .geometry import Geometry, _cdiv
-from .schedules import (EXTRA_BUILDERS, LPT_SECTION_ROWS, Schedule, _header, _i32, _ranks_by_key, claim_loads,
-                        greedy_assignment, task_claim_cost)
+from .geometry import Geometry, _cdiv, require_kernel_chains
+from .schedules import (APPLIES, EXTRA_BUILDERS, LPT_SECTION_ROWS, Schedule, _header, _i32, _ranks_by_key,
+                        claim_loads, greedy_assignment, task_claim_cost)
 
 NAME = "groups"
 
@@ -70,6 +71,7 @@ def chain_queue(g: Geometry, num_sms: int) -> tuple[np.ndarray, np.ndarray, int]
 
 def _tasks(g: Geometry, num_sms: int):
     """(metadata, head index, KV tile, CTA) of the task rows in table order."""
+    require_kernel_chains(NAME, g)
     chained = chainable(g)
     if chained:
         cbk, ckv, _ = chain_queue(g, num_sms)
@@ -143,3 +145,4 @@ def build(name: str, g: Geometry, num_sms: int) -> Schedule:
 
 
 EXTRA_BUILDERS[NAME] = (build, build_metadata)
+APPLIES[NAME] = lambda g: g.kernel_chains

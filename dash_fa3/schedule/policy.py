@@ -108,7 +108,8 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     dK/dV per query head there, and ``runs``' chains add the group's once per
     KV tile. So with GQA, at most ``RUNS_MAX_Q_TILES`` Q tiles per head, and
     the runs' dQ accumulators (one per run a head meets) within
-    ``RUNS_MAX_DQ_BYTES_PER_KV_BYTE`` of K's and V's bytes, ``runs``.
+    ``RUNS_MAX_DQ_BYTES_PER_KV_BYTE`` of K's and V's bytes, ``runs``; not for head dim 192,
+    whose kernel has no chains (:attr:`.Geometry.kernel_chains`).
 
     Where the group is a power of two, the grouped schedules make a task of a KV tile's whole
     group instead (:mod:`.grouped`): no fp32 dK/dV at all. Measured on the H100 (run 13 of
@@ -149,7 +150,7 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
         if grouped_ok and g.n_q <= GROUPED_MAX_Q_TILES:
             return "grouped_split" if head_section(g.grouped()) == 1 else "grouped_sections"
-        if (g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
+        if (g.kernel_chains and g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
                 and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
             return "runs"
         return "sections"
@@ -182,12 +183,13 @@ def nd_pick(g: Geometry, num_sms: int = 132) -> str:
     rectangular GQA shape and on square ones whose chains balanced, and up to 1.2x slower where its
     plan's busiest CTA held 1.23x the steps of ``lpt``'s (long causal chains, few per CTA). Both
     plans come from the claim model (:func:`.schedules.claim_loads`), so the rule is their
-    ratio: ``groups`` up to ``GROUPS_MAX_LOAD_RATIO``."""
+    ratio: ``groups`` up to ``GROUPS_MAX_LOAD_RATIO``. Never for head dim 192, whose kernel has no
+    chains (:attr:`.Geometry.kernel_chains`)."""
     from . import groups
     from .schedules import claim_loads, task_claim_cost
     import numpy as np
 
-    if not groups.chainable(g):
+    if not (g.kernel_chains and groups.chainable(g)):
         return "lpt"
     num_ctas = max(1, min(num_sms, g.num_heads_total * g.n_kv))
     _, ckv, _ = groups.chain_queue(g, num_sms)

@@ -32,6 +32,9 @@ tiles ascending.
 The cost: a head gets as many fp32 dQ accumulators as runs it spans, about
 ``num_ctas / (batch * heads_kv)`` + 1 where a (batch, KV head) spans several
 runs; dQ is small where this schedule is meant to run (few queries).
+
+Not defined for the tiles of a kernel without chains (head dim 192:
+:attr:`.Geometry.kernel_chains`).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import metadata as M
-from .geometry import Geometry
-from .schedules import EXTRA_BUILDERS, Schedule, _header, _i32, _ranks_by_key, task_claim_cost
+from .geometry import Geometry, require_kernel_chains
+from .schedules import APPLIES, EXTRA_BUILDERS, Schedule, _header, _i32, _ranks_by_key, task_claim_cost
 from .validate import dkv_order_ok, unchained
 
 NAME = "runs"
@@ -82,6 +85,7 @@ def run_layout(g: Geometry, num_sms: int):
 
 
 def _tasks(g: Geometry, num_sms: int):
+    require_kernel_chains(NAME, g)
     batch, head, kv, cta, split, split_begin, num_ctas, num_splits = run_layout(g, num_sms)
     T = kv.size
     lens = g.task_len[kv]
@@ -155,3 +159,4 @@ def build(name: str, g: Geometry, num_sms: int) -> Schedule:
 
 
 EXTRA_BUILDERS[NAME] = (build, build_metadata)
+APPLIES[NAME] = lambda g: g.kernel_chains

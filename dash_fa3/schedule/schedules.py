@@ -41,8 +41,8 @@ STATIC_SCHEDULES = ("shift", "symmetric_shift")
 #: Builders of schedules defined in their own module (:mod:`.split`), which registers
 #: itself here on import (the package imports it): name -> (build, build_metadata).
 EXTRA_BUILDERS: dict = {}
-#: Registered with the builders: schedules defined for some calls only, with their test of a
-#: Geometry (:mod:`.grouped`: power-of-two groups), and those that are queues too.
+#: Registered with the builders: schedules defined for some calls only, with their test of a Geometry
+#: (:mod:`.grouped`: power-of-two groups; :mod:`.groups`, :mod:`.runs`: chains), and those that are queues too.
 APPLIES: dict = {}
 EXTRA_QUEUES: set = set()
 

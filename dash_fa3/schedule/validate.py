@@ -174,7 +174,8 @@ def _check_chains(s, h, t, g, dynamic: bool) -> None:
     with the K, V and dK/dV registers of the CTA's previous row, so that row must be of the same
     CTA, batch, KV head and KV tile, its query head one lower, and the counts must agree from row
     to row; every chained row has steps (the kernel's path without steps stores at once). GQA
-    under a full or causal mask, static dispatch."""
+    under a full or causal mask, static dispatch, and a kernel that runs chains (not head dim
+    192's: :attr:`.Geometry.kernel_chains`)."""
     chained = int(h[M.H_DKV_CHAINED])
     before, after = t[:, M.C_CHAIN_BEFORE], t[:, M.C_CHAIN_AFTER]
     if chained not in (M.DKV_UNCHAINED, M.DKV_CHAINED_ADD, M.DKV_CHAINED_WHOLE):
@@ -186,6 +187,9 @@ def _check_chains(s, h, t, g, dynamic: bool) -> None:
         return
     if dynamic or g.heads == g.heads_kv or g.mask not in ("full", "causal"):
         _fail(s, "chains of a group's heads need a static schedule, GQA and a full or causal mask")
+    if not g.kernel_chains:
+        _fail(s, f"header dkv_chained = {chained}, but the backward kernel of {g.block_m} x {g.block_n} tiles "
+                 f"(three MMA warpgroups) has no chains")
     if np.any(before < 0) or np.any(after < 0):
         _fail(s, "negative chain column")
     T = t.shape[0]

@@ -12,7 +12,7 @@
 //                                   begin, end; per KV tile q_range begin, end,
 //                                   q_unmasked begin, end
 //   contract_driver blocks          stdin: head dims; per head dim bwd_block_m,
-//                                   bwd_block_n
+//                                   bwd_block_n, bwd_mma_warpgroups, bwd_chains
 //   contract_driver dqfrag          stdin: "block_m hdim" pairs; per pair
 //                                   dq_frag_layout_ok, then if it holds:
 //                                   dq_frag_atom_cols, dq_frag_offset of every
@@ -105,7 +105,10 @@ int geometry() {
 int blocks() {
   std::vector<int32_t> out;
   int headdim;
-  while (std::cin >> headdim) { out.insert(out.end(), {dash_fa3::bwd_block_m(headdim), dash_fa3::bwd_block_n(headdim)}); }
+  while (std::cin >> headdim) {
+    out.insert(out.end(), {dash_fa3::bwd_block_m(headdim), dash_fa3::bwd_block_n(headdim),
+                           dash_fa3::bwd_mma_warpgroups(headdim), dash_fa3::bwd_chains(headdim) ? 1 : 0});
+  }
   emit(out);
   return 0;
 }

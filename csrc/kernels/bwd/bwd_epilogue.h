@@ -205,7 +205,7 @@ struct BwdEpilogue {
     // heads, added in its first head's turn, which then passes on past the chain.
     bool const ordered = p.dkv_ordered;
     int64_t const kv_head = int64_t(sl.tensor_batch) * p.heads_kv + h_kv;
-    int const chain = row[schedule::kCChainBefore] + 1;
+    int const chain = (Traits::kChains ? row[schedule::kCChainBefore] : 0) + 1;
     int const turn = ordered ? (row[schedule::kCHead] - (chain - 1)) % (p.heads / p.heads_kv) : 0;
     int* const sem = ordered ? p.dkv_semaphore + kv_head * ((p.seqlen_k + kBlockN - 1) / kBlockN) +
                                    row[schedule::kCKvTile]

@@ -34,6 +34,28 @@ CUTE_DEVICE typename Pipeline::Params pipeline_params(int warpgroup, uint32_t ti
   return params;
 }
 
+// Where the MMA warps keep a task's dK/dV accumulators. With chains (Traits::kChains) in the
+// task loop's scope: a chain's rows (schedule columns chain_before/after) sum theirs there from
+// one row to the next. Without, in each task's own scope, so that nothing of them is live
+// between tasks (bwd_traits.h says why the three-warpgroup kernel needs that).
+template <class Mainloop, bool kChains>
+struct TaskDkv {
+  typename Mainloop::FragDk dk;
+  typename Mainloop::FragDv dv;
+  // Runs one task, f(dK, dV).
+  template <class F>
+  CUTE_DEVICE void run(F&& f) { f(dk, dv); }
+};
+template <class Mainloop>
+struct TaskDkv<Mainloop, false> {
+  template <class F>
+  CUTE_DEVICE void run(F&& f) {
+    typename Mainloop::FragDk dk;
+    typename Mainloop::FragDv dv;
+    f(dk, dv);
+  }
+};
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
@@ -84,10 +106,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
     int kv_phase = 0;
     int ds_stage = 0;
     int dq_stage = 0;
-    // dK/dV of the current task; a chain's rows (schedule columns chain_before/after) sum
-    // theirs here from one row to the next.
-    typename Mainloop::FragDk tdKrdK;
-    typename Mainloop::FragDv tdVrdV;
+    TaskDkv<Mainloop, Traits::kChains> task_dkv;
     CUTE_NO_UNROLL
     for (;;) {
       // The producer has announced this CTA's next task and, if it has steps,
@@ -98,52 +117,55 @@ bwd_kernel(CUTE_GRID_CONSTANT typename Traits::Params const p) {
       if (task < 0) { break; }
       int32_t const* row = schedule::task_row(p.tasks, task);
       int const n_steps = row[schedule::kCNSteps];
-      if (row[schedule::kCChainBefore] == 0) {
-        clear(tdKrdK);
-        clear(tdVrdV);
-      }
-      if (n_steps == 0) {  // never in a chain (dash_fa3/schedule/validate.py)
-        // Nothing loaded. Wait for the producer's v_full arrival for this task:
-        // it comes after the producer's kVEmpty sync for it, which this
-        // task's kVEmpty arrival below must not overtake (a named barrier
-        // would count two tasks' arrivals as one completion).
+      // The task, with its dK/dV where TaskDkv keeps them (a return ends the task).
+      task_dkv.run([&](auto& tdKrdK, auto& tdVrdV) {
+        if (!Traits::continues_chain(row)) {
+          clear(tdKrdK);
+          clear(tdVrdV);
+        }
+        if (n_steps == 0) {  // never in a chain (dash_fa3/schedule/validate.py)
+          // Nothing loaded. Wait for the producer's v_full arrival for this task:
+          // it comes after the producer's kVEmpty sync for it, which this
+          // task's kVEmpty arrival below must not overtake (a named barrier
+          // would count two tasks' arrivals as one completion).
+          smem.v_full.wait(kv_phase);
+          kv_phase ^= 1;
+          // The announcement is read: the producer may announce the next task.
+          Mainloop::release_kv();
+          BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
+          return;
+        }
+        // The task's V has landed. (Waiting for V inside the first step, after
+        // its S^T was issued, made ptxas spill in the hdim-64 window kernel.)
         smem.v_full.wait(kv_phase);
         kv_phase ^= 1;
-        // The announcement is read: the producer may announce the next task.
-        Mainloop::release_kv();
-        BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
-        continue;
-      }
-      // The task's V has landed. (Waiting for V inside the first step, after
-      // its S^T was issued, made ptxas spill in the hdim-64 window kernel.)
-      smem.v_full.wait(kv_phase);
-      kv_phase ^= 1;
-      if (mma_tid == 0) {
-        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskCta, blockIdx.x);
-        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskSm, tracing::sm_id());
-        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskBegin, tracing::now_clock());
-        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskBeginNs, tracing::now_ns());
-      }
-      Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps,
-                         mma_tid, tdKrdK, tdVrdV);
-      if (mma_tid == 0) { DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEpilogue, tracing::now_clock()); }
-      if (row[schedule::kCChainAfter] > 0) {
-        // The chain goes on with the next row, same K and V: the producer loads none for it,
-        // so releasing sK/sV only lets it announce that row.
-        Mainloop::release_kv();
-      } else if (p.dk_partial == nullptr && !BwdEpilogue<Traits>::needs_direct_store(p, row)) {
-        // MHA, or a whole group's chain: dK/dV leave through sK/sV, which are released to the
-        // producer afterwards.
-        BwdEpilogue<Traits>::store_tma(p, smem, tdKrdK, tdVrdV, row, mma_tid);
-      } else {
-        // Every GEMM of the task has retired: sK and sV are free for the next task.
-        Mainloop::release_kv();
-        BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
-      }
-      if (mma_tid == 0) {
-        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEnd, tracing::now_clock());
-        DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEndNs, tracing::now_ns());
-      }
+        if (mma_tid == 0) {
+          DASH_FA3_TRACE_TASK(p, row, tracing::kTaskCta, blockIdx.x);
+          DASH_FA3_TRACE_TASK(p, row, tracing::kTaskSm, tracing::sm_id());
+          DASH_FA3_TRACE_TASK(p, row, tracing::kTaskBegin, tracing::now_clock());
+          DASH_FA3_TRACE_TASK(p, row, tracing::kTaskBeginNs, tracing::now_ns());
+        }
+        Mainloop::run_task(p, smem, pipeline_q, pipeline_do, read_q, read_do, ds_stage, dq_stage, row, n_steps,
+                           mma_tid, tdKrdK, tdVrdV);
+        if (mma_tid == 0) { DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEpilogue, tracing::now_clock()); }
+        if (Traits::chain_goes_on(row)) {
+          // The chain goes on with the next row, same K and V: the producer loads none for it,
+          // so releasing sK/sV only lets it announce that row.
+          Mainloop::release_kv();
+        } else if (p.dk_partial == nullptr && !BwdEpilogue<Traits>::needs_direct_store(p, row)) {
+          // MHA, or a whole group's chain: dK/dV leave through sK/sV, which are released to the
+          // producer afterwards.
+          BwdEpilogue<Traits>::store_tma(p, smem, tdKrdK, tdVrdV, row, mma_tid);
+        } else {
+          // Every GEMM of the task has retired: sK and sV are free for the next task.
+          Mainloop::release_kv();
+          BwdEpilogue<Traits>::store_direct(p, tdKrdK, tdVrdV, row, mma_tid);
+        }
+        if (mma_tid == 0) {
+          DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEnd, tracing::now_clock());
+          DASH_FA3_TRACE_TASK(p, row, tracing::kTaskEndNs, tracing::now_ns());
+        }
+      });
     }
   }
 #endif

@@ -262,6 +262,12 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
           "grouped rows) and "
           "one dK/dV accumulator per KV head (dkv_ordered, or non-deterministic dkv_accumulate), or, with chains "
           "of whole groups, no dK/dV partials");
+  // Kernels without chains (BwdTraits::kChains: the three-warpgroup one) clear and store each row's
+  // dK/dV; grouped rows are whole groups without chain columns, so they run there too.
+  require(Traits::kChains || chained == schedule::kDkvUnchained || grouped,
+          "this backward kernel (head dim " + std::to_string(kHeadDim) +
+              ", three MMA warpgroups) has no chains: a schedule whose rows chain a group's heads (header "
+              "dkv_chained; groups, runs) cannot run on it");
   bwd::check_schedule_header<Traits>(params);
 
   typename Traits::Params p = bwd::make_bwd_params<Traits>(params);

@@ -53,7 +53,7 @@ struct BwdProducer {
   CUTE_DEVICE static void prefetch_next_kv(Params const& p, int task, int end) {
     for (int next = task + 1; next < end; ++next) {
       int32_t const* row = schedule::task_row(p.tasks, next);
-      if (row[schedule::kCNSteps] <= 0 || row[schedule::kCChainBefore] > 0) { continue; }
+      if (row[schedule::kCNSteps] <= 0 || Traits::continues_chain(row)) { continue; }
       SeqlenInfo const sl = Traits::seqlens(p, row[schedule::kCBatch]);
       int const h_kv = row[schedule::kCHeadKv];
       int const kv = row[schedule::kCKvTile];
@@ -100,7 +100,7 @@ struct BwdProducer {
       // A row that continues a chain (schedule column chain_before) keeps the K and V of the
       // row before it, which are still in sK/sV: the MMA warpgroups do not write them, and only
       // this warp loads into them.
-      bool const loads = n_steps > 0 && row[schedule::kCChainBefore] == 0;
+      bool const loads = n_steps > 0 && !Traits::continues_chain(row);
       int const b = row[schedule::kCBatch];
       int const h = row[schedule::kCHead];
       int const h_kv = row[schedule::kCHeadKv];

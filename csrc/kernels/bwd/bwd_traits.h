@@ -196,6 +196,14 @@ struct BwdTraits {
   static constexpr int kNumMmaWarpgroups = bwd_mma_warpgroups(kHeadDim);
   // The three-warpgroup arrangement (d = 192, see the top of this file).
   static constexpr bool kThreeWarpgroups = kNumMmaWarpgroups == 3;
+  // Chains (schedule header dkv_chained, columns chain_before / chain_after): consecutive rows
+  // of a CTA at one KV tile keep K and V in shared memory and sum their dK/dV in registers, which
+  // then live across the MMA warps' task loop (bwd_kernel.h). Not with three warpgroups: there
+  // they crowd the MMA warps' kMmaRegisters and spill, so each task clears and stores its own
+  // dK/dV, the kernel reads no chain column and the launcher refuses chained schedules. From
+  // the contract (BWD_CHAINS in dash_fa3/schedule/contract.py), so the schedules agree.
+  static constexpr bool kChains = bwd_chains(kHeadDim);
+  static_assert(kChains == !kThreeWarpgroups, "chains in every kernel but the three-warpgroup one");
   // The two-warpgroup head-dim split (see the top of this file): d = 256.
   static constexpr bool kSplitHeadDim = kHeadDim > 128 && !kThreeWarpgroups;
   static_assert(kNumMmaWarpgroups == 2 || (kThreeWarpgroups && kHeadDim == 192 && kBlockM == 64),
@@ -215,6 +223,14 @@ struct BwdTraits {
   // Whether MMA thread mma_tid's warpgroup holds a slice of dV.
   CUTE_HOST_DEVICE static constexpr bool has_dv_slice(int mma_tid) {
     return mma_tid < kDvWarpgroups * kThreadsPerWarpgroup;
+  }
+  // Whether task row `row` continues a chain (its K, V and dK/dV are the previous row's), and
+  // whether its chain goes on after it (the next row takes its dK/dV); never without kChains.
+  CUTE_HOST_DEVICE static bool continues_chain(int32_t const* row) {
+    return kChains && row[schedule::kCChainBefore] > 0;
+  }
+  CUTE_HOST_DEVICE static bool chain_goes_on(int32_t const* row) {
+    return kChains && row[schedule::kCChainAfter] > 0;
   }
   // Pipeline depths. Shared memory bounds them at d = 256: K, V, two Q and
   // one dO stage, sP, sdS and half an sdQ tile (kDqSharedHalf) take 224 KB.

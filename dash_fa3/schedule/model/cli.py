@@ -50,6 +50,7 @@ from ..export import DEFAULT_GRID, grid_geometries
 from ..geometry import Geometry, bwd_block_sizes
 from ..contract import SCHEDULES
 from ..policy import build_schedule, get_kernel_metadata
+from ..schedules import schedules_for
 from ..validate import ScheduleError
 from .paper import paper_makespan
 from .simulate import CostModel, simulate
@@ -119,14 +120,21 @@ def writable_dir(p, path: str, what: str) -> None:
         p.error(problem)
 
 
-def _schedule_list(p, arg: str) -> list[str]:
+def _schedule_list(p, arg: str) -> list[str] | None:
+    """The schedules ``--schedule`` names, checked; None for ``all``, which :func:`_for_shape` expands."""
     if arg == "all":
-        return list(SCHEDULES)
+        return None
     names = [a.strip() for a in arg.split(",") if a.strip()]
     for n in names or [arg]:
         if n not in SCHEDULES + ("auto",):
             p.error(f"unknown schedule {n!r}; choose from {', '.join(SCHEDULES + ('auto',))} or all")
     return names
+
+
+def _for_shape(names: list[str] | None, g: Geometry) -> list[str]:
+    """``names``, or for ``all`` the schedules defined for ``g`` (:func:`.schedules_for`: no ``grouped_*``
+    without a power-of-two group, no ``runs`` or ``groups`` at head dim 192)."""
+    return list(schedules_for(g)) if names is None else names
 
 
 def evaluate(name: str, geometry: Geometry, num_sms: int, costs: CostModel, *, want_cp: bool = True,
@@ -255,7 +263,7 @@ def _real_main(argv) -> int:
     args = p.parse_args(argv)
     g = _shape_geometry(p, args, args.block_m, args.block_n)
     check_size(p, g)
-    names = _schedule_list(p, args.schedule)
+    names = _for_shape(_schedule_list(p, args.schedule), g)
     costs = _costs_from(p, args)
     cal = None
     if args.calibrated:
@@ -307,7 +315,7 @@ def _model_main(argv) -> int:
     check_size(p, g)
     sms = args.sms or n
     costs = _costs_from(p, args)
-    names = _schedule_list(p, args.schedule)
+    names = _for_shape(_schedule_list(p, args.schedule), g)
     gantt_dir = None
     if args.gantt:
         if len(names) > 1 or os.path.isdir(args.gantt):
@@ -363,7 +371,7 @@ def _grid_main(argv) -> int:
     for sms in args.sms:
         for label, g in geometries:
             cells = []
-            for name in names:
+            for name in _for_shape(names, g):
                 try:
                     s = build_schedule(name, g, sms)
                     cell = "ok"
@@ -509,15 +517,16 @@ def _export_main(argv) -> int:
     if os.path.isdir(args.out) or not os.access(out_dir, os.W_OK):
         p.error(f"--out {args.out!r} is a directory or not writable")
     try:
-        metas = [get_kernel_metadata(name, g, args.sms, "static") for g in geometries for name in names]
+        metas = [get_kernel_metadata(name, g, args.sms, "static") for g in geometries
+                 for name in _for_shape(names, g)]
     except (ScheduleError, OverflowError) as e:
         p.error(str(e))
     try:
         n = export.write_bundle(args.out, metas)
     except OSError as e:
         p.error(f"--out {args.out!r}: {e.strerror or e}")
-    print(f"{args.out}: {len(metas)} schedules ({', '.join(names)}) for {len(geometries)} shapes, "
-          f"{args.sms} SMs, {4 * n} bytes")
+    which = "all" if names is None else ", ".join(names)
+    print(f"{args.out}: {len(metas)} schedules ({which}) for {len(geometries)} shapes, {args.sms} SMs, {4 * n} bytes")
     return 0
 
 
