@@ -138,7 +138,7 @@ def test_auto_for_fp32_dkv_partials_is_never_a_whole_group_schedule():
 def test_auto_takes_them_only_where_measured():
     """The deterministic auto picks a grouped schedule for few queries under a power-of-two GQA group
     with the tiles of head dims up to 128; elsewhere (head dim 256's 64 x 64 tiles, a group of 3,
-    64 Q tiles per head, MHA) another."""
+    more than 64 Q tiles per head, MHA) another."""
     from dash_fa3.schedule import resolve_schedule_name
 
     def pick(d, h=16, hkv=2, sq=256, sk=8192):
@@ -149,7 +149,8 @@ def test_auto_takes_them_only_where_measured():
     assert pick(128, h=32, hkv=1, sq=1024, sk=16384) == "grouped_split"  # a KV head fills L2 alone
     assert not pick(256).startswith("grouped_")
     assert not pick(128, h=12, hkv=4).startswith("grouped_")
-    assert not pick(128, sq=4096, sk=65536).startswith("grouped_")
+    assert pick(128, sq=4096, sk=65536) == "grouped_split"  # 64 Q tiles per head
+    assert not pick(128, sq=4160, sk=65536).startswith("grouped_")
     assert not pick(128, hkv=16).startswith("grouped_")
 
 

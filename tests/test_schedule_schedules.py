@@ -85,7 +85,7 @@ def test_shift_generalizes_to_causal():
 
 def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.model(8, 1, "full")) == "shift"
-    assert resolve_schedule_name("auto", Geometry.model(3, 1, "full")) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.model(3, 1, "full")) == "split"  # below shift's KV tiles
     assert resolve_schedule_name("auto", Geometry.model(4, 1, "full")) == "shift"  # square tiles from 4
     assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "spt"
     assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "spt"
@@ -110,16 +110,20 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa)) == "grouped_sections"
     gqa3 = dict(batch=8, heads=12, heads_kv=4, headdim=128, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=256, seqlen_k=8192, **gqa3)) == "runs"
-    # long tasks (64 Q tiles per head): sections; MQA whose KV head fills L2 alone: grouped_split
+    # up to 64 Q tiles per head; grouped_split where an L2 section of the view holds at most 2 KV
+    # heads (here 2), else grouped_sections (at 32 Q tiles, 4); past 64, sections
     big = dict(batch=1, heads=32, heads_kv=8, headdim=128, causal=True)
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=65536, **big)) == "sections"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=65536, **big)) == "grouped_split"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=32768, **big)) == "grouped_sections"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4160, seqlen_k=65536, **big)) == "sections"
     mqa = dict(batch=2, heads=32, heads_kv=1, headdim=128, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, seqlen_k=16384, **mqa)) == "grouped_split"
     mha64 = dict(batch=4, heads=16, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, seqlen_k=4096, **mha64)) == "sections"
     # square GQA with a power-of-two group: grouped_split for a full mask up to 64 Q tiles per head,
-    # grouped_sections for a causal one up to 48 Q tiles per group; both only where the grouped
-    # view's tasks fill a wave of the SMs; past those, the MHA rule
+    # grouped_sections for a causal one up to 40 Q tiles per group; both only where the grouped
+    # view's tasks fill a wave of the SMs, and a full one with keys within the queries only where
+    # they fill their waves 80% on average; past those, the MHA rule
     sq_gqa = dict(batch=4, heads=16, heads_kv=4, headdim=64)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **sq_gqa)) == "grouped_split"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **sq_gqa)) == "grouped_split"
@@ -128,13 +132,22 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **sq_gqa), num_sms=32) == "grouped_split"
     sq_gqa_c = sq_gqa | dict(batch=16, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **sq_gqa_c)) == "grouped_sections"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1536, **sq_gqa_c)) == "grouped_sections"  # 48
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1664, **sq_gqa_c)) == "spt"  # 52
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1280, **sq_gqa_c)) == "grouped_sections"  # 40
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1408, **sq_gqa_c)) == "spt"  # 44
+    # 6 x 2 x 16 = 192 tasks on 132 SMs fill their 2 waves 73%; 256 fill 97%
+    g8 = dict(heads=16, heads_kv=2, headdim=64, seqlen_q=2048)
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=6, **g8)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=8, **g8)) == "grouped_split"
+    # a group of 5 has no grouped view: groups for a full mask on 64 x 128 tiles up to 40 Q tiles per head
+    g5 = dict(batch=6, heads=20, heads_kv=4, headdim=128)
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2560, **g5)) == "groups"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2624, **g5)) == "shift"  # 41
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2560, causal=True, **g5)) == "spt"  # not groups
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **(sq_gqa_c | dict(batch=4)))) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, heads=15, heads_kv=5, headdim=64,
                                                               batch=4)) == "shift"  # a group of 3
     # causal tasks of a few waves, from 16 KV tiles at every tile shape but head dim 96's:
-    # sections under 3 waves, symmetric_shift up to 6
+    # sections under 3 waves up to 48 KV tiles, symmetric_shift up to 6 waves
     few = dict(heads=8, headdim=64, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=2048, **few)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(batch=2, seqlen_q=2048, **few)) == "sections"
@@ -144,6 +157,10 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(batch=4, seqlen_q=2048, **few), num_sms=64) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(batch=2, seqlen_q=2048, **few),
                                  num_sms=64) == "symmetric_shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=1, heads=4, seqlen_q=6144, headdim=128,
+                                                              causal=True)) == "sections"  # 48 KV tiles
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=1, heads=4, seqlen_q=8192, headdim=128,
+                                                              causal=True)) == "symmetric_shift"  # 64
     few128 = dict(batch=2, heads=16, headdim=128, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=2048, **few128)) == "symmetric_shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=2048, **few128),
@@ -179,7 +196,7 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **full128)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full128)) == "shift"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=32768, **full128)) == "fa3"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full128)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full128)) == "split"  # 4 KV tiles, below shift's 5
     with pytest.raises(ValueError, match="unknown schedule"):
         resolve_schedule_name("nope", Geometry.model(4, 1))
     # Non-deterministic without GQA: the best-balanced task order, whatever the mask (GQA:

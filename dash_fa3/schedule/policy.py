@@ -36,17 +36,27 @@ RUNS_MAX_Q_TILES = 4
 RUNS_MAX_DQ_BYTES_PER_KV_BYTE = 4
 #: Within that region, under GQA with a power-of-two group, a grouped schedule (:mod:`.grouped`)
 #: where a head has at most this many Q tiles (:func:`table_pick`).
-GROUPED_MAX_Q_TILES = 32
+GROUPED_MAX_Q_TILES = 64
+#: There ``grouped_split`` where an L2 section of the grouped view holds at most this many KV
+#: heads, else ``grouped_sections`` (:func:`table_pick`).
+GROUPED_SPLIT_MAX_SECTION_HEADS = 2
 #: Outside it, ``grouped_split`` for a full mask where a head has at most GROUPED_FULL_MAX_Q_TILES
 #: Q tiles, ``grouped_sections`` for a causal one where a KV head's group has at most
 #: GROUPED_CAUSAL_MAX_GROUP_Q_TILES, its task's steps (:func:`table_pick`).
 GROUPED_FULL_MAX_Q_TILES = 64
-GROUPED_CAUSAL_MAX_GROUP_Q_TILES = 48
+GROUPED_CAUSAL_MAX_GROUP_Q_TILES = 40
+#: A full mask with keys within the queries takes the grouped view only where its tasks fill their
+#: waves of the SMs at least this much on average (:func:`wave_fill`, :func:`table_pick`).
+GROUPED_FULL_MIN_WAVE_FILL = 0.8
+#: Under GQA where the grouped view is not taken, a full mask on head dim 128's 64 x 128 tiles with
+#: at most this many Q tiles per head takes ``groups`` (:func:`table_pick`).
+GROUPS_FULL_MAX_Q_TILES = 40
 #: Causal, otherwise ``spt``: from this many KV tiles, where the (query head, KV tile) tasks fill
-#: fewer than SECTIONS_MAX_WAVES waves of the SMs ``sections``, else up to SYMMETRIC_MAX_WAVES
-#: waves ``symmetric_shift`` (:func:`table_pick`).
+#: fewer than SECTIONS_MAX_WAVES waves of the SMs ``sections`` up to SECTIONS_MAX_KV_TILES KV
+#: tiles, else up to SYMMETRIC_MAX_WAVES waves ``symmetric_shift`` (:func:`table_pick`).
 FEW_WAVES_MIN_KV_TILES = 16
 SECTIONS_MAX_WAVES = 3
+SECTIONS_MAX_KV_TILES = 48
 SYMMETRIC_MAX_WAVES = 6
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
 if _auto_policy not in AUTO_POLICIES:
@@ -65,6 +75,12 @@ def set_auto_policy(policy: str) -> str:
 
 def get_auto_policy() -> str:
     return _auto_policy
+
+
+def wave_fill(tasks: int, num_sms: int) -> float:
+    """How full the waves of ``tasks`` equal tasks on ``num_sms`` SMs are on average (1.0: every wave full)."""
+    waves = -(-tasks // num_sms)
+    return tasks / (waves * num_sms) if waves else 1.0
 
 
 def runs_dq_bytes_per_kv_byte(g: Geometry, num_sms: int = 132) -> float:
@@ -89,9 +105,10 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
 
     Full: every KV tile has the same length, and ``shift`` starts the KV tiles of
     a wave on distinct Q tiles of their cyclic walks, so their dQ adds do not
-    wait on each other; it is fastest from a few KV tiles (below that the queue
-    orders are as fast) up to a length that depends on the tile shape, past
-    which the queue order ``fa3`` is as fast or faster.
+    wait on each other; it is fastest from a few KV tiles up to a length that
+    depends on the tile shape, past which the queue order ``fa3`` is as fast or
+    faster. Below those few KV tiles ``split``'s cyclic starts (1.03x ``fa3``'s
+    speed at head dim 128 with 4 KV tiles).
 
     Both shift orders measured slower where keys outnumber queries, so they are
     picked only where ``seqlen_k <= seqlen_q``.
@@ -119,9 +136,13 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     with two KV heads ``grouped_split`` took 0.93x ``grouped_sections``' time: there a KV head's
     virtual Q tiles fill the L2 budget alone (:func:`.geometry.head_section` of the grouped view
     is 1), and ``sections``' queue runs its KV tiles side by side from the same dQ tiles, which
-    ``split``'s cyclic starts avoid. So under such GQA, at most ``GROUPED_MAX_Q_TILES`` Q tiles per head:
-    ``grouped_split`` where the view's sections hold one head, else ``grouped_sections``; for the
-    tiles of head dims up to 128 (block_n 128), the ones measured and GPU-tested with them.
+    ``split``'s cyclic starts avoid; so did 1 x 4096 x 65536 (32/8, 64 Q tiles per head, two KV
+    heads per section: ``grouped_split`` 0.93x ``sections``' time, where the queue schedules'
+    fp32 dK/dV slabs of 32 query heads over 65536 keys are 2 GB written and read back). So under
+    such GQA, at most ``GROUPED_MAX_Q_TILES`` Q tiles per head: ``grouped_split`` where the
+    view's sections hold at most ``GROUPED_SPLIT_MAX_SECTION_HEADS`` KV heads, else
+    ``grouped_sections``; for the tiles of head dims up to 128 (block_n 128), the ones measured
+    and GPU-tested with them.
     ``whole_groups=False`` (a call that wants fp32 dK/dV partials) leaves them out.
 
     The grouped view pays off with fewer keys too, wherever the per-query-head fp32 dK/dV
@@ -130,12 +151,21 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     ``shift``'s or ``sections``' time, 8-64 Q tiles per head), a causal one with at most
     ``GROUPED_CAUSAL_MAX_GROUP_Q_TILES`` Q tiles in a group (its longest task's steps)
     ``grouped_sections`` (0.79 of ``spt``'s time at 16, run 14a; 0.94 at 40, run 15). Causal with
-    longer tasks keeps the MHA rule: the view's long triangular tasks ran 1.06-1.8x slower from
-    64 on (runs 14a, 15).
+    longer tasks keeps the MHA rule: the view's long triangular tasks ran 1.11x slower at 48
+    (run 16) and 1.06-1.8x from 64 on (runs 14a, 15).
 
     The grouped view has a group's worth fewer tasks, so it is picked only where its (KV head,
     KV tile) tasks fill at least one wave of the SMs: with 96 of them on 132 SMs
     ``grouped_split`` ran at 0.84 of ``shift``'s speed (H200, run 15 of docs/journal/rect-bwd.md).
+    Full tasks are all of one length, so there the waves must also be nearly full where ``shift``
+    is the alternative: 192 tasks on 132 SMs fill their two waves 73%, and ``grouped_split`` ran at
+    0.87 of ``shift``'s speed (run 16); at least ``GROUPED_FULL_MIN_WAVE_FILL``.
+
+    Where the grouped view is not taken (a group that is not a power of two, or waves too empty),
+    a full mask on head dim 128's 64 x 128 tiles with at most ``GROUPS_FULL_MAX_Q_TILES`` Q tiles
+    per head takes ``groups``: it chains a group's query heads at a KV tile on one CTA and stores
+    their dK/dV once, and ran at 1.04-1.07x ``shift``'s (or ``sections``') speed at 16-40 Q tiles
+    per head, groups of 4 and 5, and 0.92x at 128 (run 16).
 
     A causal ``spt`` queue runs its longest KV tiles last, and where the tasks fill only a few
     waves their tail is the makespan. From ``FEW_WAVES_MIN_KV_TILES`` KV tiles, at most
@@ -143,33 +173,43 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     short KV tile per CTA (measured 1.10x faster than ``spt`` at 3.9 and 5.8 waves, run 14a),
     and fewer than ``SECTIONS_MAX_WAVES`` waves take ``sections``, whose heads side by side
     keep the SMs on short KV tiles too (1.10-1.18x ``symmetric_shift``'s speed at 2.4 and 2.9
-    waves, run 15); neither at head dim 96's tiles.
+    waves, run 15), up to ``SECTIONS_MAX_KV_TILES`` KV tiles: with few long heads (64 and 128 KV
+    tiles, 1.9 waves) it ran at 0.73-0.75 of ``symmetric_shift``'s speed (run 16); neither at
+    head dim 96's tiles.
     """
     grouped_ok = (whole_groups and g.heads > g.heads_kv and grouped.applies(g) and g.block_n == 128
                   and g.batch * g.heads_kv * g.n_kv >= num_sms)
     if g.seqlen_k >= SECTIONS_KEYS_PER_QUERY * g.seqlen_q:
         if grouped_ok and g.n_q <= GROUPED_MAX_Q_TILES:
-            return "grouped_split" if head_section(g.grouped()) == 1 else "grouped_sections"
+            return ("grouped_split" if head_section(g.grouped()) <= GROUPED_SPLIT_MAX_SECTION_HEADS
+                    else "grouped_sections")
         if (g.kernel_chains and g.heads > g.heads_kv and g.n_q <= RUNS_MAX_Q_TILES
                 and runs_dq_bytes_per_kv_byte(g, num_sms) <= RUNS_MAX_DQ_BYTES_PER_KV_BYTE):
             return "runs"
         return "sections"
-    if grouped_ok and (g.grouped().n_q <= GROUPED_CAUSAL_MAX_GROUP_Q_TILES if g.causal
-                       else g.n_q <= GROUPED_FULL_MAX_Q_TILES):
-        return "grouped_sections" if g.causal else "grouped_split"
-    square = g.block_m == g.block_n == 128  # head dim 64
     keys_within = g.seqlen_k <= g.seqlen_q
+    if grouped_ok and (g.grouped().n_q <= GROUPED_CAUSAL_MAX_GROUP_Q_TILES if g.causal
+                       else g.n_q <= GROUPED_FULL_MAX_Q_TILES
+                       and (not keys_within or wave_fill(g.batch * g.heads_kv * g.n_kv, num_sms)
+                            >= GROUPED_FULL_MIN_WAVE_FILL)):
+        return "grouped_sections" if g.causal else "grouped_split"
+    if (not g.causal and whole_groups and g.heads > g.heads_kv and g.kernel_chains and headdim != 96
+            and (g.block_m, g.block_n) == (64, 128) and g.n_q <= GROUPS_FULL_MAX_Q_TILES):
+        return "groups"
+    square = g.block_m == g.block_n == 128  # head dim 64
     if g.causal:
         waves = g.num_heads_total * g.n_kv / num_sms
         few_waves = (keys_within and g.block_n >= 128 and headdim != 96 and g.n_kv >= FEW_WAVES_MIN_KV_TILES
                      and waves <= SYMMETRIC_MAX_WAVES)
-        if few_waves and waves < SECTIONS_MAX_WAVES:
+        if few_waves and waves < SECTIONS_MAX_WAVES and g.n_kv <= SECTIONS_MAX_KV_TILES:
             return "sections"
         sym = keys_within and g.block_n >= 128 and headdim != 96 and g.n_kv >= 32 and not square
         return "symmetric_shift" if sym or few_waves else "spt"
     # KV tiles where shift wins: square tiles 4..127; 64 x 96 (head dim 192) 5..171; 64 x 128 and 64 x 64 5..128
     shift_kv = (4, 127) if square else (5, 171) if g.block_n == 96 else (5, 128)
-    return "shift" if keys_within and shift_kv[0] <= g.n_kv <= shift_kv[1] else "fa3"
+    if keys_within and g.n_kv < shift_kv[0]:
+        return "split"
+    return "shift" if keys_within and g.n_kv <= shift_kv[1] else "fa3"
 
 
 def nd_pick(g: Geometry, num_sms: int = 132) -> str:
