@@ -100,13 +100,18 @@ def test_costs_of_uncalibrated_headdims():
 
 
 def test_predictions_on_the_small_grid_points():
-    """The shipped costs against the measured ms at seqlen 512 and 1024 (both head
-    dims and masks, all 7 columns; 512 was fitted, 1024 held out): the errors
-    docs/journal/schedule.md reports for them (median 1.4%, max 11.8%)."""
+    """The shipped costs against today's kernel on the square grid at seqlen 512 and 1024 (both head
+    dims and masks, nd and four schedules; measured at 818979a, fitted on: median 2.6%, max 12.4%),
+    and the mechanics of the b064a4d grid's cells: that kernel zeroed the dQ accumulator, and its
+    cells equal predict_ms but for that."""
+    from dash_fa3.schedule.model.measured import H100_818979A as calls
+    small = [c for c in calls.calls if c.source == "grid" and c.seqlen_q in (512, 1024)]
+    now = C.evaluate_calls(C.H100, C.call_cells(small, calls.num_sms))
+    assert len(now) == 2 * 2 * 2 * 5
+    errs = sorted(abs(r["error"]) for r in now)
+    assert errs[len(errs) // 2] < 0.03 and errs[-1] < 0.125
     rows = C.evaluate_grid(C.H100, C.H100_B064A4D, train_seqlens=(512,), seqlens=(512, 1024))
     assert len(rows) == 2 * 2 * 2 * 7
-    errs = sorted(abs(r["error"]) for r in rows)
-    assert errs[len(errs) // 2] < 0.04 and errs[-1] < 0.125
     one = next(r for r in rows if (r["hdim"], r["mask"], r["seqlen"], r["column"]) == (128, "causal", 512, "spt"))
     g = C.H100_B064A4D.geometry(128, "causal", 512)
     # the grid's kernel zeroed the deterministic dQ accumulator, today's stores its first add
@@ -147,7 +152,7 @@ def test_fit_recovers_a_synthetic_grid():
             f = base.flops(64, mask, s)
             ms = []
             for col in C.COLUMNS:
-                cell = C.Cell(base, 64, mask, s, col, 1.0)
+                cell = C.Cell.of_grid(base, 64, mask, s, col, 1.0)
                 ms.append(cell.predict_ms(truth, (50.0, 0.0)))  # 50 us per call, no bytes term
             rows.append((64, mask, s, tuple(f / (m * 1e-3) / 1e12 for m in ms)))
     grid = C.MeasuredGrid(**{**vars(base), "rows": tuple(rows)})
@@ -184,7 +189,9 @@ def test_calibrate_cli(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["rows"]) == 2 * 7 and len(out["ranking"]) == 2
     assert out["calibration"]["device"].startswith("NVIDIA H100")
-    assert out["summary"]["fit"]["max_abs_error"] < 0.10
+    # the b064a4d grid's kernel is not today's: its accuracy is test_predictions_on_the_small_grid_points'
+    assert out["summary"]["fit"]["cells"] == 14
+    assert all(math.isclose(r["predicted_ms"] / r["measured_ms"] - 1, r["error"]) for r in out["rows"])
 
 
 def test_real_shape_cli_calibrated(capsys):

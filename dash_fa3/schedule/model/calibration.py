@@ -6,12 +6,14 @@ length, the extra of a tile that needs the mask), the per-task epilogue, the
 dQ reduce-add (until its sdQ buffer is read, until it has completed) and the
 semaphore hand-off latency; plus the fixed cost of the rest of the call (the
 pre- and postprocess kernels and launch gaps).  :data:`H100` holds the costs
-fitted to a measured H100 grid (:data:`H100_B064A4D`); both are package data,
-``data/h100.json``, which also says where and when they were measured and
-fitted.  :func:`predict_ms` turns the costs into a predicted time of the whole
+fitted to measured H100 calls of every shape class (:data:`.measured.H100_818979A`:
+the square grid, GQA and rectangular shapes, every schedule); the older square
+grid :data:`H100_B064A4D` stays for the ranking table.  Both are package data
+(``data/``), which also says where and when they were measured and fitted.  :func:`predict_ms` turns the costs into a predicted time of the whole
 backward call, :func:`best_schedule` into a schedule choice for any shape.
-``python -m dash_fa3.schedule calibrate`` refits them (needs scipy) and prints
-the table of docs/journal/schedule.md.
+``python -m dash_fa3.schedule calibrate --calls --fit`` refits them (needs scipy)
+and prints the held-out accuracy; without ``--calls``, on the grid, the table of
+docs/journal/schedule.md.
 
 Units: microseconds.
 """
@@ -231,9 +233,9 @@ def calibration_from_dict(d: dict) -> Calibration:
                        headdims={int(k): HeadDimCosts(**v) for k, v in d["headdims"].items()})
 
 
-#: The shipped H100 data: the measured grid and the costs ``python -m dash_fa3.schedule calibrate
-#: --fit`` fitted to part of it (least squares of the log error; the rest held out, docs/design/schedule.md
-#: "Calibration"). ``handoff_at`` and ``overhead`` are not fitted: the model is insensitive to the
+#: The shipped H100 data: the measured grid of b064a4d and the costs ``python -m dash_fa3.schedule
+#: calibrate --calls --fit`` fitted to part of the measured calls of 818979a (robust least squares of
+#: the log error; the rest held out, docs/design/schedule.md "Calibration"). ``handoff_at`` and ``overhead`` are not fitted: the model is insensitive to the
 #: first, and on this grid the second cannot be told apart from the epilogue (the file says how it
 #: was set).
 DATA_PATH = Path(__file__).with_name("data") / "h100.json"
@@ -271,27 +273,53 @@ PARAMS = ("compute", "compute_per_kquery", "masked_extra", "epilogue", "reduce",
 
 
 class Cell:
-    """One measured (shape, column) and its prepared simulation (:class:`.simulate.WriterProgram`)."""
+    """One measured call and its prepared simulation (:class:`.simulate.WriterProgram`): the schedule
+    ``schedule`` (concrete) on ``geometry``, deterministic or not. ``dq_zeroed``: as
+    :func:`pre_post_bytes`. Where the schedule's working set exceeds the L2 (under ``calibration``'s
+    costs, default :data:`H100`), every step costs at least the HBM floor, as in :func:`predict_ms`."""
 
-    def __init__(self, grid: MeasuredGrid, hdim: int, mask: str, seqlen: int, column: str, measured_ms: float):
+    def __init__(self, geometry: Geometry, hdim: int, schedule: str, deterministic: bool, measured_ms: float,
+                 num_sms: int, *, dq_zeroed: bool | None = None, calibration: Calibration | None = None,
+                 column: str | None = None, source: str = ""):
         import numpy as np
         from ..schedules import build_schedule
         from .simulate import WriterProgram
-        self.hdim, self.mask, self.seqlen, self.column, self.measured_ms = hdim, mask, seqlen, column, measured_ms
-        g = grid.geometry(hdim, mask, seqlen)
-        self.geometry = g
-        s = build_schedule("lpt" if column == "nd" else column, g, grid.num_sms, validate=False)
-        self.prog = WriterProgram(s, grid.num_sms, 2, deterministic=column != "nd")
-        # the grid's kernel (b064a4d) zeroed the dQ accumulator in both modes
-        self.pre_post_bytes = pre_post_bytes(g, hdim, deterministic=column != "nd", header=s.meta.header,
-                                             dq_zeroed=True)
+        g = geometry
+        self.geometry, self.hdim, self.measured_ms, self.source = g, hdim, measured_ms, source
+        self.mask, self.seqlen, self.column = g.mask, g.seqlen_q, column or schedule
+        self.schedule, self.deterministic = schedule, deterministic
+        s = build_schedule(schedule, g, num_sms, validate=False)
+        self.steps = s.num_steps
+        self.prog = WriterProgram(s, num_sms, 2, deterministic=deterministic)
+        self.pre_post_bytes = pre_post_bytes(g, hdim, deterministic=deterministic, header=s.meta.header,
+                                             dq_zeroed=dq_zeroed)
         kv = s.task_kv[s.step_task]
         self.masked = np.asarray(g.tiles.needs_mask(g.real_q(s.step_q), kv), dtype=float)[self.prog.step_perm]
+        cal = calibration or H100
+        self.floor = 0.0
+        if cal.l2_bytes and cal.pre_post_bytes_per_us:
+            sim = simulate(s, cal.cost_model(hdim, g, deterministic), num_sms=num_sms)
+            if working_set_bytes(s, hdim, sim) > cal.l2_bytes:
+                self.floor = min(s.num_ctas, num_sms) * g.block_m * hdim * (2 + 2 + 4 + 4) / cal.pre_post_bytes_per_us
+
+    @classmethod
+    def of_grid(cls, grid: MeasuredGrid, hdim: int, mask: str, seqlen: int, column: str, measured_ms: float):
+        """A cell of the measured grid: ``nd`` ran ``lpt`` without semaphores, and that grid's kernel
+        (b064a4d) zeroed the dQ accumulator in both modes."""
+        return cls(grid.geometry(hdim, mask, seqlen), hdim, "lpt" if column == "nd" else column, column != "nd",
+                   measured_ms, grid.num_sms, dq_zeroed=True, column=column)
+
+    @classmethod
+    def of_call(cls, call, num_sms: int, calibration: Calibration | None = None):
+        """A cell of a :class:`.measured.MeasuredCall`."""
+        return cls(call.geometry(), call.headdim, call.resolved(num_sms), call.deterministic, call.ms, num_sms,
+                   calibration=calibration, source=call.source)
 
     def makespan(self, hc: HeadDimCosts) -> float:
         import numpy as np
         n = self.masked.size
-        c = hc.step_compute(self.geometry.seqlen_q) + hc.masked_extra * self.masked
+        c = max(hc.step_compute(self.geometry.seqlen_q), self.floor)
+        c = np.maximum(c + hc.masked_extra * self.masked, self.floor)
         r = np.full(n, hc.reduce)
         rd = np.full(n, min(hc.read, hc.reduce))
         return self.prog.makespan(c, r, rd, hc.epilogue, hc.latency, hc.handoff_at)
@@ -324,10 +352,11 @@ class _Stop(Exception):
 
 
 def fit_headdim(cells_idx, x0: HeadDimCosts, overhead: tuple, pool=None, max_evals: int = 120,
-                log=print) -> HeadDimCosts:
+                log=print, loss: str = "linear") -> HeadDimCosts:
     """Least squares of log(predicted / measured) over the cells (scipy, imported
     here), from ``x0``; stops after ``max_evals`` evaluations (Jacobian ones
-    included) with the best point seen."""
+    included) with the best point seen. ``loss="soft_l1"``: residuals past 5% weigh
+    linearly, not quadratically (a few cells the model misses do not drag the rest)."""
     import numpy as np
     from scipy.optimize import least_squares
     meas = np.log([_CELLS[i].measured_ms for i in cells_idx])
@@ -361,7 +390,7 @@ def fit_headdim(cells_idx, x0: HeadDimCosts, overhead: tuple, pool=None, max_eva
                 + " ".join(f"{v:.4g}" for v in z))
         return res
     try:
-        least_squares(resid, z0, bounds=(lo, hi), diff_step=0.03, x_scale="jac")
+        least_squares(resid, z0, bounds=(lo, hi), diff_step=0.03, x_scale="jac", loss=loss, f_scale=0.05)
     except _Stop:
         pass
     return unpack(best[1])
@@ -390,7 +419,7 @@ def evaluate_grid(calibration: Calibration, grid: MeasuredGrid, train_seqlens=()
     cell's seqlen was among the fit's."""
     global _CELLS
     # the cells are built before the pool forks: the workers inherit them
-    _CELLS = [Cell(grid, *p) for p in grid.points()
+    _CELLS = [Cell.of_grid(grid, *p) for p in grid.points()
               if (headdims is None or p[0] in headdims) and (seqlens is None or p[2] in seqlens)]
     pool = _pool(workers)
     out = []
@@ -418,7 +447,7 @@ def refit(calibration: Calibration, grid: MeasuredGrid, train_seqlens, headdims=
     global _CELLS
     fitted = dict(calibration.headdims)
     for hd in headdims or sorted({r[0] for r in grid.rows}):
-        _CELLS = [Cell(grid, *p) for p in grid.points() if p[0] == hd and p[2] in train_seqlens]
+        _CELLS = [Cell.of_grid(grid, *p) for p in grid.points() if p[0] == hd and p[2] in train_seqlens]
         pool = _pool(workers)
         try:
             log(f"fitting head dim {hd} on seqlens {tuple(train_seqlens)}: {len(_CELLS)} cells")
@@ -431,6 +460,75 @@ def refit(calibration: Calibration, grid: MeasuredGrid, train_seqlens, headdims=
             _CELLS = []
     return replace(calibration, headdims=fitted,
                    fitted=f"refit on seqlens {tuple(train_seqlens)} (calibrate --fit)")
+
+
+#: The sources of :data:`.measured.H100_818979A` the shipped costs are fitted on; the rest (the
+#: rectangular shapes of bench_rect.py and bench_auto.py's probe sets) are held out.
+CALLS_TRAIN_SOURCES = ("grid", "first", "held_out")
+#: Calls of more steps than this are left out of a fit (their simulation dominates its time).
+CALLS_FIT_MAX_STEPS = 150_000
+
+
+def call_cells(calls, num_sms: int, calibration: Calibration | None = None) -> list:
+    """A :class:`Cell` per :class:`.measured.MeasuredCall` (the head dims of ``calibration``)."""
+    cal = calibration or H100
+    return [Cell.of_call(c, num_sms, cal) for c in calls if c.headdim in cal.headdims]
+
+
+def evaluate_calls(calibration: Calibration, cells: list) -> list[dict]:
+    """Measured and predicted ms of every cell of :func:`call_cells`."""
+    out = []
+    for c in cells:
+        p = c.predict_ms(calibration.headdims[c.hdim], _overhead_of(calibration))
+        b, sq, sk, h, hkv = (c.geometry.batch, c.geometry.seqlen_q, c.geometry.seqlen_k, c.geometry.heads,
+                             c.geometry.heads_kv)
+        out.append(dict(source=c.source, shape=f"{b}x{sq}x{sk} {h}/{hkv} d{c.hdim} {c.mask}", schedule=c.schedule,
+                        deterministic=c.deterministic, measured_ms=c.measured_ms, predicted_ms=p,
+                        error=p / c.measured_ms - 1.0))
+    return out
+
+
+def summarize_calls(rows: list[dict], within: float = 0.10) -> dict:
+    """Per source: cells, how many within ``within``, the median error; and per shape of the
+    ``rect`` source, the non-deterministic call and the fastest deterministic schedule's."""
+    import statistics
+    out = {}
+    for src in sorted({r["source"] for r in rows}):
+        errs = [r["error"] for r in rows if r["source"] == src]
+        out[src] = dict(cells=len(errs), within=sum(abs(e) <= within for e in errs),
+                        median_error=round(statistics.median(errs), 4))
+    shapes = {}
+    for r in rows:
+        if r["source"] == "rect":
+            shapes.setdefault(r["shape"], []).append(r)
+    if shapes:
+        nd = [next(r for r in rs if not r["deterministic"]) for rs in shapes.values()]
+        best = [min((r for r in rs if r["deterministic"]), key=lambda r: r["measured_ms"]) for rs in shapes.values()]
+        out["rect shapes"] = dict(shapes=len(shapes), nd_within=sum(abs(r["error"]) <= within for r in nd),
+                                  best_det_within=sum(abs(r["error"]) <= within for r in best))
+    return out
+
+
+def refit_calls(calibration: Calibration, cells: list, train_sources=CALLS_TRAIN_SOURCES, headdims=None,
+                workers: int = 1, max_evals: int = 400, max_steps: int = CALLS_FIT_MAX_STEPS,
+                log=print) -> Calibration:
+    """``calibration`` with the costs of ``headdims`` refitted on the cells of ``train_sources`` of at
+    most ``max_steps`` steps (robust least squares of the log error, from the current costs)."""
+    global _CELLS
+    fitted = dict(calibration.headdims)
+    for hd in headdims or sorted({c.hdim for c in cells}):
+        _CELLS = [c for c in cells if c.hdim == hd and c.source in train_sources and c.steps <= max_steps]
+        pool = _pool(workers)
+        try:
+            log(f"fitting head dim {hd} on {len(_CELLS)} calls of {', '.join(train_sources)}")
+            fitted[hd] = fit_headdim(list(range(len(_CELLS))), calibration.headdims[hd], _overhead_of(calibration),
+                                     pool, max_evals=max_evals, log=log, loss="soft_l1")
+            log(f"  {fitted[hd]}")
+        finally:
+            if pool:
+                pool.close()
+            _CELLS = []
+    return replace(calibration, headdims=fitted)
 
 
 def _kendall(a, b) -> float:

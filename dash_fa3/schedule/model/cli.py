@@ -23,6 +23,7 @@ Gallery (the Gantt charts of docs/design/schedule.md)::
 Calibration (the simulator against the measured H100 grid; ``--fit`` refits it)::
 
     python -m dash_fa3.schedule calibrate [--fit] [--train 512,2048,8192] [--json]
+    python -m dash_fa3.schedule calibrate --calls [--fit] [--json]
 
 Export (the kernel's validated static metadata, for the C++ harness)::
 
@@ -446,10 +447,17 @@ def _calibrate_main(argv) -> int:
                    help="seqlens the fit uses (the rest are held out)")
     p.add_argument("--headdim", type=int_list, default=None, help="head dims (default: all of the grid)")
     p.add_argument("--seqlens", type=int_list, default=None, help="seqlens of the table (default: all)")
-    p.add_argument("--max-evals", type=bounded_int(1, 100000), default=80, help="fit: evaluations per head dim")
+    p.add_argument("--max-evals", type=bounded_int(1, 100000), default=None,
+                   help="fit: evaluations per head dim (default 80 on the grid, 400 on the calls)")
     p.add_argument("--workers", type=bounded_int(1, 256), default=min(4, os.cpu_count() or 1))
     p.add_argument("--json", action="store_true", help="print rows, ranking and summary as JSON")
+    p.add_argument("--calls", action="store_true",
+                   help="judge (and with --fit refit) on the measured calls of model/measured.py (H100, 818979a: "
+                        "square, rectangular and GQA shapes, every schedule), fitted on the sources "
+                        "grid, first and held_out, the rest held out")
     args = p.parse_args(argv)
+    if args.calls:
+        return _calibrate_calls(args)
     train = tuple(args.train)
     grid = C.H100_B064A4D
     cal = C.H100
@@ -461,7 +469,7 @@ def _calibrate_main(argv) -> int:
         if unknown:
             p.error(f"{what} {unknown} not in the measured grid ({', '.join(map(str, sorted(known)))})")
     if args.fit:
-        cal = C.refit(cal, grid, train, hds, args.workers, args.max_evals,
+        cal = C.refit(cal, grid, train, hds, args.workers, args.max_evals or 80,
                       log=lambda m: print(m, file=sys.stderr, flush=True))
     rows = C.evaluate_grid(cal, grid, train, hds, args.workers, args.seqlens)
     ranks = C.ranking(rows)
@@ -474,6 +482,31 @@ def _calibrate_main(argv) -> int:
             print(f"  hdim {hd}: {cal.headdims[hd]}")
         print("cells: measured / predicted ms (error)")
         print(C.format_table(rows, ranks))
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _calibrate_calls(args) -> int:
+    from . import calibration as C
+    from .measured import H100_818979A as calls
+    cal = C.H100
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    log(f"preparing {len(calls.calls)} calls of {calls.device}, {calls.date}, {calls.commit}")
+    cells = C.call_cells(calls.calls, calls.num_sms, cal)
+    if args.headdim:
+        cells = [c for c in cells if c.hdim in args.headdim]
+    if args.fit:
+        cal = C.refit_calls(cal, cells, headdims=args.headdim, workers=args.workers,
+                            max_evals=args.max_evals or 400, log=log)
+    rows = C.evaluate_calls(cal, cells)
+    summary = C.summarize_calls(rows)
+    if args.json:
+        print(json.dumps(dict(calibration=cal.to_dict(), rows=rows, summary=summary), indent=1))
+    else:
+        print(f"calibration: {cal.device}; fitted: {cal.fitted}")
+        for hd in sorted(cal.headdims):
+            print(f"  hdim {hd}: {cal.headdims[hd]}")
+        print(f"calls: {calls.source}; fit on {', '.join(C.CALLS_TRAIN_SOURCES)}")
         print(json.dumps(summary, indent=1))
     return 0
 
