@@ -58,3 +58,15 @@ def test_calibration_predicts_the_held_out_rectangular_shapes():
     summary = C.summarize_calls(rows)["rect shapes"]
     assert summary["shapes"] == len(shapes) == 17
     assert summary["nd_within"] >= 14 and summary["best_det_within"] >= 16
+
+
+def test_calibrate_calls_refuses_grid_selections(capsys):
+    from dash_fa3.schedule.model.cli import main
+    for flag in ("--train", "--seqlens"):
+        with pytest.raises(SystemExit) as e:
+            main(["calibrate", "--calls", flag, "512"])
+        assert e.value.code == 2
+        assert f"{flag} selects grid cells" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--calls", "--headdim", "96"])
+    assert e.value.code == 2 and "--headdim [96]: no measured calls (64, 128)" in capsys.readouterr().err

@@ -443,8 +443,8 @@ def _calibrate_main(argv) -> int:
                     "schedule measured / predicted ms and error, the ranking agreement; --fit refits the costs "
                     "on the --train seqlens first (needs scipy; minutes).")
     p.add_argument("--fit", action="store_true", help="refit the costs (from the shipped ones) before the table")
-    p.add_argument("--train", type=int_list, default=[512, 2048, 8192],
-                   help="seqlens the fit uses (the rest are held out)")
+    p.add_argument("--train", type=int_list, default=None,
+                   help="seqlens of the grid the fit uses (default 512,2048,8192; the rest are held out)")
     p.add_argument("--headdim", type=int_list, default=None, help="head dims (default: all of the grid)")
     p.add_argument("--seqlens", type=int_list, default=None, help="seqlens of the table (default: all)")
     p.add_argument("--max-evals", type=bounded_int(1, 100000), default=None,
@@ -457,8 +457,12 @@ def _calibrate_main(argv) -> int:
                         "grid, first and held_out, the rest held out")
     args = p.parse_args(argv)
     if args.calls:
-        return _calibrate_calls(args)
-    train = tuple(args.train)
+        for flag, given in (("--train", args.train), ("--seqlens", args.seqlens)):
+            if given is not None:
+                p.error(f"{flag} selects grid cells; with --calls the fit's sources are fixed "
+                        f"(calibration.CALLS_TRAIN_SOURCES)")
+        return _calibrate_calls(p, args)
+    train = tuple(args.train or (512, 2048, 8192))
     grid = C.H100_B064A4D
     cal = C.H100
     measured, lengths = {r[0] for r in grid.rows}, {r[2] for r in grid.rows}
@@ -486,10 +490,14 @@ def _calibrate_main(argv) -> int:
     return 0
 
 
-def _calibrate_calls(args) -> int:
+def _calibrate_calls(p, args) -> int:
     from . import calibration as C
     from .measured import H100_818979A as calls
     cal = C.H100
+    known = sorted({c.headdim for c in calls.calls} & set(cal.headdims))
+    unknown = sorted(set(args.headdim or ()) - set(known))
+    if unknown:
+        p.error(f"--headdim {unknown}: no measured calls ({', '.join(map(str, known))})")
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     log(f"preparing {len(calls.calls)} calls of {calls.device}, {calls.date}, {calls.commit}")
     cells = C.call_cells(calls.calls, calls.num_sms, cal)
