@@ -90,14 +90,18 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.model(4, 1, "causal")) == "spt"
     assert get_schedule("auto", Geometry.model(4, 1, "causal"), 4).name == "spt"
     full64 = dict(batch=1, heads=32, headdim=64, causal=False)
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full64)) == "shift"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=12288, **full64)) == "shift"
+    # head dim 64's square tiles: sections from 16 to 96 KV tiles, shift outside them up to 127
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **full64)) == "sections"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=12288, **full64)) == "sections"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=12416, **full64)) == "shift"  # 97
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=16384, **full64)) == "fa3"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1920, **full64)) == "shift"  # 15
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **full64)) == "sections"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **full64)) == "shift"
     # The shift orders only where seqlen_k <= seqlen_q; from 2 keys per query on, sections.
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, seqlen_k=6144, **full64)) == "fa3"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, seqlen_k=6144, **full64)) == "sections"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=6144, seqlen_k=2048, **full64)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=6144, seqlen_k=1920, **full64)) == "shift"
     causal128 = dict(batch=1, heads=16, headdim=128, causal=True)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2048, **(causal128 | dict(batch=8)))) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **causal128)) == "symmetric_shift"
@@ -127,7 +131,7 @@ def test_auto_rule():
     sq_gqa = dict(batch=4, heads=16, heads_kv=4, headdim=64)
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, **sq_gqa)) == "grouped_split"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=8192, **sq_gqa)) == "grouped_split"
-    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=9216, **sq_gqa)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=9216, **sq_gqa)) == "sections"  # the MHA rule
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **sq_gqa)) == "shift"  # 32 tasks
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1024, **sq_gqa), num_sms=32) == "grouped_split"
     sq_gqa_c = sq_gqa | dict(batch=16, causal=True)
@@ -136,7 +140,7 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=1408, **sq_gqa_c)) == "spt"  # 44
     # 6 x 2 x 16 = 192 tasks on 132 SMs fill their 2 waves 73%; 256 fill 97%
     g8 = dict(heads=16, heads_kv=2, headdim=64, seqlen_q=2048)
-    assert resolve_schedule_name("auto", Geometry.from_shape(batch=6, **g8)) == "shift"
+    assert resolve_schedule_name("auto", Geometry.from_shape(batch=6, **g8)) == "sections"
     assert resolve_schedule_name("auto", Geometry.from_shape(batch=8, **g8)) == "grouped_split"
     # a group of 5 has no grouped view: groups for a full mask on 64 x 128 tiles up to 40 Q tiles per head
     g5 = dict(batch=6, heads=20, heads_kv=4, headdim=128)
@@ -145,7 +149,7 @@ def test_auto_rule():
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=2560, causal=True, **g5)) == "spt"  # not groups
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=512, **(sq_gqa_c | dict(batch=4)))) == "spt"
     assert resolve_schedule_name("auto", Geometry.from_shape(seqlen_q=4096, heads=15, heads_kv=5, headdim=64,
-                                                              batch=4)) == "shift"  # a group of 3
+                                                              batch=4)) == "sections"  # a group of 3
     # causal tasks of a few waves, from 16 KV tiles at every tile shape but head dim 96's:
     # sections under 3 waves up to 48 KV tiles, symmetric_shift up to 6 waves
     few = dict(heads=8, headdim=64, causal=True)

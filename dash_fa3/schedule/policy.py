@@ -51,6 +51,9 @@ GROUPED_FULL_MIN_WAVE_FILL = 0.8
 #: Under GQA where the grouped view is not taken, a full mask on head dim 128's 64 x 128 tiles with
 #: at most this many Q tiles per head takes ``groups`` (:func:`table_pick`).
 GROUPS_FULL_MAX_Q_TILES = 40
+#: A full mask on head dim 64's square tiles with keys within the queries takes ``sections`` from
+#: and up to these many KV tiles (:func:`table_pick`).
+SECTIONS_FULL_SQUARE_KV_TILES = (16, 96)
 #: Causal, otherwise ``spt``: from this many KV tiles, where the (query head, KV tile) tasks fill
 #: fewer than SECTIONS_MAX_WAVES waves of the SMs ``sections`` up to SECTIONS_MAX_KV_TILES KV
 #: tiles, else up to SYMMETRIC_MAX_WAVES waves ``symmetric_shift`` (:func:`table_pick`).
@@ -108,7 +111,11 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     wait on each other; it is fastest from a few KV tiles up to a length that
     depends on the tile shape, past which the queue order ``fa3`` is as fast or
     faster. Below those few KV tiles ``split``'s cyclic starts (1.03x ``fa3``'s
-    speed at head dim 128 with 4 KV tiles).
+    speed at head dim 128 with 4 KV tiles). With head dim 64's square tiles, within
+    ``SECTIONS_FULL_SQUARE_KV_TILES`` KV tiles ``sections`` instead: its heads side by side
+    led ``shift`` by 0.6-2.5% on the grid from 16 to 64 KV tiles and off it at 48 and 96
+    (run 16 of docs/journal/rect-bwd.md); at 128 it read 0.96-1.01 of ``fa3`` over three
+    runs, and at head dim 128 it trails.
 
     Both shift orders measured slower where keys outnumber queries, so they are
     picked only where ``seqlen_k <= seqlen_q``.
@@ -205,6 +212,9 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
             return "sections"
         sym = keys_within and g.block_n >= 128 and headdim != 96 and g.n_kv >= 32 and not square
         return "symmetric_shift" if sym or few_waves else "spt"
+    lo, hi = SECTIONS_FULL_SQUARE_KV_TILES
+    if square and keys_within and lo <= g.n_kv <= hi:
+        return "sections"
     # KV tiles where shift wins: square tiles 4..127; 64 x 96 (head dim 192) 5..171; 64 x 128 and 64 x 64 5..128
     shift_kv = (4, 127) if square else (5, 171) if g.block_n == 96 else (5, 128)
     if keys_within and g.n_kv < shift_kv[0]:
