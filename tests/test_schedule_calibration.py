@@ -14,6 +14,7 @@ from pathlib import Path
 from dash_fa3.schedule import CostModel, Geometry, get_schedule, resolve_schedule_name, simulate
 from dash_fa3.schedule import metadata as M
 from dash_fa3.schedule import policy as S
+from dash_fa3.schedule.schedules import schedules_for
 from dash_fa3.schedule.model import calibration as C
 from dash_fa3.schedule.model.cli import main
 
@@ -76,14 +77,15 @@ def test_predictions_follow_the_data_file(hdim, causal):
                       masked_compute=c + k["masked_extra"] * work, read=min(k["read"] * dq, k["reduce"] * dq),
                       pipeline="writer", handoff_at=k["handoff_at"])
     want = {}
-    for name in C.DETERMINISTIC_CANDIDATES:
+    names = C.model_candidates(g)
+    for name in names:
         s = get_schedule(name, g, 16)
         sim = simulate(s, costs, num_sms=16)
         assert C.working_set_bytes(s, hdim, sim) <= raw["l2_bytes"]  # in L2: no HBM floor on the steps
         moved = C.pre_post_bytes(g, hdim, deterministic=True, header=s.meta.header)
         want[name] = (raw["overhead"] + moved / raw["pre_post_bytes_per_us"] + sim.makespan) / 1000
         assert math.isclose(C.predict_ms(name, g, hdim, num_sms=16), want[name], rel_tol=1e-12)
-    assert C.best_schedule(g, 16, hdim) == min(C.DETERMINISTIC_CANDIDATES, key=want.get)
+    assert C.best_schedule(g, 16, hdim) == min(names, key=want.get)
 
 
 def test_costs_of_uncalibrated_headdims():
@@ -170,7 +172,11 @@ def test_auto_policy_model_is_opt_in():
     model = resolve_schedule_name("auto", g, num_sms=64, policy="model")
     assert model == C.best_schedule(g, 64)
     pred = C.predict_all(g, 64)
-    assert pred[model] == min(pred.values()) and set(pred) == set(C.DETERMINISTIC_CANDIDATES)
+    assert pred[model] == min(pred.values()) and set(pred) == set(schedules_for(g))
+    # a call that keeps fp32 dK/dV partials weighs no schedule of whole groups
+    lean = C.model_candidates(g, whole_groups=False)
+    assert "grouped_sections" in pred and not set(lean) & set(S.WHOLE_GROUP_SCHEDULES)
+    assert resolve_schedule_name("auto", g, num_sms=64, policy="model", dkv_fp32=True) in lean
     old = S.set_auto_policy("model")
     try:
         assert resolve_schedule_name("auto", g, num_sms=64) == model

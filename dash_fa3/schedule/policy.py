@@ -284,7 +284,7 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
             return "spt"
         if policy == "model":
             from .model.calibration import best_schedule  # the model loads only for this policy
-            return best_schedule(g, num_sms or 132, headdim)
+            return best_schedule(g, num_sms or 132, headdim, whole_groups=not dkv_fp32)
         return table_pick(g, headdim, num_sms or 132, whole_groups=not dkv_fp32)
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")

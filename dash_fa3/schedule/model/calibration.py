@@ -623,29 +623,42 @@ def summarize(rows: list[dict], ranks: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------- auto from the model
-DETERMINISTIC_CANDIDATES = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt")
+def model_candidates(geometry: Geometry, whole_groups: bool = True) -> tuple[str, ...]:
+    """The deterministic schedules the model policy weighs for ``geometry``: every one defined for it
+    (:func:`..schedules.schedules_for`, in the contract's order), less those of whole GQA groups where
+    the call wants fp32 dK/dV partials (``whole_groups=False``: :data:`..policy.WHOLE_GROUP_SCHEDULES`)."""
+    from ..policy import WHOLE_GROUP_SCHEDULES
+    from ..schedules import schedules_for
+    names = schedules_for(geometry)
+    if not whole_groups and geometry.heads != geometry.heads_kv:
+        names = tuple(n for n in names if n not in WHOLE_GROUP_SCHEDULES)
+    return names
 
 
 def predict_all(geometry: Geometry, num_sms: int, headdim: int | None = None,
-                calibration: Calibration | None = None, candidates=DETERMINISTIC_CANDIDATES) -> dict:
-    """Predicted ms of each candidate deterministic schedule for this shape."""
+                calibration: Calibration | None = None, candidates=None) -> dict:
+    """Predicted ms of each candidate deterministic schedule for this shape (default:
+    :func:`model_candidates`)."""
     cal = calibration or H100
     hd = headdim or headdim_of(geometry)
-    return {name: predict_ms(name, geometry, hd, calibration=cal, num_sms=num_sms) for name in candidates}
+    names = model_candidates(geometry) if candidates is None else candidates
+    return {name: predict_ms(name, geometry, hd, calibration=cal, num_sms=num_sms) for name in names}
 
 
 _BEST_CACHE: dict = {}
 
 
 def best_schedule(geometry: Geometry, num_sms: int, headdim: int | None = None,
-                  calibration: Calibration | None = None) -> str:
-    """The deterministic schedule the calibrated model predicts fastest (ties: the
-    order of DETERMINISTIC_CANDIDATES); cached per (shape, SMs, head dim, calibration)."""
+                  calibration: Calibration | None = None, whole_groups: bool = True) -> str:
+    """The deterministic schedule the calibrated model predicts fastest among
+    :func:`model_candidates` (ties: their order); cached per (shape, SMs, head dim, calibration,
+    ``whole_groups``)."""
     cal = calibration or H100
-    key = (geometry, int(num_sms), headdim or headdim_of(geometry), id(cal))
+    key = (geometry, int(num_sms), headdim or headdim_of(geometry), id(cal), bool(whole_groups))
     name = _BEST_CACHE.get(key)
     if name is None:
-        pred = predict_all(geometry, num_sms, key[2], cal)
-        name = min(DETERMINISTIC_CANDIDATES, key=lambda n: pred[n])
+        names = model_candidates(geometry, whole_groups)
+        pred = predict_all(geometry, num_sms, key[2], cal, candidates=names)
+        name = min(names, key=lambda n: pred[n])
         _BEST_CACHE[key] = name
     return name
