@@ -6,7 +6,10 @@
 Each argument is LABEL=GLOB; the first label is the base. For every grid point
 and implementation, a build's figure is the median, over every round of every
 run of that build, of the TFLOP/s (the point's FLOPs over each round's time);
-the other builds get their ratio to the base. Rounds of several processes are
+the other builds get their ratio to the base. A second table gives, per point
+and build, the best deterministic schedule's median over the non-deterministic
+one's (the backward bar's "best deterministic / our non-deterministic"), with
+the schedule, where the runs timed both. Rounds of several processes are
 pooled because one process's rounds share its GPU clocks: alternating
 processes is what spreads the machine's drift over both builds.
 """
@@ -73,6 +76,26 @@ def summarize(builds: list[tuple[str, list[dict]]], impls: list[str] | None) -> 
     return rows
 
 
+def det_over_nd(builds: list[tuple[str, list[dict]]]) -> list[list[str]]:
+    """Rows: point, then per build the best ``ours det *`` median over the ``ours nd`` median (and
+    the schedule); points where the base lacks either are left out."""
+    tables = {label: tflops_by_point(runs, "bwd") for label, runs in builds}
+    rows = []
+    for key in sorted(tables[builds[0][0]]):
+        row = [f"hdim {key[0]} {key[1]} {key[2]}"]
+        for label, _ in builds:
+            impls = tables[label].get(key, {})
+            dets = {k[len("ours det "):]: statistics.median(v) for k, v in impls.items() if k.startswith("ours det ")}
+            if not dets or "ours nd" not in impls:
+                row.append("n/a")
+                continue
+            best = max(dets, key=dets.get)
+            row.append(f"{dets[best] / statistics.median(impls['ours nd']):.3f} ({best})")
+        if row[1] != "n/a":
+            rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("builds", nargs="+", help="LABEL=GLOB of bench_peers.py --json files; the first is the base")
@@ -91,6 +114,13 @@ def main(argv=None) -> int:
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    bar = det_over_nd(builds)
+    if bar:
+        print("\nbest deterministic / non-deterministic (median TFLOP/s), per build\n")
+        print("| point | " + " | ".join(label for label, _ in builds) + " |")
+        print("|" + "---|" * (len(builds) + 1))
+        for row in bar:
+            print("| " + " | ".join(row) + " |")
     commits = {label: sorted({r.get("commit", "?") for r in runs}) for label, runs in builds}
     print(f"\nTFLOP/s: median over every round of every run; runs per build: "
           + ", ".join(f"{label} {len(runs)} ({'/'.join(commits[label])})" for label, runs in builds))

@@ -63,3 +63,14 @@ def test_ab_builds_script_parses_and_requires_trees():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     res = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert res.returncode != 0 and "TREES" in res.stderr
+
+
+def test_best_deterministic_over_nd_per_build(tmp_path):
+    run_json(tmp_path / "a.json", "a", {"ours nd": [1.0], "ours det spt": [2.0], "ours det shift": [1.25]})
+    run_json(tmp_path / "b.json", "b", {"ours nd": [1.0], "ours det spt": [1.1]})
+    run_json(tmp_path / "c.json", "c", {"ours nd": [1.0]})
+    builds = [(n, ab_summary.load_runs(str(tmp_path / f"{n}.json"))) for n in "abc"]
+    assert ab_summary.det_over_nd(builds) == [["hdim 128 causal 1024", "0.800 (shift)", "0.909 (spt)", "n/a"]]
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_summary.py"), f"a={tmp_path / 'a.json'}",
+                          f"b={tmp_path / 'b.json'}"], capture_output=True, text=True, check=True).stdout
+    assert "best deterministic / non-deterministic" in out and "| hdim 128 causal 1024 | 0.800 (shift) | 0.909 (spt) |" in out
