@@ -105,6 +105,8 @@ NUM_COLS = len(COLUMNS)
 SCHEDULES: tuple[str, ...] = ("fa3", "spt", "descending", "shift", "symmetric_shift", "lpt", "split", "runs",
                               "interleave", "sections", "groups", "grouped_sections", "grouped_shift",
                               "grouped_split")
+#: Schedules whose rows hold a whole GQA group's dK/dV and store them in 16 bits: no fp32 partials.
+WHOLE_GROUP_SCHEDULES = ("groups", "grouped_sections", "grouped_shift", "grouped_split")
 DISPATCH_STATIC, DISPATCH_DYNAMIC = 0, 1
 RANK_ASC, RANK_DESC, RANK_SHIFT, RANK_SPLIT, RANK_RUN = 0, 1, 2, 3, 4
 ROLE_LO, ROLE_HI = 0, 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from . import grouped, lowering, schedules
-from .contract import SCHEDULES
+from .contract import SCHEDULES, WHOLE_GROUP_SCHEDULES
 from .geometry import Geometry, head_section
 from .metadata import ScheduleMeta
 from .schedules import SCHEDULE_NAMES, Schedule, _check_num_sms
@@ -250,9 +250,6 @@ def nd_pick(g: Geometry, num_sms: int = 132) -> str:
     tasks = claim_loads(task_claim_cost(g.task_len[kv[order]]), num_ctas).max()
     return "groups" if chains <= GROUPS_MAX_LOAD_RATIO * tasks else "lpt"
 
-
-#: Schedules whose rows hold a whole GQA group's dK/dV and store them in 16 bits: no fp32 partials.
-WHOLE_GROUP_SCHEDULES = ("groups", "grouped_sections", "grouped_shift", "grouped_split")
 
 
 def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = True, *,

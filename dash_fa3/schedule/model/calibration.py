@@ -626,8 +626,8 @@ def summarize(rows: list[dict], ranks: list[dict]) -> dict:
 def model_candidates(geometry: Geometry, whole_groups: bool = True) -> tuple[str, ...]:
     """The deterministic schedules the model policy weighs for ``geometry``: every one defined for it
     (:func:`..schedules.schedules_for`, in the contract's order), less those of whole GQA groups where
-    the call wants fp32 dK/dV partials (``whole_groups=False``: :data:`..policy.WHOLE_GROUP_SCHEDULES`)."""
-    from ..policy import WHOLE_GROUP_SCHEDULES
+    the call wants fp32 dK/dV partials (``whole_groups=False``: :data:`..contract.WHOLE_GROUP_SCHEDULES`)."""
+    from ..contract import WHOLE_GROUP_SCHEDULES
     from ..schedules import schedules_for
     names = schedules_for(geometry)
     if not whole_groups and geometry.heads != geometry.heads_kv:
