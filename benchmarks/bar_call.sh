@@ -11,6 +11,8 @@
 #   rect   bench_rect.py --set all beside FA3, with its results data file (--results)
 #   auto   bench_auto.py --set all
 #   grid   bench_peers.py --direction bwd beside FA3 on the square grid
+#   nd     bench_auto.py --nd on ND_SETS (default grid,first,held_out,probe,probe2): the
+#          non-deterministic backward with every schedule beside the deterministic ones
 #   ab     ab_builds.sh: the square grid, BASE against this tree, ours only
 # Every output goes to one folder and is packed into $OUT/bar.tar.xz with the printed tables also
 # as $OUT/*.md: the device returns few files a call. LIMIT (default 580 s) bounds the whole script;
@@ -22,7 +24,7 @@ cd "$(dirname "$0")/.."
 export DASH_FA3_COMMIT CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
 STEPS=${STEPS:-tests rect auto grid}
 for s in $STEPS; do
-  case $s in tests|rect|auto|grid|ab) ;; *) echo "unknown step '$s' (tests rect auto grid ab)" >&2; exit 2 ;; esac
+  case $s in tests|rect|auto|grid|nd|ab) ;; *) echo "unknown step '$s' (tests rect auto grid nd ab)" >&2; exit 2 ;; esac
 done
 if [[ " $STEPS " == *" ab "* ]] && [ ! -d "${BASE:-}" ]; then
   echo "step ab needs BASE, the base source tree (e.g. git archive REV | tar -x -C carry/base)" >&2; exit 2
@@ -53,10 +55,13 @@ build() {  # tree log jobs
       "$PY" setup.py build_ext --inplace >"$W/$2" 2>&1; } )
   echo "$2: rc $? at $(( $(date +%s) - T0 )) s"
 }
-build . build_head.log 8 &
+build . build_head.log $({ has rect || has grid || has ab; } && echo 8 || echo 16) &
 if has ab; then build "$BASE" build_base.log 4 & fi
-( MAX_JOBS=4 "$PY" benchmarks/peers/build_fa3.py --src "${FA3_SRC:-carry/fa3-src}" --hdims 64,128 --if-needed \
-    >"$W/build_fa3.log" 2>&1; echo "FA3: rc $? at $(( $(date +%s) - T0 )) s" ) &
+# FA3 only for the steps that time it.
+if has rect || has grid; then
+  ( MAX_JOBS=4 "$PY" benchmarks/peers/build_fa3.py --src "${FA3_SRC:-carry/fa3-src}" --hdims 64,128 --if-needed \
+      >"$W/build_fa3.log" 2>&1; echo "FA3: rc $? at $(( $(date +%s) - T0 )) s" ) &
+fi
 wait
 ls dash_fa3/_C*.so >/dev/null 2>&1 || { tail -30 "$W/build_head.log"; exit 1; }
 
@@ -82,6 +87,8 @@ if has grid; then
   run grid "$PY" benchmarks/bench_peers.py --direction bwd --require-fa3 --peers fa3 \
     --schedules spt,shift,symmetric_shift,split,sections --json "$W/grid.json"
 fi
+has nd && run nd "$PY" benchmarks/bench_auto.py --nd --set "${ND_SETS:-grid,first,held_out,probe,probe2}" \
+  --json "$W/nd.json"
 has ab && run ab env TREES="$BASE ." OUT="$W/ab" bash benchmarks/ab_builds.sh
 echo "== done at $(( $(date +%s) - T0 )) s"
 tar -cJf "$OUT/bar.tar.xz" -C "$W" .
