@@ -87,9 +87,10 @@ def _bwd_kernel_and_sms(hdim, dtype, mask, sm_margin, device, packed=False, soft
 
 def _bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap: bool, deterministic, schedule,
                   sm_margin, device, hdim_v=None, dkv_fp32=False):
-    """(schedule metadata, the C++ op) of one backward call: see :func:`_bwd_plan`; ``dkv_fp32``:
-    for :func:`bwd_dkv_fp32` (a schedule that writes fp32 dK/dV partials)."""
-    from .schedule import Geometry, bwd_block_sizes, resolve_schedule_name
+    """(schedule metadata, the C++ op, whether the kernel runs its deterministic mode) of one
+    backward call: see :func:`_bwd_plan`; ``dkv_fp32``: for :func:`bwd_dkv_fp32` (a schedule that
+    writes fp32 dK/dV partials)."""
+    from .schedule import Geometry, bwd_block_sizes, resolve_call
     from .schedule.lowering import get_kernel_metadata
 
     batch, seqlen_q, heads, hdim = q_shape
@@ -99,15 +100,16 @@ def _bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap: b
     geometry = Geometry(batch=batch, heads=heads, heads_kv=k_shape[2], seqlen_q=seqlen_q, seqlen_k=k_shape[1],
                         block_m=block_m, block_n=block_n, mask=mask, window_left=window_left,
                         window_right=window_right)
-    # "auto" depends on the mode: without ordering constraints the best-balanced order wins.
-    name = resolve_schedule_name(schedule, geometry, deterministic, num_sms=total - sm_margin, headdim=hdim,
+    # "auto" depends on the mode; a non-deterministic one may run the deterministic mode, where
+    # that is the faster (policy.nd_runs_ordered).
+    name, ordered = resolve_call(schedule, geometry, deterministic, num_sms=total - sm_margin, headdim=hdim,
                                  dkv_fp32=dkv_fp32)
-    return get_kernel_metadata(name, geometry, total - sm_margin), _ext.ops().bwd.default
+    return get_kernel_metadata(name, geometry, total - sm_margin), _ext.ops().bwd.default, ordered
 
 
-def _as_plan(meta, run, device):
+def _as_plan(meta, run, ordered, device):
     flat = torch.from_numpy(meta.as_int32_array())
-    return flat.to(device), flat.clone(), run
+    return flat.to(device), flat.clone(), run, ordered
 
 
 @functools.lru_cache(maxsize=1024)
@@ -116,7 +118,7 @@ def _bwd_plan(q_shape, k_shape, dtype, window_left, window_right, softcap: bool,
     """What one backward call of this shape and window (-1 unbounded; (-1, -1) full,
     (-1, 0) causal) runs, on the softcap kernels if ``softcap``, built once per shape (the
     cap's value is the C++ op's argument, not the plan's): (schedule on the device, its header on
-    the host, the C++ op). A variant this build lacks is an error that says how to build it:
+    the host, the C++ op, the ``deterministic`` to pass it). A variant this build lacks is an error that says how to build it:
     nothing falls back to a slow path."""
     return _as_plan(*_bwd_schedule(q_shape, k_shape, dtype, window_left, window_right, softcap, deterministic,
                                    schedule, sm_margin, device, hdim_v, dkv_fp32), device)
@@ -131,9 +133,9 @@ def _bwd_plan_part(q_shape, k_shape, dtype, causal, deterministic, device, heads
 
     full_q = (q_shape[0], q_shape[1], heads, q_shape[3])
     full_k = (k_shape[0], k_shape[1], heads_kv, k_shape[3])
-    meta, run = _bwd_schedule(full_q, full_k, dtype, -1, 0 if causal else -1, False, deterministic, "auto", 0,
-                              device)
-    return _as_plan(restrict_heads(meta, kv_lo, kv_lo + k_shape[2]), run, device)
+    meta, run, ordered = _bwd_schedule(full_q, full_k, dtype, -1, 0 if causal else -1, False, deterministic, "auto",
+                                       0, device)
+    return _as_plan(restrict_heads(meta, kv_lo, kv_lo + k_shape[2]), run, ordered, device)
 
 
 def bwd_heads_part(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, heads, heads_kv, kv_lo):
@@ -141,10 +143,9 @@ def bwd_heads_part(dout, q, k, v, out, lse, softmax_scale, causal, deterministic
     ``heads_kv`` heads, given only those heads' tensors (CUDA): bitwise what ``flash_attn_func``'s
     backward (schedule "auto") gives those heads on the whole problem. For head-parallel context
     parallelism (dash_fa3/distributed/heads.py)."""
-    flat, header, run = _bwd_plan_part(tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), bool(deterministic),
-                                       q.device, int(heads), int(heads_kv), int(kv_lo))
-    return run(dout, q, k, v, out, lse, flat, header, softmax_scale, -1, 0 if causal else -1, 0.0,
-               bool(deterministic))
+    flat, header, run, ordered = _bwd_plan_part(tuple(q.shape), tuple(k.shape), q.dtype, bool(causal),
+                                                bool(deterministic), q.device, int(heads), int(heads_kv), int(kv_lo))
+    return run(dout, q, k, v, out, lse, flat, header, softmax_scale, -1, 0 if causal else -1, 0.0, ordered)
 
 
 def bwd_dkv_fp32(dout, q, k, v, out, lse, softmax_scale, causal):
@@ -156,8 +157,8 @@ def bwd_dkv_fp32(dout, q, k, v, out, lse, softmax_scale, causal):
     per-head slabs, the values the plain call rounds); CPU: the fp32 reference on one intra-op
     thread, so the bits do not depend on the thread count."""
     if q.device.type == "cuda":
-        flat, header, _ = _bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, 0 if causal else -1, False, True,
-                                    "auto", 0, q.device, v.shape[-1], True)
+        flat, header, _, _ = _bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, 0 if causal else -1, False,
+                                       True, "auto", 0, q.device, v.shape[-1], True)
         return _ext.ops().bwd_dkv_fp32.default(dout, q, k, v, out, lse, flat, header, softmax_scale, -1,
                                                 0 if causal else -1)
     with reference.one_thread():
@@ -168,11 +169,11 @@ def bwd_dkv_fp32(dout, q, k, v, out, lse, softmax_scale, causal):
 def _bwd_cuda_window(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, deterministic,
                      schedule, sm_margin):
     """The backward kernels for a window (full and causal included) and a softcap (0: none)."""
-    schedule_flat, schedule_header, run = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right,
-                                                    softcap > 0, deterministic, schedule, sm_margin, q.device,
-                                                    v.shape[-1])
+    schedule_flat, schedule_header, run, ordered = _bwd_plan(q.shape, k.shape, q.dtype, window_left, window_right,
+                                                             softcap > 0, deterministic, schedule, sm_margin,
+                                                             q.device, v.shape[-1])
     return run(dout, q, k, v, out, lse, schedule_flat, schedule_header, softmax_scale, window_left, window_right,
-               softcap, deterministic)
+               softcap, ordered)
 
 
 def _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, schedule, sm_margin):

@@ -86,6 +86,28 @@ def test_every_schedule_is_correct(hdims, schedule, causal):
     check_case(v, (2, 1000, 1000, 4, 2), seed=3, schedule=schedule, deterministic=True)
 
 
+# The non-deterministic `auto` may pick any schedule (policy.nd_pick): each one's task order runs
+# without the dQ turns, its GQA dK/dV through the accumulators or whole-group stores.
+ND_SHAPES = [(2, 1000, 1000, 4, 2), (2, 640, 640, 4, 4), (1, 384, 2500, 4, 1)]
+
+
+def nd_cases():
+    for v in BWD_VARIANTS:
+        if v.hdim not in (64, 128) or v.dtype != "bf16":
+            continue
+        for shape in ND_SHAPES:
+            g = Geometry.from_shape(batch=shape[0], seqlen_q=shape[1], seqlen_k=shape[2], heads=shape[3],
+                                    heads_kv=shape[4], headdim=v.hdim, causal=v.causal)
+            for schedule in schedules_for(g):
+                yield pytest.param(v, shape, schedule, id=f"{v.name}-{'x'.join(map(str, shape))}-{schedule}")
+
+
+@pytest.mark.parametrize("v, shape, schedule", list(nd_cases()))
+def test_every_schedule_is_correct_non_deterministic(v, shape, schedule):
+    require_built(v, "bwd")
+    check_case(v, shape, seed=sum(shape) + 5, schedule=schedule, deterministic=False)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("hdims", SPLIT_HDIM_PAIRS,
                          ids=lambda p: variants.Variant(p[0], "bf16", "full", p[1]).hdims)
@@ -195,8 +217,8 @@ def test_gqa_dkv_in_turns_is_the_slabs_bits(shape, causal):
     scale = 1.0 / math.sqrt(v.hdim)
     out, lse = ops.fwd(q, k, vv, scale, causal, 0)
     for schedule in ("auto", "fa3", "symmetric_shift", "split"):  # runs chains a group's heads: its own sums
-        flat, header, run = ops._bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, right, False, True, schedule,
-                                          0, q.device, vv.shape[-1])
+        flat, header, run, _ = ops._bwd_plan(tuple(q.shape), tuple(k.shape), q.dtype, -1, right, False, True,
+                                             schedule, 0, q.device, vv.shape[-1])
         meta = M.ScheduleMeta.from_int32_array(header.numpy())
         assert dkv_order_ok(meta, geometry, torch.cuda.get_device_properties(q.device).multi_processor_count)
         flat, header = flat.clone(), header.clone()

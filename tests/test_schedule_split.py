@@ -6,6 +6,7 @@ import pytest
 
 from dash_fa3.schedule import Geometry, ScheduleError, build_metadata, build_schedule, resolve_schedule_name
 from dash_fa3.schedule.lowering import get_kernel_metadata
+from dash_fa3.schedule.policy import nd_runs_ordered
 from dash_fa3.schedule import metadata as M
 from dash_fa3.schedule.geometry import L2_BUDGET, head_section
 from dash_fa3.schedule.split import split_layout
@@ -86,7 +87,10 @@ def test_auto_picks_sections_from_two_keys_per_query(sq, sk, causal, want):
     g = Geometry.from_shape(batch=1, heads=4, seqlen_q=sq, seqlen_k=sk, headdim=128, causal=causal)
     got = resolve_schedule_name("auto", g)
     assert (got == "sections") == (want == "sections")
-    assert resolve_schedule_name("auto", g, deterministic=False) == "lpt"
+    # Non-deterministic: lpt, or the deterministic pick where a Q tile takes few adds (4096 x 1024).
+    nd = resolve_schedule_name("auto", g, deterministic=False)
+    assert nd == (got if nd_runs_ordered(g) else "lpt")
+    assert nd_runs_ordered(g) == (sq == 4096)
 
 
 @pytest.mark.parametrize("sms", [132, 16, 7])

@@ -18,7 +18,7 @@ Public API (all importable from here):
 * :class:`Geometry`, :func:`bwd_block_sizes` -- tile geometry of one backward call;
 * :func:`get_schedule` / :func:`get_metadata` (cached), :func:`build_schedule`, :class:`Schedule`,
   ``SCHEDULES`` / ``SCHEDULE_NAMES``, :func:`schedules_for` (those defined for a call),
-  :func:`resolve_schedule_name`, :func:`set_auto_policy`,
+  :func:`resolve_schedule_name`, :func:`resolve_call` (with the mode the kernel runs), :func:`set_auto_policy`,
   :func:`get_auto_policy`;
 * :func:`validate`, :class:`ScheduleError`, :class:`ValidationReport`;
 * :class:`ScheduleMeta`, :func:`decode_step`, :func:`decode_all` -- the kernel's input;
@@ -40,7 +40,7 @@ from .validate import ScheduleError, ValidationReport, validate
 from .model import (CostModel, CriticalPath, SimResult, critical_path, longest_path, paper_makespan,
                     simulate, unit_model)
 from .policy import (build_metadata, build_schedule, get_auto_policy, get_metadata, get_schedule,
-                     resolve_schedule_name, set_auto_policy)
+                     resolve_call, resolve_schedule_name, set_auto_policy)
 
 
 def plot_gantt(*args, **kwargs):
@@ -67,7 +67,7 @@ __all__ = [
     "ScheduleMeta", "decode_all", "decode_step",
     "SCHEDULE_NAMES", "SCHEDULES", "Schedule", "schedules_for", "build_schedule", "build_metadata", "clear_cache",
     "get_metadata",
-    "get_schedule", "resolve_schedule_name", "set_auto_policy", "get_auto_policy",
+    "get_schedule", "resolve_call", "resolve_schedule_name", "set_auto_policy", "get_auto_policy",
     "ScheduleError", "ValidationReport", "validate",
     "CostModel", "SimResult", "simulate", "unit_model",
     "CriticalPath", "critical_path", "longest_path",

@@ -61,6 +61,12 @@ FEW_WAVES_MIN_KV_TILES = 16
 SECTIONS_MAX_WAVES = 3
 SECTIONS_MAX_KV_TILES = 48
 SYMMETRIC_MAX_WAVES = 6
+#: A non-deterministic ``auto`` of a full or causal mask runs the deterministic backward (the
+#: deterministic ``auto`` schedule, its dQ adds in turns) where a Q tile takes at most this many
+#: adds on average, and at most ND_ORDERED_DKV_TURNS_MAX_ADDS where the schedule also takes the
+#: GQA dK/dV adds in turns (:func:`nd_runs_ordered`).
+ND_ORDERED_MAX_ADDS = 4.5
+ND_ORDERED_DKV_TURNS_MAX_ADDS = 4.0
 _auto_policy = os.environ.get("DASH_FA3_AUTO_POLICY", "table")
 if _auto_policy not in AUTO_POLICIES:
     raise ValueError(f"DASH_FA3_AUTO_POLICY must be one of {AUTO_POLICIES}, got {_auto_policy!r}")
@@ -222,6 +228,32 @@ def table_pick(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, w
     return "shift" if keys_within and g.n_kv <= shift_kv[1] else "fa3"
 
 
+def dq_adds_per_q_tile(g: Geometry) -> float:
+    """How many KV tiles' partial dQ a Q tile of ``g`` takes on average (its steps per Q tile)."""
+    return g.num_steps / max(1, g.num_heads_total * g.n_q)
+
+
+def nd_runs_ordered(g: Geometry, headdim: int | None = None, num_sms: int = 132, *, policy: str | None = None) -> bool:
+    """Whether a non-deterministic ``auto`` runs the deterministic backward instead.
+
+    In turns, a dQ tile's first add stores, so the fp32 dQ accumulator is not zeroed before the
+    kernel; in any order every add adds, into an accumulator zeroed first (a write of all of
+    it). Where a Q tile takes few adds, that write costs more than the turns: measured on the
+    H100 (818979a, 92 shapes; docs/journal/rect-bwd.md, "Non-deterministic auto"), the
+    deterministic ``auto`` ran 1.02-1.75x faster than the non-deterministic one at up to 4.5
+    adds per Q tile on 16 of 17 shapes; the one loss, 0.96, orders the GQA dK/dV adds too,
+    hence the lower bound there (ND_ORDERED_DKV_TURNS_MAX_ADDS). From 6.5 adds on the zeroing
+    is paid back. Full and causal masks only, which the table's rule covers."""
+    if g.local:
+        return False
+    adds = dq_adds_per_q_tile(g)
+    if adds > ND_ORDERED_MAX_ADDS:
+        return False
+    pick = _deterministic_pick(g, headdim, num_sms, policy)
+    dkv_turns = g.heads != g.heads_kv and pick not in WHOLE_GROUP_SCHEDULES
+    return adds <= (ND_ORDERED_DKV_TURNS_MAX_ADDS if dkv_turns else ND_ORDERED_MAX_ADDS)
+
+
 def nd_pick(g: Geometry, num_sms: int = 132) -> str:
     """The non-deterministic ``auto``: ``groups`` under GQA where its chains fit the CTAs about as
     evenly as ``lpt``'s tasks, else ``lpt``.
@@ -259,7 +291,8 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
 
     Non-deterministic, the accumulation order is free and ``auto`` is :func:`nd_pick`:
     ``groups`` under GQA where its chains balance, else ``lpt``, the best-balanced task
-    order. Deterministic with a local (window) mask, it
+    order; except where :func:`nd_runs_ordered`, where it is the deterministic ``auto``
+    (:func:`resolve_call` says which mode the kernel then runs). Deterministic with a local (window) mask, it
     is ``spt``: the calibration and the table cover full and causal masks only,
     and a band's KV tiles reach a Q tile in descending order when they start
     together (a later KV tile's Q range starts no earlier), which is ``spt``'s
@@ -272,23 +305,40 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     """
     if name == "auto":
         g = geometry
-        if not deterministic:
+        if not deterministic and not nd_runs_ordered(g, headdim, num_sms or 132, policy=policy):
             return nd_pick(g, num_sms or 132)
-        policy = policy or _auto_policy
-        if policy not in AUTO_POLICIES:
-            raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
-        if g.local:
-            return "spt"
-        if policy == "model":
-            from .model.calibration import best_schedule  # the model loads only for this policy
-            return best_schedule(g, num_sms or 132, headdim, whole_groups=not dkv_fp32)
-        return table_pick(g, headdim, num_sms or 132, whole_groups=not dkv_fp32)
+        return _deterministic_pick(g, headdim, num_sms or 132, policy, dkv_fp32=dkv_fp32)
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}")
     if dkv_fp32 and name in WHOLE_GROUP_SCHEDULES and geometry.heads != geometry.heads_kv:
         raise ValueError(f"schedule {name!r} stores each GQA group's dK/dV in 16 bits: it has no fp32 dK/dV "
                          f"partials to give")
     return name
+
+
+def _deterministic_pick(g: Geometry, headdim: int | None, num_sms: int, policy: str | None, *,
+                        dkv_fp32: bool = False) -> str:
+    """The deterministic ``auto`` under ``policy`` (default: the one set)."""
+    policy = policy or _auto_policy
+    if policy not in AUTO_POLICIES:
+        raise ValueError(f"auto policy must be one of {AUTO_POLICIES}, got {policy!r}")
+    if g.local:
+        return "spt"
+    if policy == "model":
+        from .model.calibration import best_schedule  # the model loads only for this policy
+        return best_schedule(g, num_sms, headdim, whole_groups=not dkv_fp32)
+    return table_pick(g, headdim, num_sms, whole_groups=not dkv_fp32)
+
+
+def resolve_call(name: str, geometry: Geometry, deterministic: bool = True, *, num_sms: int | None = None,
+                 headdim: int | None = None, policy: str | None = None, dkv_fp32: bool = False) -> tuple[str, bool]:
+    """(schedule, ordered) of a backward call: :func:`resolve_schedule_name`'s schedule, and
+    whether the kernel takes the dQ adds in the schedule's turns (its deterministic mode): when
+    asked to, and for a non-deterministic ``auto`` where :func:`nd_runs_ordered`."""
+    schedule = resolve_schedule_name(name, geometry, deterministic, num_sms=num_sms, headdim=headdim, policy=policy,
+                                     dkv_fp32=dkv_fp32)
+    ordered = deterministic or (name == "auto" and nd_runs_ordered(geometry, headdim, num_sms or 132, policy=policy))
+    return schedule, ordered
 
 
 # ---------------------------------------------------------------- entry points that accept ``auto``
