@@ -7,7 +7,8 @@
 # Builds this tree (VARIANTS, default head dims 64 and 128, bf16, dense) and FA3 (from FA3_SRC,
 # default carry/fa3-src; peers/build_fa3.py) side by side, and BASE too when STEPS has `ab`; then
 # runs each step of STEPS in order:
-#   tests  the backward GPU tests of auto, the grouped and rectangular schedules (skips are failures)
+#   tests  the backward GPU tests of auto, the grouped and rectangular schedules and every schedule in
+#          the non-deterministic mode (skips are failures)
 #   rect   bench_rect.py --set all beside FA3, with its results data file (--results)
 #   auto   bench_auto.py --set all
 #   grid   bench_peers.py --direction bwd beside FA3 on the square grid
@@ -76,7 +77,7 @@ run() {  # name, command...
 }
 if has tests; then
   run tests env DASH_FA3_REQUIRE_GPU=1 "$PY" -m pytest tests/test_gpu_bwd.py -q -rs -p no:cacheprovider \
-    -k "(auto or grouped or rect or random) and not 100_runs"
+    -k "(auto or grouped or rect or random or non_deterministic) and not 100_runs"
 fi
 if has rect; then
   run rect "$PY" benchmarks/bench_rect.py --set all --json "$W/rect.json" \
