@@ -43,3 +43,25 @@ def test_report_row_distance_to_best():
 def test_bad_shape_index_is_an_error():
     with pytest.raises(SystemExit):
         bench_auto.main(["--dry-run", "--shapes", "99"])
+
+
+def test_report_row_with_every_non_deterministic_schedule():
+    shape = bench_auto.SHAPES[5]
+    tf = {"nd": 200.0} | {f"det {n}": 100.0 for n in SCHEDULES} | {f"nd {n}": 150.0 for n in SCHEDULES}
+    tf["nd lpt"] = 210.0
+    row = bench_auto.report_row(shape, tf, 132)
+    assert row["nd_best"] == "lpt" and row["nd_best_tf"] == 210.0
+    assert row["nd_vs_best"] == pytest.approx(200 / 210) and row["best_det_vs_nd_best"] == pytest.approx(100 / 210)
+    # auto faster than every named call (it may run the deterministic mode): auto is the best.
+    tf["nd"] = 220.0
+    row = bench_auto.report_row(shape, tf, 132)
+    assert row["nd_best"] == "auto" and row["nd_vs_best"] == 1.0
+    assert row["nd_pick"] == bench_auto.picks(shape, 132)["nd"]
+
+
+def test_grid_set_is_the_bench_grid():
+    shapes = bench_auto.grid_shapes()
+    assert len(shapes) == 24 and (1, 16384, 16384, 16, 16, 128, True) in shapes
+    assert bench_auto.sets_of("grid,first") == ["grid", "first"]
+    with pytest.raises(ValueError, match="--set takes"):
+        bench_auto.sets_of("nope")
