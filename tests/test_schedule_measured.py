@@ -33,6 +33,18 @@ def test_calls_from_the_benchmarks_outputs():
     assert got["grid", "auto", False].ms == 2.0 and got["grid", "auto", False].heads_kv == 16
 
 
+def test_calls_from_bench_auto_nd_keep_what_ran():
+    # --nd rows carry the non-deterministic call of every schedule; a non-deterministic auto that
+    # runs the deterministic mode (32 x 512 causal: 2.5 adds per Q tile) is the spt call beside it.
+    rows = [{"set": "grid", "shape": "b32 512x512 h16/16 d128 causal", "nd": 218.0,
+             "det": {"spt": 218.0, "fa3": 100.0}, "nd_sched": {"spt": 183.0, "lpt": 185.0}},
+            {"set": "grid", "shape": "b1 16384x16384 h16/16 d128 causal", "nd": 668.0,
+             "det": {"symmetric_shift": 640.0}, "nd_sched": {"lpt": 665.0}}]
+    got = {(c.seqlen_q, c.schedule, c.deterministic) for c in M.calls_from_bench(auto={"rows": rows})}
+    assert got == {(512, "spt", True), (512, "fa3", True), (512, "spt", False), (512, "lpt", False),
+                   (16384, "auto", False), (16384, "symmetric_shift", True), (16384, "lpt", False)}
+
+
 def test_shipped_calls_round_trip_and_resolve():
     cs = M.H100_818979A
     assert M.call_set_from_dict(cs.to_dict()) == cs

@@ -10,6 +10,9 @@ outputs into a set, so a new run becomes a new data file.
 
 ``schedule`` is the name the benchmark asked for; ``auto`` in a non-deterministic call is what the
 op runs without a schedule (:func:`..policy.nd_pick`), which :meth:`MeasuredCall.resolved` names.
+Where the non-deterministic ``auto`` runs the deterministic mode (:func:`..policy.nd_runs_ordered`,
+from 293253d on) it is the deterministic call of its schedule, measured beside it, and
+:func:`calls_from_bench` leaves it out; 818979a's calls predate that rule.
 """
 
 from __future__ import annotations
@@ -104,13 +107,20 @@ def _flops(shape) -> float:
 
 def calls_from_bench(*, rect: dict | None = None, auto: dict | None = None, peers: dict | None = None) -> list:
     """The calls in the ``--json`` outputs of ``bench_rect.py`` (ms per call), ``bench_auto.py``
-    (TFLOP/s per schedule, each set its own source) and ``bench_peers.py --direction bwd`` (the
-    median of each implementation's rounds); ours only, ``auto`` of a deterministic call left out
-    (it is one of the schedules timed beside it)."""
+    (TFLOP/s per schedule, each set its own source; with ``--nd`` the non-deterministic call of
+    every schedule too) and ``bench_peers.py --direction bwd`` (the median of each
+    implementation's rounds); ours only. ``auto`` of a deterministic call is left out (it is one of
+    the schedules timed beside it), and so is a non-deterministic ``auto`` that runs the
+    deterministic mode under this checkout's rule (the outputs of a run at 293253d or later)."""
+    from ..policy import nd_runs_ordered
+
     out = []
 
     def add(shape, schedule, deterministic, ms, source):
-        out.append(MeasuredCall(*shape, schedule=schedule, deterministic=deterministic, ms=float(ms), source=source))
+        call = MeasuredCall(*shape, schedule=schedule, deterministic=deterministic, ms=float(ms), source=source)
+        if schedule == "auto" and not deterministic and nd_runs_ordered(call.geometry(), call.headdim):
+            return
+        out.append(call)
 
     for r in (rect or {}).get("rows", []):
         b, sq, sk, h, hkv, d, mask = r["shape"]
@@ -126,6 +136,8 @@ def calls_from_bench(*, rect: dict | None = None, auto: dict | None = None, peer
         add(shape, "auto", False, to_ms / r["nd"], r["set"])
         for name, tf in r["det"].items():
             add(shape, name, True, to_ms / tf, r["set"])
+        for name, tf in r.get("nd_sched", {}).items():
+            add(shape, name, False, to_ms / tf, r["set"])
     for p in (peers or {}).get("points", []):
         shape = (p["batch"], p["seqlen"], p["seqlen"], p["heads"], p.get("heads_kv", p["heads"]), p["hdim"],
                  p["mask"] == "causal")
