@@ -14,6 +14,9 @@
 #   grid   bench_peers.py --direction bwd beside FA3 on the square grid
 #   nd     bench_auto.py --nd on ND_SETS (default grid,first,held_out,probe,probe2): the
 #          non-deterministic backward with every schedule beside the deterministic ones
+#   peers  issue 54's table: bench_peers.py (forward and backward) beside FA3, FA4 and cuDNN, one
+#          process per head dim (PEER_HDIMS, default "128 64"); FA4 from build/fa4_site
+#          (peers/fa4_carry.sh unpack, an earlier call of the same warm machine)
 #   ab     ab_builds.sh: the square grid, BASE against this tree, ours only
 # Every output goes to one folder and is packed into $OUT/bar.tar.xz with the printed tables also
 # as $OUT/*.md: the device returns few files a call. LIMIT (default 580 s) bounds the whole script;
@@ -25,7 +28,7 @@ cd "$(dirname "$0")/.."
 export DASH_FA3_COMMIT CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
 STEPS=${STEPS:-tests rect auto grid}
 for s in $STEPS; do
-  case $s in tests|rect|auto|grid|nd|ab) ;; *) echo "unknown step '$s' (tests rect auto grid nd ab)" >&2; exit 2 ;; esac
+  case $s in tests|rect|auto|grid|nd|peers|ab) ;; *) echo "unknown step '$s' (tests rect auto grid nd peers ab)" >&2; exit 2 ;; esac
 done
 if [[ " $STEPS " == *" ab "* ]] && [ ! -d "${BASE:-}" ]; then
   echo "step ab needs BASE, the base source tree (e.g. git archive REV | tar -x -C carry/base)" >&2; exit 2
@@ -56,10 +59,10 @@ build() {  # tree log jobs
       "$PY" setup.py build_ext --inplace >"$W/$2" 2>&1; } )
   echo "$2: rc $? at $(( $(date +%s) - T0 )) s"
 }
-build . build_head.log $({ has rect || has grid || has ab; } && echo 8 || echo 16) &
+build . build_head.log $({ has rect || has grid || has peers || has ab; } && echo 8 || echo 16) &
 if has ab; then build "$BASE" build_base.log 4 & fi
 # FA3 only for the steps that time it.
-if has rect || has grid; then
+if has rect || has grid || has peers; then
   ( MAX_JOBS=4 "$PY" benchmarks/peers/build_fa3.py --src "${FA3_SRC:-carry/fa3-src}" --hdims 64,128 --if-needed \
       >"$W/build_fa3.log" 2>&1; echo "FA3: rc $? at $(( $(date +%s) - T0 )) s" ) &
 fi
@@ -90,6 +93,13 @@ if has grid; then
 fi
 has nd && run nd "$PY" benchmarks/bench_auto.py --nd --set "${ND_SETS:-grid,first,held_out,probe,probe2}" \
   --json "$W/nd.json"
+if has peers; then
+  [ -d build/fa4_site ] || { echo "step peers needs FA4 in build/fa4_site (benchmarks/peers/fa4_carry.sh)"; status=1; }
+  for d in ${PEER_HDIMS:-128 64}; do
+    run "peers_d$d" env PYTHONPATH="$PWD/build/fa4_site:$PYTHONPATH" FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 \
+      "$PY" benchmarks/bench_peers.py --hdims "$d" --require-fa3 --require-fa4 --rounds 3 --json "$W/peers_d$d.json"
+  done
+fi
 has ab && run ab env TREES="$BASE ." OUT="$W/ab" bash benchmarks/ab_builds.sh
 echo "== done at $(( $(date +%s) - T0 )) s"
 tar -cJf "$OUT/bar.tar.xz" -C "$W" .
