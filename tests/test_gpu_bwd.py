@@ -14,7 +14,7 @@ from attn_utils import assert_bitwise_repeatable, assert_close_to_ref, attention
 from conftest import poison_cuda_allocator
 import dash_fa3
 from dash_fa3 import _ext, reference, variants
-from dash_fa3.schedule import SCHEDULES, Geometry, resolve_schedule_name, schedules_for
+from dash_fa3.schedule import SCHEDULES, Geometry, resolve_call, resolve_schedule_name, schedules_for
 
 pytestmark = pytest.mark.gpu
 
@@ -282,6 +282,22 @@ def test_nondeterministic_mode_runs_and_is_close():
     nondet = grads(q, k, vv, dout, False, deterministic=False)[1:]
     for a, b in zip(nondet, det):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nondeterministic_auto_at_few_adds_is_the_deterministic_call(causal):
+    # 512 x 512 at head dim 128: at most 4 dQ adds per Q tile, where the non-deterministic auto runs
+    # the deterministic mode (policy.nd_runs_ordered): the same bits as deterministic=True.
+    v = variants.Variant(128, "bf16", "causal" if causal else "full")
+    require_built(v, "bwd")
+    shape = (8, 512, 512, 4, 4)
+    g = Geometry.from_shape(batch=8, seqlen_q=512, seqlen_k=512, heads=4, heads_kv=4, headdim=128, causal=causal)
+    assert resolve_call("auto", g, False, headdim=128)[1]
+    q, k, vv, dout = make_inputs(v, shape, 21 + causal)
+    det = grads(q, k, vv, dout, causal, deterministic=True)
+    nondet = grads(q, k, vv, dout, causal, deterministic=False)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), nondet, det):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
 CHILD = r"""
