@@ -12,6 +12,10 @@ Policies of a deterministic ``auto``: ``table`` (the default: the rule of
 the calibrated simulator predicts fastest for the shape,
 :func:`.model.calibration.best_schedule`). The environment variable
 ``DASH_FA3_AUTO_POLICY`` sets it at import; :func:`set_auto_policy` at run time.
+
+A non-deterministic ``auto`` is :func:`nd_pick`'s order, or, where a Q tile takes few dQ adds
+(:func:`nd_runs_ordered`), the deterministic ``auto`` in the kernel's deterministic mode, which
+is the faster there; :func:`resolve_call` returns the schedule and that mode.
 """
 
 from __future__ import annotations
@@ -238,12 +242,13 @@ def nd_runs_ordered(g: Geometry, headdim: int | None = None, num_sms: int = 132,
 
     In turns, a dQ tile's first add stores, so the fp32 dQ accumulator is not zeroed before the
     kernel; in any order every add adds, into an accumulator zeroed first (a write of all of
-    it). Where a Q tile takes few adds, that write costs more than the turns: measured on the
-    H100 (818979a, 92 shapes; docs/journal/rect-bwd.md, "Non-deterministic auto"), the
-    deterministic ``auto`` ran 1.02-1.75x faster than the non-deterministic one at up to 4.5
+    it). Where a Q tile takes few adds, that write costs more than the turns: on the H100
+    (818979a's 88 shapes with both calls; docs/journal/rect-bwd.md, "Non-deterministic auto")
+    the deterministic ``auto`` ran 1.02-1.75x faster than the non-deterministic one at up to 4.5
     adds per Q tile on 16 of 17 shapes; the one loss, 0.96, orders the GQA dK/dV adds too,
-    hence the lower bound there (ND_ORDERED_DKV_TURNS_MAX_ADDS). From 6.5 adds on the zeroing
-    is paid back. Full and causal masks only, which the table's rule covers."""
+    hence the lower bound there (ND_ORDERED_DKV_TURNS_MAX_ADDS). From 6.5 adds on the two are
+    level or the non-deterministic one leads. Full and causal masks only, which the table's
+    rule covers."""
     if g.local:
         return False
     adds = dq_adds_per_q_tile(g)
@@ -292,8 +297,8 @@ def resolve_schedule_name(name: str, geometry: Geometry, deterministic: bool = T
     Non-deterministic, the accumulation order is free and ``auto`` is :func:`nd_pick`:
     ``groups`` under GQA where its chains balance, else ``lpt``, the best-balanced task
     order; except where :func:`nd_runs_ordered`, where it is the deterministic ``auto``
-    (:func:`resolve_call` says which mode the kernel then runs). Deterministic with a local (window) mask, it
-    is ``spt``: the calibration and the table cover full and causal masks only,
+    (:func:`resolve_call` says which mode the kernel then runs). Deterministic with a local
+    (window) mask, it is ``spt``: the calibration and the table cover full and causal masks only,
     and a band's KV tiles reach a Q tile in descending order when they start
     together (a later KV tile's Q range starts no earlier), which is ``spt``'s
     dQ order. Otherwise ``policy`` (default :func:`get_auto_policy`) decides:
