@@ -53,6 +53,7 @@ sys.path.insert(0, BENCH_DIR)
 
 import torch  # noqa: E402
 
+from dash_fa3 import _ext  # noqa: E402
 from dash_fa3._timing import attention_flops, commit_label, median_ms  # noqa: E402
 from dash_fa3.schedule import SCHEDULES  # noqa: E402
 from peers import fa3 as fa3_peer  # noqa: E402
@@ -214,6 +215,16 @@ def grid_points(grid, hdims, seqlens, masks) -> list[dict]:
     return [{"hdim": d, "hdim_v": dv, "mask": m, "seqlen": s, "batch": grid["total_tokens"] // s,
              "heads": grid["hidden"] // d}
             for d, dv in map(hdim_pair, hdims) for m in masks for s in seqlens]
+
+
+def nd_runs_ordered(p: dict, num_sms: int = 132) -> bool:
+    """Whether our non-deterministic call (schedule auto) at point p runs the kernel's deterministic
+    mode, the faster where a Q tile takes few dQ adds (dash_fa3.schedule.policy.nd_runs_ordered)."""
+    from dash_fa3.schedule import Geometry, resolve_call
+
+    g = Geometry.from_shape(batch=p["batch"], heads=p["heads"], heads_kv=p.get("heads_kv", p["heads"]),
+                            seqlen_q=p["seqlen"], headdim=p["hdim"], causal=p["mask"] == "causal")
+    return resolve_call("auto", g, False, num_sms=num_sms, headdim=p["hdim"])[1]
 
 
 def point_flops(p: dict, direction: str) -> float:
@@ -648,7 +659,8 @@ def main(argv=None) -> int:
         ratios = point_ratios(tf, args.schedules)
         ratio_rows.append(ratios)
         record.update(check_text=check, round_ms=round_ms, samples_ms=samples, tflops=tf, ratios=ratios,
-                      errors=errors, best_det_schedule=best_det(tf, args.schedules)[1])
+                      errors=errors, best_det_schedule=best_det(tf, args.schedules)[1],
+                      ours_nd_ordered=nd_runs_ordered(p, _ext.num_sms(torch.cuda.current_device())))
         records.append(record)
         print(format_row(p, tf, ratios, check, cols, args.schedules), flush=True)
         for name, err in errors.items():
@@ -662,6 +674,9 @@ def main(argv=None) -> int:
     summary = summarize(ratio_rows)
     for line in format_summary(summary, cols):
         print(line)
+    ordered = [f"hdim {hdim_label(r)} {r['mask']} {r['seqlen']}" for r in records if r["ours_nd_ordered"]]
+    if ordered:
+        print(f"# ours nd runs the kernel's deterministic mode (few dQ adds per Q tile) at: {', '.join(ordered)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "date": date, "commit": commit, "fa3_commit": fa3_commit,

@@ -652,3 +652,11 @@ def test_fa3_suite_switches_follow_the_build():
 def test_fa3_suite_missing_checkout_exits_2(tmp_path, capsys):
     assert fa3_suite.main(["--src", str(tmp_path)]) == 2
     assert "lacks test_flash_attn.py" in capsys.readouterr().err
+
+
+def test_points_where_our_nd_runs_the_deterministic_mode():
+    grid = json.load(open(bp.GRID))
+    points = bp.grid_points(grid, [64, 128], grid["seqlens"], ["full", "causal"])
+    ordered = {(p["hdim"], p["mask"], p["seqlen"]) for p in points if bp.nd_runs_ordered(p)}
+    # 512 (full and causal) and causal 1024 at both head dims: at most 4.5 dQ adds per Q tile.
+    assert ordered == {(d, m, s) for d in (64, 128) for m, s in (("full", 512), ("causal", 512), ("causal", 1024))}
