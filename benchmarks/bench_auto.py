@@ -7,7 +7,8 @@
 Per shape (four sets, SHAPES, HELD_OUT, PROBE and PROBE2: other lengths, batch and head counts,
 GQA and MQA, ragged lengths, seqlen_q != seqlen_k; bf16; HELD_OUT was chosen
 after the table was revised on SHAPES' first measurement), ours only: the non-deterministic backward
-(`auto`, i.e. `lpt`) and the deterministic backward with every schedule,
+(`auto`: `lpt`, `groups`, or at few dQ adds per Q tile the deterministic mode) and the deterministic
+backward with every schedule,
 interleaved in rounds (rotated order), each timing the median of CUDA-event
 samples of GPU time (`dash_fa3._timing.median_ms`, host time hidden); figures
 are medians over rounds. Printed per shape: the best deterministic schedule,
