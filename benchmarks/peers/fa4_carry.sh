@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # FA4 (the `flash-attn-4` package and its CuTe DSL) for a GPU machine without a network, from the
-# package registry (never vendored), in two carries of at most 64 MiB each:
+# package registry (never vendored), over two calls of one warm machine:
 #
 #   bash benchmarks/peers/fa4_carry.sh prepare   # here: the pinned wheels for Python 3.12 into
 #                                                #   carry/fa4/wheels/ (about 10 MB) and the DSL's CUDA 13
-#                                                #   library wheel, unpacked and xz'd, carry/fa4/cu13/ (61 MiB)
-#   bash benchmarks/peers/fa4_carry.sh unpack    # there: what came of the two into build/fa4_site
+#                                                #   library wheel, unpacked and xz'd (61 MiB), in two
+#                                                #   halves carry/fa4/cu13/part0 and part1 with parts.sha256
+#   bash benchmarks/peers/fa4_carry.sh unpack    # there: keeps the halves that came (in SITE.parts)
+#                                                #   and unpacks, once both are there, into build/fa4_site
 #
+# A carry and the working tree travel within 64 MiB, so the library's 61 MiB goes in halves beside
+# the other carries of each call.
 # (FA4_CARRY and FA4_SITE override carry/fa4 and build/fa4_site.)
 #
-# On the GPU machine: one call with carry ["carry/fa4/cu13"] running `unpack`, then, while the
-# machine is warm (it keeps ignored paths such as build/ between calls), the next call with carry
-# ["carry/fa4/wheels", ...] running `unpack` again and the benchmark with
+# On the GPU machine: one call with carry ["carry/fa4/cu13/part0", "carry/fa4/cu13/parts.sha256", ...]
+# running `unpack`, then, while the machine is warm (it keeps ignored paths such as build/ between
+# calls), the next call with carry ["carry/fa4/cu13/part1", "carry/fa4/cu13/parts.sha256",
+# "carry/fa4/wheels", ...] running `unpack` again and the benchmark with
 # PYTHONPATH=build/fa4_site (peers/fa4.py puts the DSL's dsl_packages on sys.path, which a .pth
 # file would otherwise do). FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 keeps FA4's compiled kernels
 # for the calls after. The versions are those of docs/journal/peers.md (FA4 on the grid, 0984fe6).
@@ -39,16 +44,28 @@ case "${1:-}" in
     download "$tmp" "$CU13"
     mkdir "$tmp/site"
     python3 -m zipfile -e "$tmp"/nvidia_cutlass_dsl_libs_cu13-*.whl "$tmp/site"
-    tar -cf - -C "$tmp/site" . | xz -T0 -8 > "$C/cu13/libs_cu13.tar.xz"
+    tar -cf - -C "$tmp/site" . | xz -T0 -8 > "$tmp/libs_cu13.tar.xz"
+    size=$(stat -c %s "$tmp/libs_cu13.tar.xz")
+    split -b $(( (size + 1) / 2 )) -d -a 1 "$tmp/libs_cu13.tar.xz" "$C/cu13/part"
+    ( cd "$C/cu13" && sha256sum part0 part1 > parts.sha256 )
     rm -rf "$tmp"
     du -sh "$C/wheels" "$C/cu13"
     ;;
   unpack)
-    mkdir -p "$SITE"
+    mkdir -p "$SITE" "$SITE.parts"
     found=0
-    if [ -f "$C/cu13/libs_cu13.tar.xz" ]; then
-      tar -xJf "$C/cu13/libs_cu13.tar.xz" -C "$SITE"
-      found=1
+    for part in "$C"/cu13/part? "$C"/cu13/parts.sha256; do
+      [ -f "$part" ] && { cp "$part" "$SITE.parts/"; found=1; }
+    done
+    if [ -f "$SITE.parts/parts.sha256" ]; then
+      missing=$(cd "$SITE.parts" && awk '{print $2}' parts.sha256 | while read -r f; do [ -f "$f" ] || echo "$f"; done)
+      if [ -z "$missing" ]; then
+        ( cd "$SITE.parts" && sha256sum --quiet -c parts.sha256 ) || { echo "a part of the cu13 library is damaged" >&2; exit 1; }
+        cat "$SITE.parts"/part? | tar -xJf - -C "$SITE"
+        echo "cu13 library unpacked"
+      else
+        echo "cu13 library: waiting for" $missing
+      fi
     fi
     if ls "$C"/wheels/*.whl >/dev/null 2>&1; then
       # Unzipped, not pip-installed: the DSL's wheels share the nvidia_cutlass_dsl folder, which
