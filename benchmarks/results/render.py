@@ -37,7 +37,7 @@ CHART = ROOT / "docs" / "img" / "headline.png"
 REQUIRED = ("id", "title", "device", "date", "commit", "command", "unit", "journal", "columns", "rows")
 
 #: The README chart and figures: the latest grid beside the peers, both directions.
-CHART_TABLE = "peers_fa4_h100_2026-12-06_0984fe6"
+CHART_TABLE = "peers_fa4_h100_2026-12-07_af10ae9"
 CHART_HDIM = 128
 
 
