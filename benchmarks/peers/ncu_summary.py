@@ -21,8 +21,8 @@ import re
 import sys
 from pathlib import Path
 
-# The main kernel of each implementation, per direction. FA4's are its CuTe DSL classes' names,
-# not yet checked against an ncu report: a name that matches no kernel is an error (read_raw),
+# The main kernel of each implementation, per direction (FA4's: its CuTe DSL classes' names, as
+# its kernels appear in an ncu report). A name that matches no kernel is an error (read_raw),
 # never another kernel's figures.
 MAIN_KERNEL = {"bwd": {"ours": "bwd_kernel", "fa3": "FlashAttnBwdSm90", "fa4": "FlashAttentionBackwardSm90"},
                "fwd": {"ours": "fwd_kernel", "fa3": "FlashAttnFwdSm90", "fa4": "FlashAttentionForwardSm90"}}
